@@ -1,0 +1,25 @@
+//! # kvfabric-core — the pure logic of the bounce-buffer engine
+//!
+//! Everything in this crate is sans-IO (the quinn-proto model): no sockets,
+//! threads, clocks or GPU handles. State machines are fed events and return
+//! actions; time comes in as an argument. The design source is the NIXL
+//! bounce-buffer v2 design (`shared/seeds/000_526c8a524442fd2d.txt`, cited
+//! below as "seed §N").
+//!
+//! | module | seed | what |
+//! |---|---|---|
+//! | [`config`] | §10 | `BounceConfig`: env / YAML / CRD, byte suffixes, validation |
+//! | [`plan`] | §4, §6 | `TransferPlan`: bin-pack descriptors into chunks, scatter runs |
+//! | [`wire`] | §5 | control-plane codec: WANT / GRANT / DATA / ACK / handshake |
+//! | [`buddy`] | §4 | `BuddyAllocator` over arena byte offsets |
+//! | [`scheduler`] | §5 | `CreditScheduler`: round-robin credits, W cap, drain mode |
+//! | [`types`] | §3 | shared vocabulary: flow keys, scatter runs, descriptors |
+
+pub mod buddy;
+pub mod config;
+pub mod plan;
+pub mod scheduler;
+pub mod types;
+pub mod wire;
+
+pub use types::{ControlKind, Descriptor, FlowKey, ScatterRun};

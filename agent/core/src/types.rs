@@ -1,0 +1,139 @@
+//! Shared vocabulary of the engine (seed §3 "Terminology").
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One (src, dst, len) copy the caller asked for: `len` bytes from address
+/// `src` (sender memory) to address `dst` (receiver memory). Addresses are
+/// plain 64-bit device or host virtual addresses; `len` is in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// Source address on the sender (bytes).
+    pub src: u64,
+    /// Destination address on the receiver (bytes).
+    pub dst: u64,
+    /// Length in bytes; zero-length descriptors are skipped by the plan.
+    pub len: u64,
+}
+
+impl Descriptor {
+    /// Builds a descriptor of `len` bytes from `src` to `dst`.
+    pub const fn new(src: u64, dst: u64, len: u64) -> Self {
+        Self { src, dst, len }
+    }
+}
+
+/// A coalesced scatter (or gather) plan entry (seed §3 "scatter run",
+/// `BounceScatterRun`): `count` segments of `segment_len` bytes each;
+/// segment `i` lives at region offset `region_offset + i * region_stride`
+/// (bytes from the start of the chunk's region) and is copied to address
+/// `addr + i * addr_stride`.
+///
+/// A single descriptor is a run with `count == 1` (strides are then 0).
+/// A run with `region_stride == addr_stride == segment_len` is fully
+/// contiguous and could equally be written as one segment of
+/// `count * segment_len` bytes; the plan emits that form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ScatterRun {
+    /// Offset of the first segment inside the chunk's region (bytes).
+    pub region_offset: u64,
+    /// Address of the first segment's destination (scatter) or source
+    /// (gather) in user memory.
+    pub addr: u64,
+    /// Bytes per segment (> 0).
+    pub segment_len: u64,
+    /// Number of segments (≥ 1).
+    pub count: u32,
+    /// Distance between consecutive segments inside the region (bytes).
+    pub region_stride: u64,
+    /// Distance between consecutive segments in user memory (bytes).
+    pub addr_stride: u64,
+}
+
+impl ScatterRun {
+    /// Total bytes this run moves: `segment_len * count`. Saturates instead
+    /// of overflowing (decoded runs are untrusted).
+    pub fn total_bytes(&self) -> u64 {
+        self.segment_len.saturating_mul(u64::from(self.count))
+    }
+
+    /// Iterates the segments as `(region_offset, addr, len)` triples.
+    pub fn segments(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        (0..u64::from(self.count)).map(move |i| {
+            (
+                self.region_offset.wrapping_add(i.wrapping_mul(self.region_stride)),
+                self.addr.wrapping_add(i.wrapping_mul(self.addr_stride)),
+                self.segment_len,
+            )
+        })
+    }
+
+    /// One past the last region byte this run touches, or `None` on
+    /// arithmetic overflow (a malformed run). Used to validate a peer's DATA
+    /// against the granted region (seed §9 "scatter input validation").
+    pub fn region_end(&self) -> Option<u64> {
+        if self.count == 0 {
+            return Some(self.region_offset);
+        }
+        let last = u64::from(self.count - 1);
+        self.region_stride
+            .checked_mul(last)?
+            .checked_add(self.region_offset)?
+            .checked_add(self.segment_len)
+    }
+}
+
+/// Which control channel carries WANT/GRANT/DATA/ACK (seed §5). Peers must
+/// use the same kind; the capability handshake enforces it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum ControlKind {
+    /// ZMQ over TCP: ROUTER to receive, a DEALER per peer to send (default).
+    #[default]
+    Zmq,
+    /// Control messages ride NIXL notifications on the data fabric.
+    NixlNotif,
+}
+
+impl ControlKind {
+    /// Wire code of this kind (handshake byte).
+    pub const fn code(self) -> u8 {
+        match self {
+            ControlKind::Zmq => 1,
+            ControlKind::NixlNotif => 2,
+        }
+    }
+
+    /// Inverse of [`ControlKind::code`]; `None` for an unknown code.
+    pub const fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(ControlKind::Zmq),
+            2 => Some(ControlKind::NixlNotif),
+            _ => None,
+        }
+    }
+}
+
+/// Key of one flow: one independent request stream from one peer (seed §3:
+/// key = "peer\x1f rid"; concurrent requests from the same peer are distinct
+/// flows). `rid` is monotonic and never reused by a sender incarnation, so a
+/// finished flow can be erased at once.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowKey {
+    /// The sending peer's name (its NIXL agent name, incarnation included).
+    pub peer: String,
+    /// The sender's request id.
+    pub rid: u64,
+}
+
+impl FlowKey {
+    /// Builds the key of request `rid` from `peer`.
+    pub fn new(peer: impl Into<String>, rid: u64) -> Self {
+        Self { peer: peer.into(), rid }
+    }
+}
+
+impl fmt::Display for FlowKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}\u{1f}{}", self.peer, self.rid)
+    }
+}
