@@ -1,0 +1,72 @@
+//! Control channel (seed §4 `ControlChannel`): carries WANT / GRANT / DATA /
+//! ACK between agents. Two implementations: [`zmq::ZmqControlChannel`]
+//! (default; ROUTER to receive, one DEALER per peer to send) and
+//! [`notif::NixlNotifControlChannel`] (messages ride NIXL notifications).
+//! A channel is owned by one IO thread (`Send`, not `Sync`).
+
+use std::time::Duration;
+
+pub mod notif;
+pub mod zmq;
+
+/// Errors of a control channel; each names the peer or endpoint involved.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The endpoint a peer advertised is malformed (seed §5: validated
+    /// before connecting; the caller rejects the WANT, never panics).
+    #[error("invalid control endpoint {endpoint:?} for peer {peer:?}: {reason}")]
+    InvalidEndpoint {
+        /// The peer.
+        peer: String,
+        /// The endpoint as received (lossy UTF-8).
+        endpoint: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// No route to this peer (never added, or removed).
+    #[error("unknown control peer {0:?}")]
+    UnknownPeer(String),
+    /// The send queue to the peer is full; the message was dropped (seed §9:
+    /// never block the IO thread; the request times out instead).
+    #[error("send queue to peer {0:?} is full; message dropped")]
+    Dropped(String),
+    /// Transport-level failure (socket / NIXL error text).
+    #[error("control transport error: {0}")]
+    Transport(String),
+}
+
+/// One received control message: the sending peer's name and the bytes.
+pub type Inbound = (String, Vec<u8>);
+
+/// The control channel seam (seed §4): `add_peer` / `remove_peer` /
+/// `send_to` / `recv` / `local_endpoint`.
+pub trait ControlChannel: Send {
+    /// The endpoint peers use to reach us: `tcp://ip:port` for ZMQ, the
+    /// serialized NIXL metadata for notifications. Advertised in the
+    /// handshake and in every WANT (reverse-path bootstrap, seed §5).
+    fn local_endpoint(&self) -> Vec<u8>;
+    /// Registers a route to `peer` at `endpoint`. Idempotent for the same
+    /// endpoint; a new endpoint replaces the old route.
+    ///
+    /// # Errors
+    /// [`ControlError::InvalidEndpoint`] when the endpoint is malformed.
+    fn add_peer(&mut self, peer: &str, endpoint: &[u8]) -> Result<(), ControlError>;
+    /// Drops the route to `peer` (no-op if unknown).
+    fn remove_peer(&mut self, peer: &str);
+    /// Whether a route to `peer` exists.
+    fn has_peer(&self, peer: &str) -> bool;
+    /// Sends `msg` to `peer` without blocking.
+    ///
+    /// # Errors
+    /// [`ControlError::UnknownPeer`], [`ControlError::Dropped`] on a full
+    /// queue, [`ControlError::Transport`].
+    fn send_to(&mut self, peer: &str, msg: &[u8]) -> Result<(), ControlError>;
+    /// Receives one message, waiting at most `timeout` (0 = poll).
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError>;
+    /// Whether `recv` itself progresses the transfer engine (and owns its
+    /// notifications). When false, the reactor calls
+    /// `TransferEngine::progress` every tick.
+    fn progresses_engine(&self) -> bool {
+        false
+    }
+}

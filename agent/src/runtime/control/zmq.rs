@@ -1,0 +1,615 @@
+//! [`ZmqControlChannel`]: the default control channel (seed §4
+//! `ControlChannel` row, seed §5 "Endpoints are routable IPs").
+//!
+//! One ROUTER socket receives from every peer; one DEALER per peer sends,
+//! with its routing id set to our own name, so the ROUTER on the far side
+//! learns who sent each message without any framing of ours. Sends never
+//! block the IO thread: a full queue ([`SEND_HWM`] messages) drops the
+//! message with a warning and [`ControlError::Dropped`] (seed §9 "Control
+//! message can't be sent"); the affected request then fails through the
+//! request timeout.
+//!
+//! Addressing (seed §5):
+//! - production binds the local *routable* IP ([`BindAddr::Routable`]):
+//!   `$KVFABRIC_INTERFACE` names the NIC, else the egress-route address,
+//!   else an address of the hostname; never 127.0.0.1, which is unreachable
+//!   from other nodes. Tests bind [`BindAddr::Loopback`].
+//! - an IPv6 address is bracketed (`tcp://[ip]:*`) and the ROUTER sets
+//!   `ZMQ_IPV6`; every DEALER sets `ZMQ_IPV6` unconditionally (harmless for
+//!   IPv4).
+//! - the ROUTER sets `ZMQ_ROUTER_HANDOVER`, so a peer that was removed (its
+//!   DEALER dropped) and reconnects with the same routing id is accepted at
+//!   once instead of having its messages dropped while the stale connection
+//!   is reaped.
+//! - [`ControlChannel::add_peer`] validates the endpoint ([`validate_endpoint`])
+//!   before connecting; a malformed endpoint is reported, never panics.
+
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
+use std::time::{Duration, Instant};
+
+use super::{ControlChannel, ControlError, Inbound};
+
+/// Send high-water mark per peer DEALER, in messages (seed §4 `kSendHwm`).
+/// Beyond it [`ControlChannel::send_to`] drops the message.
+pub const SEND_HWM: i32 = 1024;
+
+/// Receive high-water mark of the ROUTER, in messages per connected peer.
+/// A peer that fills it is back-pressured (its own DEALER then drops).
+pub const RECV_HWM: i32 = 4096;
+
+/// Largest inbound message the ROUTER accepts, in bytes (64 MiB). A peer
+/// that sends more is disconnected by libzmq. DATA messages are at most a
+/// few hundred KiB, so this only guards against garbage.
+pub const MAX_MSG_BYTES: i64 = 64 << 20;
+
+/// Longest endpoint accepted by [`validate_endpoint`], in bytes
+/// (`tcp://` + a 253-byte hostname + `:65535`, rounded up).
+pub const MAX_ENDPOINT_LEN: usize = 272;
+
+/// Longest own name (= ZMQ routing id), in bytes (a libzmq limit).
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Environment variable naming the NIC whose address
+/// [`BindAddr::Routable`] binds (seed §5: `TRTLLM_NIXL_INTERFACE`).
+pub const INTERFACE_ENV: &str = "KVFABRIC_INTERFACE";
+
+/// Where [`ZmqControlChannel::bind`] listens. The port is always chosen by
+/// the kernel (`:*`); [`ControlChannel::local_endpoint`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BindAddr {
+    /// `tcp://127.0.0.1:*` — single-node tests only (unreachable from other
+    /// nodes).
+    Loopback,
+    /// The local routable IP, as [`local_routable_ip`] resolves it with
+    /// `$KVFABRIC_INTERFACE` (seed §5; the production default).
+    Routable,
+    /// The first usable address of this network interface (e.g. `eth0`).
+    Interface(String),
+    /// This exact IP (must not be unspecified or multicast).
+    Ip(IpAddr),
+}
+
+impl BindAddr {
+    /// Resolves the IP to bind.
+    ///
+    /// # Errors
+    /// [`ControlError::Transport`] when no routable address can be found, the
+    /// interface does not exist or has no usable address, or the IP is
+    /// unspecified / multicast.
+    pub fn resolve(&self) -> Result<IpAddr, ControlError> {
+        let ip = match self {
+            BindAddr::Loopback => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            BindAddr::Routable => {
+                let nic = std::env::var(INTERFACE_ENV)
+                    .ok()
+                    .filter(|s| !s.trim().is_empty());
+                local_routable_ip(nic.as_deref().map(str::trim))?
+            }
+            BindAddr::Interface(nic) => interface_ip(nic)?,
+            BindAddr::Ip(ip) => *ip,
+        };
+        if ip.is_unspecified() || ip.is_multicast() {
+            return Err(ControlError::Transport(format!(
+                "cannot bind the control channel to {ip}: not a unicast address peers can reach"
+            )));
+        }
+        Ok(ip)
+    }
+}
+
+/// Formats the ZMQ TCP endpoint for `ip` and `port` (`"*"` for any),
+/// bracketing IPv6 addresses: `tcp://10.0.0.1:5555`, `tcp://[fd00::1]:*`.
+pub fn tcp_endpoint(ip: IpAddr, port: &str) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("tcp://{v4}:{port}"),
+        IpAddr::V6(v6) => format!("tcp://[{v6}]:{port}"),
+    }
+}
+
+/// Resolves the local routable IP (seed §5 `getLocalIp`): the address of
+/// NIC `interface` when given; else the source address of the egress route
+/// (a UDP socket "connected" to a public address — no packet is sent),
+/// IPv4 first, then IPv6; else a non-loopback address of the hostname.
+///
+/// # Errors
+/// [`ControlError::Transport`] when the interface is missing or has no
+/// usable address, or when no method yields a non-loopback address.
+pub fn local_routable_ip(interface: Option<&str>) -> Result<IpAddr, ControlError> {
+    if let Some(nic) = interface {
+        return interface_ip(nic);
+    }
+    let probes: [(&str, &str); 2] = [
+        ("0.0.0.0:0", "8.8.8.8:53"),
+        ("[::]:0", "[2001:4860:4860::8888]:53"),
+    ];
+    for (local, remote) in probes {
+        if let Some(ip) = egress_ip(local, remote) {
+            return Ok(ip);
+        }
+    }
+    if let Some(ip) = hostname_ip() {
+        return Ok(ip);
+    }
+    Err(ControlError::Transport(format!(
+        "no routable local IP: no egress route and the hostname resolves only to loopback; \
+         set {INTERFACE_ENV} to a NIC name"
+    )))
+}
+
+fn usable(ip: &IpAddr) -> bool {
+    !ip.is_loopback() && !ip.is_unspecified() && !ip.is_multicast() && !is_link_local_v6(ip)
+}
+
+/// IPv6 link-local (fe80::/10) needs a scope id to be reachable; skip it.
+fn is_link_local_v6(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80)
+}
+
+fn egress_ip(local: &str, remote: &str) -> Option<IpAddr> {
+    let sock = UdpSocket::bind(local).ok()?;
+    sock.connect(remote).ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    usable(&ip).then_some(ip)
+}
+
+fn hostname_ip() -> Option<IpAddr> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its full length; gethostname
+    // NUL-terminates on success when the name fits (we pass len - 1).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if rc != 0 {
+        return None;
+    }
+    let name = CStr::from_bytes_until_nul(&buf).ok()?.to_str().ok()?;
+    if name.is_empty() {
+        return None;
+    }
+    let addrs: Vec<IpAddr> = (name, 0u16)
+        .to_socket_addrs()
+        .ok()?
+        .map(|a| a.ip())
+        .filter(usable)
+        .collect();
+    addrs
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
+}
+
+/// The address of interface `nic`: its first IPv4 address, else its first
+/// non-link-local IPv6 address (loopback allowed when `nic` is loopback).
+fn interface_ip(nic: &str) -> Result<IpAddr, ControlError> {
+    let mut found_nic = false;
+    let mut v4: Option<IpAddr> = None;
+    let mut v6: Option<IpAddr> = None;
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(ControlError::Transport(format!(
+            "getifaddrs failed: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive
+        // until freeifaddrs; its name is a NUL-terminated C string and its
+        // addr, when non-null, points to a sockaddr of the family it names.
+        unsafe {
+            let ifa = &*cur;
+            cur = ifa.ifa_next;
+            if ifa.ifa_name.is_null() || CStr::from_ptr(ifa.ifa_name).to_bytes() != nic.as_bytes() {
+                continue;
+            }
+            found_nic = true;
+            if ifa.ifa_addr.is_null() {
+                continue;
+            }
+            match i32::from((*ifa.ifa_addr).sa_family) {
+                libc::AF_INET if v4.is_none() => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    v4 = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                        sin.sin_addr.s_addr,
+                    ))));
+                }
+                libc::AF_INET6 if v6.is_none() => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    let ip = IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr));
+                    if !is_link_local_v6(&ip) {
+                        v6 = Some(ip);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    // SAFETY: `head` came from a successful getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    match v4.or(v6) {
+        Some(ip) => Ok(ip),
+        None if found_nic => Err(ControlError::Transport(format!(
+            "network interface {nic:?} ({INTERFACE_ENV}) has no usable IPv4/IPv6 address"
+        ))),
+        None => Err(ControlError::Transport(format!(
+            "network interface {nic:?} ({INTERFACE_ENV}) does not exist"
+        ))),
+    }
+}
+
+fn invalid(peer: &str, endpoint: &[u8], reason: impl Into<String>) -> ControlError {
+    ControlError::InvalidEndpoint {
+        peer: peer.to_string(),
+        endpoint: String::from_utf8_lossy(endpoint).into_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Whether `host` is a valid RFC 1123 hostname that cannot be mistaken for
+/// a malformed IPv4 address (its last label is not all digits).
+fn valid_hostname(host: &str) -> bool {
+    if host.is_empty() || host.len() > 253 {
+        return false;
+    }
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let labels: Vec<&str> = host.split('.').collect();
+    let label_ok = |l: &&str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    labels.iter().all(label_ok)
+        && !labels
+            .last()
+            .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Validates a peer's advertised control endpoint before connecting (seed
+/// §5 "addPeer validates the endpoint before connecting"; seed §9 malformed
+/// endpoint in a WANT). Accepted: UTF-8 `tcp://HOST:PORT`, at most
+/// [`MAX_ENDPOINT_LEN`] bytes, where HOST is a unicast IPv4 address, a
+/// bracketed unicast IPv6 address (optionally with a `%zone`), or an RFC 1123
+/// hostname, and PORT is decimal 1..=65535. Wildcards (`*`), ZMQ's
+/// `source;dest` form, unspecified (`0.0.0.0`, `::`) and multicast addresses
+/// are rejected. Returns the endpoint as a string.
+///
+/// # Errors
+/// [`ControlError::InvalidEndpoint`] naming `peer` and what was wrong.
+pub fn validate_endpoint(peer: &str, endpoint: &[u8]) -> Result<String, ControlError> {
+    if endpoint.is_empty() {
+        return Err(invalid(peer, endpoint, "empty endpoint"));
+    }
+    if endpoint.len() > MAX_ENDPOINT_LEN {
+        return Err(invalid(
+            peer,
+            endpoint,
+            format!(
+                "endpoint is {} bytes, more than {MAX_ENDPOINT_LEN}",
+                endpoint.len()
+            ),
+        ));
+    }
+    let s = std::str::from_utf8(endpoint)
+        .map_err(|_| invalid(peer, endpoint, "endpoint is not UTF-8"))?;
+    let rest = s
+        .strip_prefix("tcp://")
+        .ok_or_else(|| invalid(peer, endpoint, "expected tcp://HOST:PORT"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| invalid(peer, endpoint, "missing :PORT"))?;
+    if port.is_empty() || port.len() > 5 || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid(
+            peer,
+            endpoint,
+            format!("port {port:?} is not a decimal number 1..=65535"),
+        ));
+    }
+    match port.parse::<u32>() {
+        Ok(p) if (1..=65535).contains(&p) => {}
+        _ => {
+            return Err(invalid(
+                peer,
+                endpoint,
+                format!("port {port} is outside 1..=65535"),
+            ))
+        }
+    }
+    let ip: Option<IpAddr> = if let Some(inner) = host.strip_prefix('[') {
+        let inner = inner
+            .strip_suffix(']')
+            .ok_or_else(|| invalid(peer, endpoint, "unterminated [IPv6] host"))?;
+        let (addr, zone) = match inner.split_once('%') {
+            Some((a, z)) => (a, Some(z)),
+            None => (inner, None),
+        };
+        if let Some(z) = zone {
+            let zone_ok = !z.is_empty()
+                && z.len() <= 16
+                && z.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+            if !zone_ok {
+                return Err(invalid(peer, endpoint, format!("bad IPv6 zone {z:?}")));
+            }
+        }
+        let v6 = addr
+            .parse::<Ipv6Addr>()
+            .map_err(|_| invalid(peer, endpoint, format!("{addr:?} is not an IPv6 address")))?;
+        Some(IpAddr::V6(v6))
+    } else if host.contains(':') {
+        return Err(invalid(
+            peer,
+            endpoint,
+            "an IPv6 host must be bracketed: tcp://[ADDR]:PORT",
+        ));
+    } else if host == "*" || host.contains('*') {
+        return Err(invalid(peer, endpoint, "wildcard host is not connectable"));
+    } else if let Ok(v4) = host.parse::<Ipv4Addr>() {
+        Some(IpAddr::V4(v4))
+    } else if valid_hostname(host) {
+        None
+    } else {
+        return Err(invalid(
+            peer,
+            endpoint,
+            format!("{host:?} is neither an IP address nor a valid hostname"),
+        ));
+    };
+    if let Some(ip) = ip {
+        if ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
+            return Err(invalid(
+                peer,
+                endpoint,
+                format!("{ip} is not a unicast address"),
+            ));
+        }
+    }
+    Ok(s.to_string())
+}
+
+fn zerr(what: &str) -> impl FnOnce(::zmq::Error) -> ControlError + '_ {
+    move |e| ControlError::Transport(format!("zmq {what}: {e}"))
+}
+
+/// One route: the DEALER connected to `endpoint`, plus its drop streak.
+struct Route {
+    endpoint: String,
+    dealer: ::zmq::Socket,
+    /// Consecutive drops since the last successful send (for log
+    /// rate-limiting).
+    drop_streak: u64,
+}
+
+/// The ZMQ control channel (seed §4): a ROUTER bound at construction for
+/// receiving, one DEALER per peer for sending. Owned by one IO thread
+/// (`Send`, not `Sync`).
+pub struct ZmqControlChannel {
+    own_name: String,
+    // Field order matters for drop: sockets before the context (each socket
+    // also holds a context reference, so this is belt and braces).
+    router: ::zmq::Socket,
+    routes: HashMap<String, Route>,
+    endpoint: String,
+    dropped: u64,
+    ctx: ::zmq::Context,
+}
+
+impl std::fmt::Debug for ZmqControlChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZmqControlChannel")
+            .field("own_name", &self.own_name)
+            .field("endpoint", &self.endpoint)
+            .field("peers", &self.routes.keys().collect::<Vec<_>>())
+            .field("dropped", &self.dropped)
+            .finish()
+    }
+}
+
+impl ZmqControlChannel {
+    /// Binds a ROUTER at `bind` on a kernel-chosen port. `own_name` becomes
+    /// the routing id of every DEALER this channel creates, i.e. the peer
+    /// name the other side's [`ControlChannel::recv`] reports; it must be
+    /// 1..=[`MAX_NAME_LEN`] bytes and not start with a NUL byte (libzmq
+    /// reserves those ids).
+    ///
+    /// # Errors
+    /// [`ControlError::Transport`] for a bad name, an unresolvable bind
+    /// address ([`BindAddr::resolve`]), or a socket / bind failure.
+    pub fn bind(own_name: &str, bind: BindAddr) -> Result<Self, ControlError> {
+        if own_name.is_empty() || own_name.len() > MAX_NAME_LEN || own_name.starts_with('\0') {
+            return Err(ControlError::Transport(format!(
+                "control channel name {own_name:?} must be 1..={MAX_NAME_LEN} bytes and not start with NUL"
+            )));
+        }
+        let ip = bind.resolve()?;
+        let ctx = ::zmq::Context::new();
+        let router = ctx.socket(::zmq::ROUTER).map_err(zerr("create ROUTER"))?;
+        router.set_linger(0).map_err(zerr("set ROUTER linger"))?;
+        router
+            .set_router_handover(true)
+            .map_err(zerr("set ZMQ_ROUTER_HANDOVER"))?;
+        router
+            .set_rcvhwm(RECV_HWM)
+            .map_err(zerr("set ROUTER rcvhwm"))?;
+        router
+            .set_maxmsgsize(MAX_MSG_BYTES)
+            .map_err(zerr("set ROUTER maxmsgsize"))?;
+        if ip.is_ipv6() {
+            router.set_ipv6(true).map_err(zerr("set ROUTER ZMQ_IPV6"))?;
+        }
+        let addr = tcp_endpoint(ip, "*");
+        router
+            .bind(&addr)
+            .map_err(|e| ControlError::Transport(format!("zmq bind {addr}: {e}")))?;
+        let endpoint = router
+            .get_last_endpoint()
+            .map_err(zerr("read ZMQ_LAST_ENDPOINT"))?
+            .map_err(|_| ControlError::Transport("ZMQ_LAST_ENDPOINT is not UTF-8".into()))?;
+        tracing::debug!(name = own_name, %endpoint, "control channel bound");
+        Ok(Self {
+            own_name: own_name.to_string(),
+            router,
+            routes: HashMap::new(),
+            endpoint,
+            dropped: 0,
+            ctx,
+        })
+    }
+
+    /// Our name (the routing id peers see).
+    pub fn own_name(&self) -> &str {
+        &self.own_name
+    }
+
+    /// The bound endpoint, `tcp://ip:port` (IPv6 bracketed), as a string.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Messages dropped on a full send queue since creation (all peers).
+    pub fn dropped_messages(&self) -> u64 {
+        self.dropped
+    }
+
+    fn connect(&self, endpoint: &str) -> Result<::zmq::Socket, ::zmq::Error> {
+        let dealer = self.ctx.socket(::zmq::DEALER)?;
+        dealer.set_identity(self.own_name.as_bytes())?;
+        dealer.set_ipv6(true)?;
+        dealer.set_sndhwm(SEND_HWM)?;
+        dealer.set_linger(0)?;
+        dealer.connect(endpoint)?;
+        Ok(dealer)
+    }
+}
+
+impl ControlChannel for ZmqControlChannel {
+    /// `tcp://ip:port` read from `ZMQ_LAST_ENDPOINT` at bind time.
+    fn local_endpoint(&self) -> Vec<u8> {
+        self.endpoint.as_bytes().to_vec()
+    }
+
+    /// Validates `endpoint` ([`validate_endpoint`]), then connects a DEALER
+    /// (routing id = our name, `ZMQ_IPV6`, [`SEND_HWM`], linger 0). The
+    /// same endpoint again is a no-op; a different one replaces the route.
+    /// On error any existing route to `peer` is left as it was. The
+    /// connection is made in the background: messages sent before it is up
+    /// are queued (up to [`SEND_HWM`]).
+    fn add_peer(&mut self, peer: &str, endpoint: &[u8]) -> Result<(), ControlError> {
+        let endpoint = validate_endpoint(peer, endpoint)?;
+        if self
+            .routes
+            .get(peer)
+            .is_some_and(|r| r.endpoint == endpoint)
+        {
+            return Ok(());
+        }
+        let dealer = self.connect(&endpoint).map_err(|e| match e {
+            ::zmq::Error::EINVAL | ::zmq::Error::EPROTONOSUPPORT => {
+                invalid(peer, endpoint.as_bytes(), format!("zmq connect: {e}"))
+            }
+            e => ControlError::Transport(format!("zmq connect to {peer:?} at {endpoint}: {e}")),
+        })?;
+        tracing::debug!(peer, %endpoint, "control route added");
+        self.routes.insert(
+            peer.to_string(),
+            Route {
+                endpoint,
+                dealer,
+                drop_streak: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Drops the peer's DEALER (linger 0: queued messages are discarded).
+    fn remove_peer(&mut self, peer: &str) {
+        if self.routes.remove(peer).is_some() {
+            tracing::debug!(peer, "control route removed");
+        }
+    }
+
+    fn has_peer(&self, peer: &str) -> bool {
+        self.routes.contains_key(peer)
+    }
+
+    /// Queues `msg` on the peer's DEALER with `ZMQ_DONTWAIT`. A full queue
+    /// (`EAGAIN`, [`SEND_HWM`] reached) drops the message and logs a warning
+    /// (the first of a streak, then every 1024th).
+    fn send_to(&mut self, peer: &str, msg: &[u8]) -> Result<(), ControlError> {
+        let route = self
+            .routes
+            .get_mut(peer)
+            .ok_or_else(|| ControlError::UnknownPeer(peer.to_string()))?;
+        match route.dealer.send(msg, ::zmq::DONTWAIT) {
+            Ok(()) => {
+                route.drop_streak = 0;
+                Ok(())
+            }
+            Err(::zmq::Error::EAGAIN) => {
+                route.drop_streak += 1;
+                self.dropped += 1;
+                if route.drop_streak % 1024 == 1 {
+                    tracing::warn!(
+                        peer,
+                        endpoint = %route.endpoint,
+                        bytes = msg.len(),
+                        streak = route.drop_streak,
+                        total_dropped = self.dropped,
+                        "control send queue full (SEND_HWM={SEND_HWM}); message dropped"
+                    );
+                }
+                Err(ControlError::Dropped(peer.to_string()))
+            }
+            Err(e) => Err(ControlError::Transport(format!(
+                "zmq send to {peer:?} at {}: {e}",
+                route.endpoint
+            ))),
+        }
+    }
+
+    /// Polls the ROUTER for up to `timeout` (rounded up to whole
+    /// milliseconds; 0 = poll once) and returns one message as (sender's
+    /// routing id, lossy UTF-8, payload). Frames that are not
+    /// `[routing id, payload]` are discarded with a warning.
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ms = left.as_micros().div_ceil(1000).min(i64::MAX as u128) as i64;
+            match self.router.poll(::zmq::POLLIN, ms) {
+                Ok(0) => return Ok(None),
+                Ok(_) => {}
+                Err(::zmq::Error::EINTR) => continue,
+                Err(e) => return Err(ControlError::Transport(format!("zmq poll: {e}"))),
+            }
+            let frames = match self.router.recv_multipart(::zmq::DONTWAIT) {
+                Ok(f) => f,
+                Err(::zmq::Error::EAGAIN) | Err(::zmq::Error::EINTR) => {
+                    if left.is_zero() {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(ControlError::Transport(format!("zmq recv: {e}"))),
+            };
+            let mut frames = frames.into_iter();
+            match (frames.next(), frames.next(), frames.next()) {
+                (Some(id), Some(payload), None) => {
+                    return Ok(Some((String::from_utf8_lossy(&id).into_owned(), payload)));
+                }
+                (id, _, _) => {
+                    tracing::warn!(
+                        from = %String::from_utf8_lossy(&id.unwrap_or_default()),
+                        "malformed control frame set discarded"
+                    );
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Execution resources (seed §4 `ExecPool`, `GatherScatterKernel`; §7 scatter
+//! workers): a pool of copy contexts borrowed per copy, the copy engine that
+//! executes a gather or scatter plan, and the worker threads that run copies
+//! off the IO thread and report completion back to it.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use kvfabric_core::ScatterRun;
+
+/// A pool of `copyStreamCount` execution contexts (seed §4 `ExecPool`):
+/// [`ExecPool::try_acquire`] never blocks and returns `None` when all are
+/// borrowed; [`ExecPool::release`] returns one. Thread-safe.
+#[derive(Debug)]
+pub struct ExecPool<T> {
+    free: Mutex<Vec<T>>,
+    capacity: usize,
+}
+
+impl<T> ExecPool<T> {
+    /// A pool holding `contexts`.
+    pub fn new(contexts: Vec<T>) -> Self {
+        let capacity = contexts.len();
+        Self {
+            free: Mutex::new(contexts),
+            capacity,
+        }
+    }
+
+    /// Borrows a context, or `None` when every context is in use.
+    pub fn try_acquire(&self) -> Option<T> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    /// Returns a borrowed context.
+    pub fn release(&self, ctx: T) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(ctx);
+    }
+
+    /// Contexts currently free.
+    pub fn available(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Total contexts.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// A copy failed (e.g. a CUDA error string); never swallowed (seed §9).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("copy failed: {0}")]
+pub struct CopyError(pub String);
+
+/// Executes a batched copy plan between user memory and an arena region
+/// (seed §4 `GatherScatterKernel`). Runs are [`ScatterRun`]s whose
+/// `region_offset` is relative to `region_addr` and whose `addr` is user
+/// memory (source for gather, destination for scatter).
+pub trait CopyEngine: Send + Sync {
+    /// Copies every run's segments from user memory into the region.
+    fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
+    /// Copies every run's segments from the region to user memory.
+    fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
+    /// Short name for logs and metrics ("host", "cuda").
+    fn name(&self) -> &'static str;
+}
+
+/// Host-memory copy engine: `memcpy` per segment (contiguous runs are one
+/// segment, so a dense plan is a few large copies).
+///
+/// Callers guarantee every address range was validated against registered
+/// memory (the transport validates peer-supplied runs before scatter).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostCopyEngine;
+
+impl HostCopyEngine {
+    fn copy(region_addr: u64, runs: &[ScatterRun], to_region: bool) {
+        for run in runs {
+            for (off, addr, len) in run.segments() {
+                let region = (region_addr + off) as usize as *mut u8;
+                let user = addr as usize as *mut u8;
+                // SAFETY: ranges validated by the caller; region and user
+                // memory never overlap (arena vs KV pool).
+                unsafe {
+                    if to_region {
+                        std::ptr::copy_nonoverlapping(user, region, len as usize);
+                    } else {
+                        std::ptr::copy_nonoverlapping(region, user, len as usize);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl CopyEngine for HostCopyEngine {
+    fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+        Self::copy(region_addr, runs, true);
+        Ok(())
+    }
+    fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+        Self::copy(region_addr, runs, false);
+        Ok(())
+    }
+    fn name(&self) -> &'static str {
+        "host"
+    }
+}
+
+/// Which way a copy job goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    /// User memory → arena region (sender).
+    Gather,
+    /// Arena region → user memory (receiver).
+    Scatter,
+}
+
+/// One copy job for the workers.
+#[derive(Debug)]
+pub struct CopyJob {
+    /// Caller's token, echoed in the completion.
+    pub token: u64,
+    /// Direction.
+    pub kind: CopyKind,
+    /// Absolute address of the region (arena base + offset).
+    pub region_addr: u64,
+    /// The plan.
+    pub runs: Arc<[ScatterRun]>,
+}
+
+/// A finished copy job: its token, direction and outcome.
+#[derive(Debug)]
+pub struct CopyDone {
+    /// The job's token.
+    pub token: u64,
+    /// The job's direction.
+    pub kind: CopyKind,
+    /// Outcome.
+    pub result: Result<(), CopyError>,
+}
+
+/// `M` worker threads that run copy jobs and report [`CopyDone`] on a
+/// channel the IO thread drains (seed §7). Dropping joins them.
+pub struct CopyWorkers {
+    jobs: Option<Sender<CopyJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl CopyWorkers {
+    /// Starts `count` workers (at least 1) over `engine`, reporting to
+    /// `done`. Threads are named `{name}-copy-{i}`.
+    pub fn start(
+        name: &str,
+        count: usize,
+        engine: Arc<dyn CopyEngine>,
+        done: Sender<CopyDone>,
+    ) -> std::io::Result<Self> {
+        let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
+        let mut threads = Vec::new();
+        for i in 0..count.max(1) {
+            let rx = rx.clone();
+            let done = done.clone();
+            let engine = engine.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("{name}-copy-{i}"))
+                    .spawn(move || {
+                        for job in rx.iter() {
+                            let result = match job.kind {
+                                CopyKind::Gather => engine.gather(job.region_addr, &job.runs),
+                                CopyKind::Scatter => engine.scatter(job.region_addr, &job.runs),
+                            };
+                            if let Err(e) = &result {
+                                tracing::warn!(token = job.token, kind = ?job.kind, error = %e, "copy job failed");
+                            }
+                            if done
+                                .send(CopyDone {
+                                    token: job.token,
+                                    kind: job.kind,
+                                    result,
+                                })
+                                .is_err()
+                            {
+                                break;
+                            }
+                        }
+                    })?,
+            );
+        }
+        Ok(Self {
+            jobs: Some(tx),
+            threads,
+        })
+    }
+
+    /// Queues a job (never blocks: the queue is unbounded, and the number
+    /// of jobs in flight is bounded by arena regions).
+    pub fn submit(&self, job: CopyJob) {
+        if let Some(tx) = &self.jobs {
+            let _ = tx.send(job);
+        }
+    }
+}
+
+impl Drop for CopyWorkers {
+    fn drop(&mut self) {
+        self.jobs.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

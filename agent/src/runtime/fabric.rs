@@ -1,0 +1,577 @@
+//! The fabric agent (seed §4 "NixlTransferAgent integration", §9, §10): one
+//! NIXL agent with registered KV memory, the bounce transport when it can be
+//! built (any init failure warns and falls back to the standard path, never
+//! fails construction), the capability handshake per peer, the routing gate
+//! (`should_use_bounce`) and the standard per-descriptor NIXL path.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvfabric_core::config::EffectiveBounceConfig;
+use kvfabric_core::wire::{self, Handshake, WIRE_VERSION};
+use kvfabric_core::{ControlKind, Descriptor};
+
+use super::arena::HostArena;
+use super::control::notif::NixlNotifControlChannel;
+use super::control::zmq::{BindAddr, ZmqControlChannel};
+use super::control::ControlChannel;
+use super::engine::{EngineError, MemDesc, MemKind, NixlTransferEngine, TransferEngine, XferState};
+use super::exec::{CopyEngine, HostCopyEngine};
+use super::transport::{
+    ArenaSpec, BounceTransport, Completion, TransferHandle, TransferOutcome, TransportSettings,
+};
+
+/// What a peer publishes so others can write to it: its NIXL metadata and
+/// (when bounce is up) its handshake blob. Serialized into discovery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerDescriptor {
+    /// NIXL agent name (carries the incarnation).
+    pub name: String,
+    /// Serialized NIXL metadata (`getLocalMD`).
+    pub nixl_metadata: Vec<u8>,
+    /// Encoded [`Handshake`], or `None` when bounce is off/unavailable.
+    pub handshake: Option<Vec<u8>>,
+}
+
+/// Which path a transfer took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PathKind {
+    /// Gather → one write per chunk → scatter.
+    Bounce,
+    /// One NIXL descriptor per block.
+    Standard,
+}
+
+/// Why a peer is not bounce-capable (seed §9 "peer incompatible").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Incompatibility {
+    /// We run without bounce.
+    LocalBounceOff,
+    /// The peer advertises no handshake.
+    NoHandshake,
+    /// Undecodable handshake.
+    Malformed(String),
+    /// Wire version differs.
+    WireVersion {
+        /// Ours.
+        local: u16,
+        /// Theirs.
+        peer: u16,
+    },
+    /// Control kind differs.
+    ControlKind {
+        /// Ours.
+        local: ControlKind,
+        /// Theirs.
+        peer: ControlKind,
+    },
+    /// Max chunk size differs.
+    MaxChunk {
+        /// Ours (bytes).
+        local: u64,
+        /// Theirs (bytes).
+        peer: u64,
+    },
+    /// The peer's control endpoint could not be registered.
+    Endpoint(String),
+}
+
+/// What we know of a loaded peer.
+#[derive(Clone, Debug)]
+pub struct PeerState {
+    /// `Ok(handshake)` when bounce-capable, else why not.
+    pub bounce: Result<Handshake, Incompatibility>,
+}
+
+/// Counters of the fabric agent (exported by the agent service).
+#[derive(Debug, Default)]
+pub struct FabricStats {
+    /// Submissions routed to bounce.
+    pub submit_bounce: AtomicU64,
+    /// Submissions routed to the standard path.
+    pub submit_standard: AtomicU64,
+    /// Payload bytes submitted to bounce.
+    pub bytes_bounce: AtomicU64,
+    /// Payload bytes submitted to the standard path.
+    pub bytes_standard: AtomicU64,
+    /// Bounce initialisations that failed (fell back to standard).
+    pub fallbacks: AtomicU64,
+    /// Standard-path transfers that failed.
+    pub standard_failed: AtomicU64,
+    /// Peers loaded.
+    pub peers_loaded: AtomicU64,
+    /// Peers forgotten.
+    pub peers_forgotten: AtomicU64,
+}
+
+/// Construction options of a [`FabricAgent`].
+pub struct FabricOptions {
+    /// NIXL agent name (unique per process start).
+    pub name: String,
+    /// The validated bounce config.
+    pub config: EffectiveBounceConfig,
+    /// Memory the agent moves KV from/to; registered once here and allowed
+    /// as a scatter destination.
+    pub kv_regions: Vec<(MemKind, MemDesc)>,
+    /// Where the ZMQ control channel binds.
+    pub bind: BindAddr,
+    /// Copy engine for gathers/scatters (host by default).
+    pub copy: Option<Arc<dyn CopyEngine>>,
+}
+
+struct StdXfer {
+    handle: super::engine::XferHandle,
+    lists: (super::engine::PreparedList, super::engine::PreparedList),
+    completion: Arc<Completion>,
+}
+
+/// The agent: engine + optional bounce transport + peers + standard path.
+pub struct FabricAgent {
+    name: String,
+    engine: Arc<dyn TransferEngine>,
+    config: EffectiveBounceConfig,
+    transport: Option<BounceTransport>,
+    _arena: Option<HostArena>,
+    handshake: Option<Handshake>,
+    peers: Mutex<HashMap<String, PeerState>>,
+    stats: Arc<FabricStats>,
+    std_tx: Option<Sender<StdXfer>>,
+    std_thread: Option<JoinHandle<()>>,
+    /// Why bounce is off, if it is.
+    pub bounce_unavailable: Option<String>,
+}
+
+impl FabricAgent {
+    /// Creates the NIXL agent, registers the KV memory and, when the config
+    /// enables bounce, builds arena + control channel + transport. A bounce
+    /// failure is logged and counted as a fallback; the agent then uses the
+    /// standard path only.
+    ///
+    /// # Errors
+    /// Only when the NIXL agent itself cannot be created or KV memory cannot
+    /// be registered.
+    pub fn new(opts: FabricOptions) -> Result<Self, EngineError> {
+        let engine: Arc<dyn TransferEngine> = Arc::new(NixlTransferEngine::new(&opts.name)?);
+        for (kind, desc) in &opts.kv_regions {
+            engine.register_region(*kind, *desc)?;
+        }
+        let stats = Arc::new(FabricStats::default());
+        let mut agent = Self {
+            name: opts.name.clone(),
+            engine: engine.clone(),
+            config: opts.config.clone(),
+            transport: None,
+            _arena: None,
+            handshake: None,
+            peers: Mutex::new(HashMap::new()),
+            stats: stats.clone(),
+            std_tx: None,
+            std_thread: None,
+            bounce_unavailable: None,
+        };
+        if opts.config.enabled() {
+            match Self::init_bounce(&engine, &opts) {
+                Ok((transport, arena, hs)) => {
+                    for (_, d) in &opts.kv_regions {
+                        transport.allow_scatter_range(d.addr, d.len);
+                    }
+                    agent.transport = Some(transport);
+                    agent._arena = Some(arena);
+                    agent.handshake = Some(hs);
+                }
+                Err(why) => {
+                    tracing::warn!(agent = %opts.name, reason = %why, "bounce initialisation failed; using the standard NIXL path");
+                    stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+                    agent.bounce_unavailable = Some(why);
+                }
+            }
+        } else {
+            agent.bounce_unavailable = Some("bounce disabled by config".into());
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let eng = engine.clone();
+        let st = stats.clone();
+        let progress = agent.transport.is_none();
+        agent.std_thread = Some(
+            std::thread::Builder::new()
+                .name(format!("{}-std", opts.name))
+                .spawn(move || standard_poller(eng, rx, st, progress))
+                .expect("spawn standard-path poller"),
+        );
+        agent.std_tx = Some(tx);
+        Ok(agent)
+    }
+
+    fn init_bounce(
+        engine: &Arc<dyn TransferEngine>,
+        opts: &FabricOptions,
+    ) -> Result<(BounceTransport, HostArena, Handshake), String> {
+        let cfg = &opts.config;
+        let arena = HostArena::new(cfg.arena_size_bytes() as usize).map_err(|e| e.to_string())?;
+        engine
+            .register_region(MemKind::Dram, MemDesc::host(arena.base_addr(), arena.len() as u64))
+            .map_err(|e| format!("registering the arena: {e}"))?;
+        let channel: Box<dyn ControlChannel> = match cfg.control_kind() {
+            ControlKind::Zmq => Box::new(
+                ZmqControlChannel::bind(&opts.name, opts.bind.clone())
+                    .map_err(|e| format!("binding the ZMQ control channel: {e}"))?,
+            ),
+            ControlKind::NixlNotif => Box::new(NixlNotifControlChannel::new(engine.clone())),
+        };
+        let settings = TransportSettings {
+            granularity_bytes: cfg.granularity_bytes(),
+            max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
+            max_inflight_chunks: cfg.max_inflight_chunks_per_request() as usize,
+            copy_contexts: cfg.copy_stream_count() as usize,
+            copy_workers: cfg.scatter_worker_count() as usize,
+            request_timeout: Duration::from_millis(cfg.request_timeout_ms()),
+            eager_gather: cfg.config().enable_eager_gather,
+            merge_runs: !cfg.config().disable_scatter_run_merging,
+        };
+        let copy = opts
+            .copy
+            .clone()
+            .unwrap_or_else(|| Arc::new(HostCopyEngine) as Arc<dyn CopyEngine>);
+        let spec = ArenaSpec {
+            base: arena.base_addr(),
+            len: arena.len() as u64,
+            kind: MemKind::Dram,
+            device_id: 0,
+        };
+        let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;
+        let hs = Handshake {
+            wire_version: WIRE_VERSION,
+            control_kind: cfg.control_kind(),
+            arena_usable_capacity_bytes: cfg.arena_usable_capacity_bytes(),
+            max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
+            endpoint: transport.local_endpoint().to_vec(),
+            config_generation: 0,
+        };
+        Ok((transport, arena, hs))
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The engine (for tests and the agent service).
+    pub fn engine(&self) -> &Arc<dyn TransferEngine> {
+        &self.engine
+    }
+
+    /// The bounce transport, when running.
+    pub fn transport(&self) -> Option<&BounceTransport> {
+        self.transport.as_ref()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &FabricStats {
+        &self.stats
+    }
+
+    /// The local handshake, when bounce is up.
+    pub fn handshake(&self) -> Option<&Handshake> {
+        self.handshake.as_ref()
+    }
+
+    /// Overrides the handshake's config generation (the operator's rollout
+    /// generation).
+    pub fn set_config_generation(&mut self, generation: u64) {
+        if let Some(h) = &mut self.handshake {
+            h.config_generation = generation;
+        }
+    }
+
+    /// What peers need to load us.
+    ///
+    /// # Errors
+    /// When NIXL cannot serialize its metadata.
+    pub fn local_descriptor(&self) -> Result<PeerDescriptor, EngineError> {
+        Ok(PeerDescriptor {
+            name: self.name.clone(),
+            nixl_metadata: self.engine.local_metadata()?,
+            handshake: self.handshake.as_ref().map(wire::encode_handshake),
+        })
+    }
+
+    /// Loads a peer (seed `loadRemoteAgent` → `registerPeerHandshake`): its
+    /// NIXL metadata, then its handshake, validated against ours (version,
+    /// control kind, max chunk size) and its endpoint registered. Returns
+    /// the peer's state; an incompatible peer silently uses the standard
+    /// path (no WANT is ever sent to it).
+    ///
+    /// # Errors
+    /// When NIXL rejects the metadata, or it names a different agent.
+    pub fn load_peer(&self, peer: &PeerDescriptor) -> Result<PeerState, EngineError> {
+        let loaded = self.engine.load_peer(&peer.nixl_metadata)?;
+        if loaded != peer.name {
+            return Err(EngineError::Failed(format!(
+                "metadata of {:?} names agent {loaded:?}",
+                peer.name
+            )));
+        }
+        let bounce = self.register_peer_handshake(&peer.name, peer.handshake.as_deref());
+        if let Err(why) = &bounce {
+            tracing::info!(agent = %self.name, peer = %peer.name, reason = ?why, "peer is not bounce-capable; standard path");
+        }
+        let state = PeerState { bounce };
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer.name.clone(), state.clone());
+        self.stats.peers_loaded.fetch_add(1, Ordering::Relaxed);
+        Ok(state)
+    }
+
+    fn register_peer_handshake(
+        &self,
+        peer: &str,
+        blob: Option<&[u8]>,
+    ) -> Result<Handshake, Incompatibility> {
+        let (Some(local), Some(transport)) = (&self.handshake, &self.transport) else {
+            return Err(Incompatibility::LocalBounceOff);
+        };
+        let blob = blob.ok_or(Incompatibility::NoHandshake)?;
+        let hs = wire::decode_handshake(blob).map_err(|e| Incompatibility::Malformed(e.to_string()))?;
+        if hs.wire_version != local.wire_version {
+            return Err(Incompatibility::WireVersion {
+                local: local.wire_version,
+                peer: hs.wire_version,
+            });
+        }
+        if hs.control_kind != local.control_kind {
+            return Err(Incompatibility::ControlKind {
+                local: local.control_kind,
+                peer: hs.control_kind,
+            });
+        }
+        if hs.max_chunk_size_bytes != local.max_chunk_size_bytes {
+            return Err(Incompatibility::MaxChunk {
+                local: local.max_chunk_size_bytes,
+                peer: hs.max_chunk_size_bytes,
+            });
+        }
+        transport
+            .add_peer(peer, &hs.endpoint, MemKind::Dram)
+            .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
+        Ok(hs)
+    }
+
+    /// Whether `peer` passed the handshake.
+    pub fn has_peer_handshake(&self, peer: &str) -> bool {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .is_some_and(|p| p.bounce.is_ok())
+    }
+
+    /// Loaded peers and their state.
+    pub fn peers(&self) -> Vec<(String, PeerState)> {
+        let mut v: Vec<_> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Forgets a peer everywhere (seed `invalidateRemoteAgent` →
+    /// `forgetPeer`): the transport reclaims its flows and fails its
+    /// requests synchronously; NIXL drops its metadata.
+    pub fn forget_peer(&self, peer: &str) {
+        let known = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(peer)
+            .is_some();
+        if let Some(t) = &self.transport {
+            t.forget_peer(peer);
+        } else {
+            let _ = self.engine.forget_peer(peer);
+        }
+        if known {
+            self.stats.peers_forgotten.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The routing gate (seed §10 `shouldUseBounce`): WRITE (the only op
+    /// here), bounce up, peer handshake OK, `descs.len() ≥
+    /// minDescriptorCount`, average size ≤ `maxAverageDescriptorSizeBytes`,
+    /// memory kinds equal to the arena's, and uniform devices per side.
+    pub fn should_use_bounce(
+        &self,
+        peer: &str,
+        descs: &[Descriptor],
+        src_kind: MemKind,
+        dst_kind: MemKind,
+    ) -> bool {
+        if self.transport.is_none() || !self.has_peer_handshake(peer) {
+            return false;
+        }
+        if src_kind != MemKind::Dram || dst_kind != MemKind::Dram {
+            return false;
+        }
+        let n = descs.len() as u64;
+        if n == 0 || n < self.config.min_descriptor_count() {
+            return false;
+        }
+        let total: u64 = descs.iter().map(|d| d.len).sum();
+        total / n <= self.config.max_average_descriptor_size_bytes()
+    }
+
+    /// Submits a WRITE of `descs` (src local, dst on `peer`) through the
+    /// path the gate picks. Never blocks; the handle always resolves.
+    pub fn submit_write(&self, peer: &str, descs: Vec<Descriptor>) -> (PathKind, TransferHandle) {
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        if self.should_use_bounce(peer, &descs, MemKind::Dram, MemKind::Dram) {
+            self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
+            self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
+            let t = self.transport.as_ref().expect("checked by the gate");
+            (PathKind::Bounce, t.submit(peer, descs))
+        } else {
+            (PathKind::Standard, self.submit_standard(peer, descs))
+        }
+    }
+
+    /// Submits through the standard per-descriptor path regardless of the
+    /// gate (the bench's side-by-side comparison).
+    pub fn submit_standard(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        self.stats.submit_standard.fetch_add(1, Ordering::Relaxed);
+        self.stats.bytes_standard.fetch_add(bytes, Ordering::Relaxed);
+        let descs: Vec<Descriptor> = descs.into_iter().filter(|d| d.len > 0).collect();
+        if descs.is_empty() {
+            return TransferHandle::resolved(TransferOutcome::Success);
+        }
+        let fail = |why: String| {
+            self.stats.standard_failed.fetch_add(1, Ordering::Relaxed);
+            TransferHandle::resolved(TransferOutcome::Failure(why))
+        };
+        let local: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.src, d.len)).collect();
+        let remote: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.dst, d.len)).collect();
+        let l = match self.engine.prepare_local(MemKind::Dram, &local) {
+            Ok(l) => l,
+            Err(e) => return fail(format!("standard path: {e}")),
+        };
+        let r = match self.engine.prepare_remote(peer, MemKind::Dram, &remote) {
+            Ok(r) => r,
+            Err(e) => {
+                self.engine.release_prepared(l);
+                return fail(format!("standard path: {e}"));
+            }
+        };
+        let idx: Vec<i32> = (0..descs.len() as i32).collect();
+        let h = match self.engine.post_indexed(l, &idx, r, &idx) {
+            Ok(h) => h,
+            Err(e) => {
+                self.engine.release_prepared(l);
+                self.engine.release_prepared(r);
+                return fail(format!("standard path: {e}"));
+            }
+        };
+        let completion = Arc::new(Completion::default());
+        let handle = TransferHandle::from_completion(completion.clone());
+        if let Some(tx) = &self.std_tx {
+            let _ = tx.send(StdXfer {
+                handle: h,
+                lists: (l, r),
+                completion,
+            });
+        }
+        handle
+    }
+
+    /// Stops the transport (all bounce requests resolve) and the standard
+    /// poller. Idempotent.
+    pub fn shutdown(&mut self) {
+        if let Some(t) = &self.transport {
+            t.shutdown();
+        }
+        self.std_tx.take();
+        if let Some(h) = self.std_thread.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for FabricAgent {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Bound on a standard-path transfer (no progress means failure).
+const STANDARD_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn standard_poller(
+    engine: Arc<dyn TransferEngine>,
+    rx: Receiver<StdXfer>,
+    stats: Arc<FabricStats>,
+    progress: bool,
+) {
+    let mut live: Vec<(StdXfer, Instant)> = Vec::new();
+    loop {
+        let incoming = if live.is_empty() {
+            match rx.recv_timeout(Duration::from_millis(5)) {
+                Ok(x) => Some(x),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if progress {
+                        let _ = engine.progress();
+                    }
+                    continue;
+                }
+                Err(_) => break,
+            }
+        } else {
+            rx.try_recv().ok()
+        };
+        if let Some(x) = incoming {
+            live.push((x, Instant::now()));
+        }
+        if progress {
+            let _ = engine.progress();
+        }
+        let mut k = 0;
+        while k < live.len() {
+            let (x, t0) = &live[k];
+            let done = match engine.poll(x.handle) {
+                Ok(XferState::InProgress) if t0.elapsed() < STANDARD_TIMEOUT => None,
+                Ok(XferState::InProgress) => Some(TransferOutcome::Failure(
+                    "standard path: no completion within 60 s".into(),
+                )),
+                Ok(XferState::Success) => Some(TransferOutcome::Success),
+                Err(e) => Some(TransferOutcome::Failure(format!("standard path: {e}"))),
+            };
+            if let Some(outcome) = done {
+                let (x, _) = live.swap_remove(k);
+                engine.release(x.handle);
+                engine.release_prepared(x.lists.0);
+                engine.release_prepared(x.lists.1);
+                if outcome != TransferOutcome::Success {
+                    stats.standard_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                x.completion.resolve(outcome);
+            } else {
+                k += 1;
+            }
+        }
+        if !live.is_empty() {
+            std::thread::yield_now();
+        }
+    }
+    for (x, _) in live {
+        engine.release(x.handle);
+        x.completion
+            .resolve(TransferOutcome::Failure("agent shut down".into()));
+    }
+}

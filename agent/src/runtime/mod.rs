@@ -1,0 +1,9 @@
+//! Runtime modules: memory, NIXL, control channels, the reactor.
+
+pub mod arena;
+pub mod control;
+pub mod engine;
+pub mod exec;
+pub mod fabric;
+pub mod nixl_runtime;
+pub mod transport;

@@ -1,0 +1,1493 @@
+//! The bounce reactor (seed §4 `BounceTransport`, §6–§9): one IO thread per
+//! agent owns the credit scheduler, the sender request table and the
+//! receiver region table; copy workers run gathers and scatters and report
+//! back. Both roles share one arena.
+//!
+//! Per tick (seed §7): drain commands (submit / add peer / forget peer /
+//! shutdown); receive control messages and dispatch them; drain copy
+//! completions (gather ready → post write; scatter done → ACK + free +
+//! reschedule); poll in-flight writes (SUCCESS → DATA); retry parked work;
+//! drain send-side orphans; check no-progress timeouts. Polling is adaptive:
+//! 0 ms receive timeout while work is in flight, 1 ms when idle, and a
+//! 50 µs back-off after a long busy spin so no idle core is burned.
+//!
+//! Deviation from the seed, on purpose: `submit()` hands the request to the
+//! IO thread, which performs the eager gather staging itself, so the
+//! scheduler has exactly one owner and no lock (the seed lets app threads
+//! call `acquireLocal` directly).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvfabric_core::plan::{Chunk, TransferPlan};
+use kvfabric_core::scheduler::CreditScheduler;
+use kvfabric_core::wire::{self, Ack, Credit, Data, Grant, Message, Want};
+use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
+
+use super::control::{ControlChannel, ControlError};
+use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
+use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyWorkers, ExecPool};
+
+/// Settings of one transport (the subset of `BounceConfig` the reactor
+/// uses, already validated).
+#[derive(Clone, Debug)]
+pub struct TransportSettings {
+    /// Buddy minimum block (bytes, power of two).
+    pub granularity_bytes: u64,
+    /// Per-chunk cap (bytes, multiple of 32, ≤ max allocation).
+    pub max_chunk_size_bytes: u64,
+    /// Per-flow in-flight cap W.
+    pub max_inflight_chunks: usize,
+    /// Exec contexts (concurrent copies).
+    pub copy_contexts: usize,
+    /// Copy worker threads.
+    pub copy_workers: usize,
+    /// No-progress timeout.
+    pub request_timeout: Duration,
+    /// Stage gathers before the GRANT arrives (seed §2).
+    pub eager_gather: bool,
+    /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
+    pub merge_runs: bool,
+}
+
+impl Default for TransportSettings {
+    fn default() -> Self {
+        Self {
+            granularity_bytes: 1 << 20,
+            max_chunk_size_bytes: 32 << 20,
+            max_inflight_chunks: 8,
+            copy_contexts: 8,
+            copy_workers: 4,
+            request_timeout: Duration::from_millis(30_000),
+            eager_gather: true,
+            merge_runs: true,
+        }
+    }
+}
+
+/// The arena the transport slices: `len` bytes at `base` of memory `kind`
+/// on `device_id`, already registered with the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaSpec {
+    /// Base address.
+    pub base: u64,
+    /// Size in bytes.
+    pub len: u64,
+    /// Memory kind.
+    pub kind: MemKind,
+    /// Device id (0 for host).
+    pub device_id: u64,
+}
+
+/// How a transfer ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferOutcome {
+    /// Every chunk landed and was scattered (all ACKed).
+    Success,
+    /// The transfer failed; the reason names the cause.
+    Failure(String),
+}
+
+#[derive(Default)]
+struct CompletionState {
+    outcome: Option<TransferOutcome>,
+}
+
+/// Shared completion cell of one request (the seed's promise/future).
+#[derive(Default)]
+pub struct Completion {
+    state: Mutex<CompletionState>,
+    cv: Condvar,
+}
+
+impl Completion {
+    /// Resolves once; later calls are ignored.
+    pub(crate) fn resolve(&self, outcome: TransferOutcome) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.outcome.is_none() {
+            s.outcome = Some(outcome);
+            self.cv.notify_all();
+        }
+    }
+}
+
+/// Handle of a submitted transfer; resolves SUCCESS or FAILURE (seed R5).
+#[derive(Clone)]
+pub struct TransferHandle {
+    completion: Arc<Completion>,
+    /// Request id (unique per transport).
+    pub request_id: u64,
+}
+
+impl TransferHandle {
+    /// A handle that is already resolved (e.g. rejected at submit).
+    pub fn resolved(outcome: TransferOutcome) -> Self {
+        let c = Arc::new(Completion::default());
+        c.resolve(outcome);
+        Self {
+            completion: c,
+            request_id: 0,
+        }
+    }
+
+    /// A handle over an existing completion cell.
+    pub(crate) fn from_completion(completion: Arc<Completion>) -> Self {
+        Self {
+            completion,
+            request_id: 0,
+        }
+    }
+
+    /// Waits at most `timeout` for the outcome; `None` if still running.
+    pub fn wait(&self, timeout: Duration) -> Option<TransferOutcome> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self
+            .completion
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(o) = &s.outcome {
+                return Some(o.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            s = self
+                .completion
+                .cv
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The outcome if already resolved.
+    pub fn try_outcome(&self) -> Option<TransferOutcome> {
+        self.completion
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .outcome
+            .clone()
+    }
+}
+
+/// Counters of one transport (monotonic; read with [`BounceTransport::stats`]).
+#[derive(Debug, Default)]
+pub struct TransportStats {
+    /// Requests submitted to bounce.
+    pub submitted: AtomicU64,
+    /// Requests resolved SUCCESS.
+    pub succeeded: AtomicU64,
+    /// Requests resolved FAILURE.
+    pub failed: AtomicU64,
+    /// Of which by no-progress timeout.
+    pub timeouts: AtomicU64,
+    /// Payload bytes of successful requests.
+    pub bytes_sent: AtomicU64,
+    /// Chunks written (RDMA writes that reached SUCCESS).
+    pub chunks_written: AtomicU64,
+    /// Credits granted by this agent's receiver role.
+    pub grants: AtomicU64,
+    /// Chunks scattered and ACKed by the receiver role.
+    pub chunks_scattered: AtomicU64,
+    /// DATA dropped (late after cancel, or invalid runs).
+    pub data_rejected: AtomicU64,
+    /// WANTs rejected (bad endpoint, bad chunk sizes).
+    pub wants_rejected: AtomicU64,
+    /// Cancels (empty WANT) received.
+    pub cancels_received: AtomicU64,
+    /// Control messages dropped on a full queue.
+    pub control_dropped: AtomicU64,
+    /// Sum of credit wait (submit → first GRANT), microseconds.
+    pub credit_wait_us: AtomicU64,
+    /// Arena bytes in use (gauge, updated each tick).
+    pub arena_bytes_in_use: AtomicU64,
+    /// 1 while the scheduler is in drain mode (gauge).
+    pub drain_mode: AtomicU64,
+}
+
+/// A snapshot of the arena accounting (for tests and `/v1` endpoints).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaSnapshot {
+    /// Usable capacity (bytes).
+    pub capacity: u64,
+    /// Free bytes.
+    pub free_bytes: u64,
+    /// Bytes held by remote flows.
+    pub held_bytes: u64,
+    /// Bytes of local gather staging.
+    pub local_held_bytes: u64,
+    /// Bytes of orphaned regions awaiting their scatter.
+    pub orphaned_bytes: u64,
+    /// Live flows in the scheduler.
+    pub flows: usize,
+    /// Sender requests in the table.
+    pub send_requests: usize,
+    /// Send-side orphans (writes/gathers of failed requests) outstanding.
+    pub send_orphans: usize,
+    /// Result of the conservation check.
+    pub conservation: Result<(), String>,
+}
+
+/// A failure injected by tests into the next posted writes.
+#[derive(Clone, Debug, Default)]
+pub struct FaultPlan {
+    /// Fail the poll of every write (engine reports failure).
+    pub fail_writes: bool,
+    /// Never answer WANTs (a receiver that never GRANTs).
+    pub ignore_wants: bool,
+}
+
+enum Command {
+    Submit {
+        rid: u64,
+        peer: String,
+        descs: Vec<Descriptor>,
+        completion: Arc<Completion>,
+    },
+    AddPeer {
+        peer: String,
+        endpoint: Vec<u8>,
+        kind: MemKind,
+        reply: Sender<Result<(), ControlError>>,
+    },
+    ForgetPeer {
+        peer: String,
+        reply: Sender<()>,
+    },
+    AllowScatter {
+        addr: u64,
+        len: u64,
+    },
+    Snapshot {
+        reply: Sender<ArenaSnapshot>,
+    },
+    Faults(FaultPlan),
+    SendRaw {
+        peer: String,
+        bytes: Vec<u8>,
+    },
+    Shutdown,
+}
+
+/// The bounce transport: a handle to the IO thread. `Send + Sync`; every
+/// method is safe from any thread and never blocks longer than its stated
+/// bound.
+pub struct BounceTransport {
+    name: String,
+    endpoint: Vec<u8>,
+    cmd: Sender<Command>,
+    io: Mutex<Option<JoinHandle<()>>>,
+    next_rid: AtomicU64,
+    stats: Arc<TransportStats>,
+}
+
+/// Bound on synchronous commands (add/forget peer, snapshot).
+const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl BounceTransport {
+    /// Starts the IO thread and copy workers over `engine`, `channel`,
+    /// `copy` and the registered `arena`.
+    ///
+    /// # Errors
+    /// A text error naming the arena/scheduler problem or the thread spawn
+    /// failure.
+    pub fn start(
+        engine: Arc<dyn TransferEngine>,
+        channel: Box<dyn ControlChannel>,
+        copy: Arc<dyn CopyEngine>,
+        arena: ArenaSpec,
+        settings: TransportSettings,
+    ) -> Result<Self, String> {
+        let name = engine.agent_name().to_string();
+        let scheduler = CreditScheduler::new(
+            arena.len,
+            settings.granularity_bytes,
+            settings.max_inflight_chunks,
+        )
+        .map_err(|e| format!("bounce arena of {} bytes: {e}", arena.len))?;
+        if settings.max_chunk_size_bytes > scheduler.max_allocation() {
+            return Err(format!(
+                "max chunk size {} bytes exceeds the arena's max allocation {} bytes",
+                settings.max_chunk_size_bytes,
+                scheduler.max_allocation()
+            ));
+        }
+        let endpoint = channel.local_endpoint();
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let workers = CopyWorkers::start(&name, settings.copy_workers, copy, done_tx)
+            .map_err(|e| format!("spawning copy workers: {e}"))?;
+        let stats = Arc::new(TransportStats::default());
+        let mut io = Io {
+            name: name.clone(),
+            engine,
+            channel,
+            endpoint: endpoint.clone(),
+            arena,
+            exec: ExecPool::new(vec![(); settings.copy_contexts.max(1)]),
+            settings,
+            scheduler,
+            workers: Some(workers),
+            done_rx,
+            cmd_rx,
+            stats: stats.clone(),
+            peers: HashMap::new(),
+            requests: HashMap::new(),
+            writes: Vec::new(),
+            jobs: HashMap::new(),
+            next_token: 1,
+            regions: HashMap::new(),
+            grant_index: HashMap::new(),
+            scatter_queue: VecDeque::new(),
+            orphan_writes: Vec::new(),
+            allowed: Vec::new(),
+            faults: FaultPlan::default(),
+            parked: false,
+        };
+        let handle = std::thread::Builder::new()
+            .name(format!("{name}-io"))
+            .spawn(move || io.run())
+            .map_err(|e| format!("spawning IO thread: {e}"))?;
+        Ok(Self {
+            name,
+            endpoint,
+            cmd: cmd_tx,
+            io: Mutex::new(Some(handle)),
+            next_rid: AtomicU64::new(1),
+            stats,
+        })
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This agent's control endpoint (advertised in the handshake / WANT).
+    pub fn local_endpoint(&self) -> &[u8] {
+        &self.endpoint
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &TransportStats {
+        &self.stats
+    }
+
+    /// Registers a receiver peer: its control endpoint and the memory kind
+    /// of its arena. Waits at most 5 s for the IO thread.
+    ///
+    /// # Errors
+    /// [`ControlError::InvalidEndpoint`] for a malformed endpoint;
+    /// [`ControlError::Transport`] if the IO thread is gone or slow.
+    pub fn add_peer(&self, peer: &str, endpoint: &[u8], kind: MemKind) -> Result<(), ControlError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.cmd
+            .send(Command::AddPeer {
+                peer: peer.to_string(),
+                endpoint: endpoint.to_vec(),
+                kind,
+                reply: tx,
+            })
+            .map_err(|_| ControlError::Transport("transport is shut down".into()))?;
+        rx.recv_timeout(SYNC_TIMEOUT)
+            .map_err(|_| ControlError::Transport("IO thread did not answer add_peer".into()))?
+    }
+
+    /// Forgets `peer` synchronously (seed §9 "peer loss"): drops its route,
+    /// reclaims all its flows (scattering regions deferred as orphans) and
+    /// fails its in-flight requests. Returns once the IO thread has done it
+    /// (at most 5 s).
+    pub fn forget_peer(&self, peer: &str) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .cmd
+            .send(Command::ForgetPeer {
+                peer: peer.to_string(),
+                reply: tx,
+            })
+            .is_ok()
+        {
+            let _ = rx.recv_timeout(SYNC_TIMEOUT);
+        }
+    }
+
+    /// Allows scatters into `[addr, addr + len)` (the registered KV memory).
+    /// Scatter runs from a peer outside every allowed range are rejected
+    /// (seed §9 "scatter input validation").
+    pub fn allow_scatter_range(&self, addr: u64, len: u64) {
+        let _ = self.cmd.send(Command::AllowScatter { addr, len });
+    }
+
+    /// Submits a WRITE of `descs` to `peer` through bounce. Never blocks;
+    /// the handle resolves SUCCESS or FAILURE (at the latest after the
+    /// request timeout without progress).
+    pub fn submit(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
+        let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
+        let completion = Arc::new(Completion::default());
+        let handle = TransferHandle {
+            completion: completion.clone(),
+            request_id: rid,
+        };
+        self.stats.submitted.fetch_add(1, Ordering::Relaxed);
+        if self
+            .cmd
+            .send(Command::Submit {
+                rid,
+                peer: peer.to_string(),
+                descs,
+                completion,
+            })
+            .is_err()
+        {
+            handle
+                .completion
+                .resolve(TransferOutcome::Failure("transport is shut down".into()));
+            self.stats.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        handle
+    }
+
+    /// Arena accounting as seen by the IO thread (at most 5 s wait).
+    pub fn snapshot(&self) -> Option<ArenaSnapshot> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.cmd.send(Command::Snapshot { reply: tx }).ok()?;
+        rx.recv_timeout(SYNC_TIMEOUT).ok()
+    }
+
+    /// Test hook: inject failures.
+    pub fn set_faults(&self, faults: FaultPlan) {
+        let _ = self.cmd.send(Command::Faults(faults));
+    }
+
+    /// Test hook: send raw control bytes to a peer from the IO thread.
+    pub fn send_raw(&self, peer: &str, bytes: Vec<u8>) {
+        let _ = self.cmd.send(Command::SendRaw {
+            peer: peer.to_string(),
+            bytes,
+        });
+    }
+
+    /// Stops the IO thread: every in-flight request resolves FAILURE
+    /// ("shutdown"), copy workers are joined, orphaned writes are drained
+    /// (bounded). Idempotent.
+    pub fn shutdown(&self) {
+        let _ = self.cmd.send(Command::Shutdown);
+        let handle = self.io.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for BounceTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// IO thread state
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    /// Not staged yet.
+    Pending,
+    /// Gather job running.
+    Gathering,
+    /// Gathered, waiting for a credit.
+    Gathered,
+    /// RDMA write in flight.
+    Writing(XferHandle),
+    /// Write landed, DATA sent, waiting for ACK.
+    DataSent,
+    /// ACKed.
+    Acked,
+}
+
+struct SendChunk {
+    state: ChunkState,
+    /// Local staging region offset.
+    local: Option<u64>,
+    /// Still counted against the eager budget.
+    eager: bool,
+    credit: Option<Credit>,
+}
+
+struct SendRequest {
+    peer: String,
+    remote_kind: MemKind,
+    chunks: Vec<Chunk>,
+    gather_runs: Vec<Arc<[ScatterRun]>>,
+    state: Vec<SendChunk>,
+    credits: VecDeque<Credit>,
+    next_attach: usize,
+    next_stage: usize,
+    acked: usize,
+    total_bytes: u64,
+    submitted_at: Instant,
+    first_grant: bool,
+    last_progress: Instant,
+    completion: Arc<Completion>,
+}
+
+impl SendRequest {
+    fn staged_unacked(&self) -> usize {
+        self.state
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.state,
+                    ChunkState::Gathering
+                        | ChunkState::Gathered
+                        | ChunkState::Writing(_)
+                        | ChunkState::DataSent
+                )
+            })
+            .count()
+    }
+}
+
+enum JobRef {
+    Gather { rid: u64, chunk: usize, local: u64 },
+    /// Gather of a request that failed meanwhile: free its staging on done.
+    OrphanGather { local: u64 },
+    Scatter { flow: FlowKey, offset: u64, chunk: u32 },
+}
+
+struct RecvRegion {
+    flow: FlowKey,
+    len: u64,
+}
+
+struct PendingScatter {
+    flow: FlowKey,
+    offset: u64,
+    chunk: u32,
+    runs: Arc<[ScatterRun]>,
+}
+
+struct PeerRoute {
+    kind: MemKind,
+}
+
+struct Io {
+    name: String,
+    engine: Arc<dyn TransferEngine>,
+    channel: Box<dyn ControlChannel>,
+    endpoint: Vec<u8>,
+    arena: ArenaSpec,
+    exec: ExecPool<()>,
+    settings: TransportSettings,
+    scheduler: CreditScheduler,
+    workers: Option<CopyWorkers>,
+    done_rx: Receiver<CopyDone>,
+    cmd_rx: Receiver<Command>,
+    stats: Arc<TransportStats>,
+    peers: HashMap<String, PeerRoute>,
+    requests: HashMap<u64, SendRequest>,
+    /// In-flight writes: (rid, chunk).
+    writes: Vec<(u64, usize)>,
+    jobs: HashMap<u64, JobRef>,
+    next_token: u64,
+    /// Receiver regions granted: offset → owner.
+    regions: HashMap<u64, RecvRegion>,
+    /// Next chunk index to grant per flow.
+    grant_index: HashMap<FlowKey, u32>,
+    scatter_queue: VecDeque<PendingScatter>,
+    /// Send-side orphans: writes of failed requests still in flight
+    /// (handle, local staging offset).
+    orphan_writes: Vec<(XferHandle, u64)>,
+    /// Ranges scatters may write to.
+    allowed: Vec<(u64, u64)>,
+    faults: FaultPlan,
+    /// Some request could not stage (arena / exec full): retry each tick.
+    parked: bool,
+}
+
+impl Io {
+    fn run(&mut self) {
+        let mut idle_spins: u32 = 0;
+        loop {
+            // Commands.
+            let mut shutdown = false;
+            while let Ok(cmd) = self.cmd_rx.try_recv() {
+                if self.handle_command(cmd) {
+                    shutdown = true;
+                    break;
+                }
+            }
+            if shutdown {
+                break;
+            }
+            let busy = !self.writes.is_empty()
+                || !self.jobs.is_empty()
+                || !self.orphan_writes.is_empty()
+                || !self.scatter_queue.is_empty()
+                || self.parked;
+            // Progress the engine (with the notification channel, its recv
+            // does that and owns the notifications).
+            if !self.channel.progresses_engine() {
+                if let Err(e) = self.engine.progress() {
+                    tracing::warn!(agent = %self.name, error = %e, "engine progress failed");
+                }
+            }
+            // Control messages: up to a batch per tick.
+            let timeout = if busy {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(1)
+            };
+            let mut got = 0;
+            for i in 0..64 {
+                match self
+                    .channel
+                    .recv(if i == 0 { timeout } else { Duration::ZERO })
+                {
+                    Ok(Some((peer, bytes))) => {
+                        got += 1;
+                        self.on_message(&peer, &bytes);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(agent = %self.name, error = %e, "control recv failed");
+                        break;
+                    }
+                }
+            }
+            let done = self.drain_copies();
+            let polled = self.poll_writes();
+            self.drain_scatter_queue();
+            if self.parked {
+                self.parked = false;
+                let rids: Vec<u64> = self.requests.keys().copied().collect();
+                for rid in rids {
+                    self.pump(rid);
+                }
+            }
+            self.drain_orphan_writes();
+            self.check_timeouts();
+            self.update_gauges();
+            if got == 0 && done == 0 && polled == 0 && busy {
+                idle_spins += 1;
+                if idle_spins > 2000 {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            } else {
+                idle_spins = 0;
+            }
+        }
+        self.shutdown();
+    }
+
+    fn update_gauges(&self) {
+        let cap = self.scheduler.capacity();
+        self.stats
+            .arena_bytes_in_use
+            .store(cap - self.scheduler.free_bytes(), Ordering::Relaxed);
+        self.stats
+            .drain_mode
+            .store(u64::from(self.scheduler.in_drain_mode()), Ordering::Relaxed);
+    }
+
+    fn handle_command(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit {
+                rid,
+                peer,
+                descs,
+                completion,
+            } => self.on_submit(rid, peer, descs, completion),
+            Command::AddPeer {
+                peer,
+                endpoint,
+                kind,
+                reply,
+            } => {
+                let r = self.channel.add_peer(&peer, &endpoint);
+                if r.is_ok() {
+                    self.peers.insert(peer, PeerRoute { kind });
+                }
+                let _ = reply.send(r);
+            }
+            Command::ForgetPeer { peer, reply } => {
+                self.forget_peer(&peer);
+                let _ = reply.send(());
+            }
+            Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Command::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Faults(f) => self.faults = f,
+            Command::SendRaw { peer, bytes } => {
+                let _ = self.channel.send_to(&peer, &bytes);
+            }
+            Command::Shutdown => return true,
+        }
+        false
+    }
+
+    fn snapshot(&self) -> ArenaSnapshot {
+        ArenaSnapshot {
+            capacity: self.scheduler.capacity(),
+            free_bytes: self.scheduler.free_bytes(),
+            held_bytes: self.scheduler.held_bytes(),
+            local_held_bytes: self.scheduler.local_held_bytes(),
+            orphaned_bytes: self.scheduler.orphaned_bytes(),
+            flows: self.scheduler.flow_count(),
+            send_requests: self.requests.len(),
+            send_orphans: self.orphan_writes.len()
+                + self
+                    .jobs
+                    .values()
+                    .filter(|j| matches!(j, JobRef::OrphanGather { .. }))
+                    .count(),
+            conservation: self.scheduler.check_conservation(),
+        }
+    }
+
+    fn send(&mut self, peer: &str, msg: &Message) -> bool {
+        let bytes = msg.encode();
+        match self.channel.send_to(peer, &bytes) {
+            Ok(()) => true,
+            Err(e) => {
+                if matches!(e, ControlError::Dropped(_)) {
+                    self.stats.control_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(agent = %self.name, peer, error = %e, msg = ?msg.message_type(), "control send failed");
+                false
+            }
+        }
+    }
+
+    fn token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    // ---------------- sender role ----------------
+
+    fn on_submit(
+        &mut self,
+        rid: u64,
+        peer: String,
+        descs: Vec<Descriptor>,
+        completion: Arc<Completion>,
+    ) {
+        let fail = |c: &Arc<Completion>, stats: &TransportStats, why: String| {
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+            c.resolve(TransferOutcome::Failure(why));
+        };
+        let Some(route) = self.peers.get(&peer) else {
+            return fail(
+                &completion,
+                &self.stats,
+                format!("peer {peer:?} is not a registered bounce peer"),
+            );
+        };
+        let remote_kind = route.kind;
+        let plan = match TransferPlan::build(
+            &descs,
+            self.settings.max_chunk_size_bytes,
+            self.settings.merge_runs,
+        ) {
+            Ok(p) => p,
+            Err(e) => return fail(&completion, &self.stats, format!("planning: {e}")),
+        };
+        let total_bytes = plan.total_bytes;
+        let chunks = plan.into_chunks();
+        if chunks.is_empty() {
+            self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
+            completion.resolve(TransferOutcome::Success);
+            return;
+        }
+        let want = Message::Want(Want {
+            request_id: rid,
+            chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
+            endpoint: self.endpoint.clone(),
+        });
+        let now = Instant::now();
+        let gather_runs = chunks
+            .iter()
+            .map(|c| Arc::<[ScatterRun]>::from(c.gather_runs.as_slice()))
+            .collect();
+        let state = chunks
+            .iter()
+            .map(|_| SendChunk {
+                state: ChunkState::Pending,
+                local: None,
+                eager: false,
+                credit: None,
+            })
+            .collect();
+        self.requests.insert(
+            rid,
+            SendRequest {
+                peer: peer.clone(),
+                remote_kind,
+                chunks,
+                gather_runs,
+                state,
+                credits: VecDeque::new(),
+                next_attach: 0,
+                next_stage: 0,
+                acked: 0,
+                total_bytes,
+                submitted_at: now,
+                first_grant: false,
+                last_progress: now,
+                completion,
+            },
+        );
+        if !self.send(&peer, &want) {
+            self.fail_request(rid, "could not send WANT".into());
+            return;
+        }
+        self.pump(rid);
+    }
+
+    /// Attach credits in chunk order, stage gathers within the window,
+    /// post writes for gathered chunks holding a credit.
+    fn pump(&mut self, rid: u64) {
+        let w = self.settings.max_inflight_chunks;
+        let eager_ok = self.settings.eager_gather;
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return;
+        };
+        // 1. Attach credits (strict chunk order).
+        while req.next_attach < req.chunks.len() {
+            let Some(credit) = req.credits.pop_front() else {
+                break;
+            };
+            let c = &mut req.state[req.next_attach];
+            c.credit = Some(credit);
+            if c.eager {
+                if let Some(off) = c.local {
+                    let _ = self.scheduler.promote_local(off);
+                }
+                c.eager = false;
+            }
+            req.next_attach += 1;
+        }
+        // 2. Stage gathers within the window.
+        let mut parked = false;
+        while req.next_stage < req.chunks.len() && req.staged_unacked() < w {
+            let i = req.next_stage;
+            let credited = req.state[i].credit.is_some();
+            if !credited && !eager_ok {
+                break;
+            }
+            let bytes = req.chunks[i].packed_bytes;
+            let Some(local) = self.scheduler.acquire_local(bytes, !credited) else {
+                parked = credited;
+                break;
+            };
+            let Some(()) = self.exec.try_acquire() else {
+                let _ = self.scheduler.release_local(local);
+                parked = true;
+                break;
+            };
+            let token = self.next_token;
+            self.next_token += 1;
+            self.jobs.insert(
+                token,
+                JobRef::Gather {
+                    rid,
+                    chunk: i,
+                    local,
+                },
+            );
+            let c = &mut req.state[i];
+            c.state = ChunkState::Gathering;
+            c.local = Some(local);
+            c.eager = !credited;
+            if let Some(w) = &self.workers {
+                w.submit(CopyJob {
+                    token,
+                    kind: CopyKind::Gather,
+                    region_addr: self.arena.base + local,
+                    runs: req.gather_runs[i].clone(),
+                });
+            }
+            req.next_stage += 1;
+        }
+        if parked {
+            self.parked = true;
+        }
+        // 3. Post writes for gathered + credited chunks.
+        let ready: Vec<usize> = (0..req.next_attach)
+            .filter(|&i| req.state[i].state == ChunkState::Gathered)
+            .collect();
+        for i in ready {
+            if let Err(why) = self.post_chunk(rid, i) {
+                self.fail_request(rid, why);
+                return;
+            }
+        }
+    }
+
+    fn post_chunk(&mut self, rid: u64, i: usize) -> Result<(), String> {
+        let req = self.requests.get_mut(&rid).expect("request exists");
+        let c = &req.state[i];
+        let credit = c.credit.expect("credited");
+        let local = c.local.expect("staged");
+        let bytes = req.chunks[i].packed_bytes;
+        if credit.len < bytes {
+            return Err(format!(
+                "GRANT for chunk {i} is {} bytes, chunk needs {bytes}",
+                credit.len
+            ));
+        }
+        let h = self
+            .engine
+            .post_write(
+                &req.peer,
+                self.arena.kind,
+                &[MemDesc {
+                    addr: self.arena.base + local,
+                    len: bytes,
+                    device_id: self.arena.device_id,
+                }],
+                req.remote_kind,
+                &[MemDesc {
+                    addr: credit.addr,
+                    len: bytes,
+                    device_id: credit.device_id.max(0) as u64,
+                }],
+            )
+            .map_err(|e| format!("posting write of chunk {i}: {e}"))?;
+        req.state[i].state = ChunkState::Writing(h);
+        self.writes.push((rid, i));
+        Ok(())
+    }
+
+    fn poll_writes(&mut self) -> usize {
+        let mut progressed = 0;
+        let mut k = 0;
+        while k < self.writes.len() {
+            let (rid, i) = self.writes[k];
+            let Some(req) = self.requests.get(&rid) else {
+                self.writes.swap_remove(k);
+                continue;
+            };
+            let ChunkState::Writing(h) = req.state[i].state else {
+                self.writes.swap_remove(k);
+                continue;
+            };
+            let polled = if self.faults.fail_writes {
+                Err("injected engine failure".to_string())
+            } else {
+                self.engine.poll(h).map_err(|e| e.to_string())
+            };
+            match polled {
+                Ok(XferState::InProgress) => k += 1,
+                Ok(XferState::Success) => {
+                    self.writes.swap_remove(k);
+                    self.engine.release(h);
+                    progressed += 1;
+                    self.stats.chunks_written.fetch_add(1, Ordering::Relaxed);
+                    let req = self.requests.get_mut(&rid).expect("checked");
+                    req.state[i].state = ChunkState::DataSent;
+                    req.last_progress = Instant::now();
+                    let credit = req.state[i].credit.expect("credited");
+                    let data = Message::Data(Data {
+                        request_id: rid,
+                        chunk_index: i as u32,
+                        region_handle: credit.region_handle,
+                        runs: req.chunks[i].scatter_runs.clone(),
+                    });
+                    let peer = req.peer.clone();
+                    if !self.send(&peer, &data) {
+                        self.fail_request(rid, format!("could not send DATA for chunk {i}"));
+                    }
+                }
+                Err(e) => {
+                    self.writes.swap_remove(k);
+                    progressed += 1;
+                    // The handle is terminal (failed): release it; the
+                    // staging region is no longer read by the NIC.
+                    self.engine.release(h);
+                    if let Some(req) = self.requests.get_mut(&rid) {
+                        req.state[i].state = ChunkState::Gathered;
+                    }
+                    self.fail_request(rid, format!("write of chunk {i} failed: {e}"));
+                }
+            }
+        }
+        progressed
+    }
+
+    fn on_grant(&mut self, peer: &str, g: Grant) {
+        let Some(req) = self.requests.get_mut(&g.request_id) else {
+            tracing::debug!(agent = %self.name, peer, rid = g.request_id, "GRANT for unknown request (late); ignored");
+            return;
+        };
+        if req.peer != peer {
+            tracing::warn!(agent = %self.name, peer, rid = g.request_id, "GRANT from the wrong peer; ignored");
+            return;
+        }
+        if !req.first_grant {
+            req.first_grant = true;
+            self.stats.credit_wait_us.fetch_add(
+                req.submitted_at.elapsed().as_micros() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        req.last_progress = Instant::now();
+        req.credits.extend(g.credits);
+        self.pump(g.request_id);
+    }
+
+    fn on_ack(&mut self, peer: &str, a: Ack) {
+        let rid = a.request_id;
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return;
+        };
+        let i = a.chunk_index as usize;
+        if req.peer != peer || i >= req.state.len() {
+            tracing::warn!(agent = %self.name, peer, rid, chunk = i, "ACK does not match a request; ignored");
+            return;
+        }
+        let c = &mut req.state[i];
+        if c.state != ChunkState::DataSent
+            || c.credit.map(|cr| cr.region_handle) != Some(a.region_handle)
+        {
+            tracing::warn!(agent = %self.name, peer, rid, chunk = i, "unexpected ACK; ignored");
+            return;
+        }
+        c.state = ChunkState::Acked;
+        if let Some(local) = c.local.take() {
+            let _ = self.scheduler.release_local(local);
+        }
+        req.acked += 1;
+        req.last_progress = Instant::now();
+        if req.acked == req.chunks.len() {
+            let req = self.requests.remove(&rid).expect("exists");
+            self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .bytes_sent
+                .fetch_add(req.total_bytes, Ordering::Relaxed);
+            req.completion.resolve(TransferOutcome::Success);
+            // Freed staging may unblock a parked request.
+            self.parked = true;
+        } else {
+            self.pump(rid);
+        }
+        self.schedule_and_send();
+    }
+
+    /// Resolves `rid` FAILURE now and cleans up: cancel (empty WANT) to the
+    /// receiver, staging freed at once where no copy/NIC still uses it,
+    /// deferred (send-side orphans) where one does (seed §9).
+    fn fail_request(&mut self, rid: u64, why: String) {
+        let Some(req) = self.requests.remove(&rid) else {
+            return;
+        };
+        tracing::warn!(agent = %self.name, peer = %req.peer, rid, reason = %why, "bounce request failed");
+        self.stats.failed.fetch_add(1, Ordering::Relaxed);
+        let cancel = wire::encode_cancel(rid, &self.endpoint);
+        if self.channel.has_peer(&req.peer) {
+            let _ = self.channel.send_to(&req.peer, &cancel);
+        }
+        for (i, c) in req.state.iter().enumerate() {
+            match c.state {
+                ChunkState::Gathering => {
+                    // The gather job still writes the staging region: free on done.
+                    if let Some((_, job)) = self.jobs.iter_mut().find(|(_, j)| {
+                        matches!(j, JobRef::Gather { rid: r, chunk, .. } if *r == rid && *chunk == i)
+                    }) {
+                        *job = JobRef::OrphanGather {
+                            local: c.local.expect("staged"),
+                        };
+                    }
+                }
+                ChunkState::Writing(h) => {
+                    self.orphan_writes.push((h, c.local.expect("staged")));
+                }
+                ChunkState::Gathered | ChunkState::DataSent => {
+                    if let Some(local) = c.local {
+                        let _ = self.scheduler.release_local(local);
+                    }
+                }
+                ChunkState::Pending | ChunkState::Acked => {}
+            }
+        }
+        self.writes.retain(|(r, _)| *r != rid);
+        req.completion.resolve(TransferOutcome::Failure(why));
+        self.parked = true;
+        self.schedule_and_send();
+    }
+
+    fn drain_orphan_writes(&mut self) {
+        let mut k = 0;
+        while k < self.orphan_writes.len() {
+            let (h, local) = self.orphan_writes[k];
+            match self.engine.poll(h) {
+                Ok(XferState::InProgress) => k += 1,
+                _ => {
+                    self.engine.release(h);
+                    let _ = self.scheduler.release_local(local);
+                    self.orphan_writes.swap_remove(k);
+                    self.parked = true;
+                }
+            }
+        }
+    }
+
+    fn check_timeouts(&mut self) {
+        let timeout = self.settings.request_timeout;
+        let now = Instant::now();
+        let expired: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| now.duration_since(r.last_progress) > timeout)
+            .map(|(rid, _)| *rid)
+            .collect();
+        for rid in expired {
+            self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+            self.fail_request(
+                rid,
+                format!("no progress within the request timeout of {timeout:?}"),
+            );
+        }
+    }
+
+    // ---------------- receiver role ----------------
+
+    fn on_want(&mut self, peer: &str, w: Want) {
+        if self.faults.ignore_wants {
+            return;
+        }
+        let flow = FlowKey::new(peer, w.request_id);
+        // Reverse-path bootstrap (seed §5): route to the sender's endpoint.
+        if !self.channel.has_peer(peer) {
+            if let Err(e) = self.channel.add_peer(peer, &w.endpoint) {
+                tracing::warn!(agent = %self.name, peer, error = %e, "WANT with an unusable endpoint; rejected");
+                if w.is_cancel() {
+                    // A cancel is honoured anyway (reclaims earlier state).
+                    self.stats.cancels_received.fetch_add(1, Ordering::Relaxed);
+                    self.reclaim_flow(&flow);
+                } else {
+                    self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+                }
+                return;
+            }
+        }
+        if w.is_cancel() {
+            self.stats.cancels_received.fetch_add(1, Ordering::Relaxed);
+            self.reclaim_flow(&flow);
+            return;
+        }
+        if let Err(e) = self.scheduler.on_want(flow, &w.chunk_bytes) {
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
+            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.schedule_and_send();
+    }
+
+    fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.scheduler.reclaim_flow(flow);
+        self.forget_regions(|f| f == flow);
+        self.grant_index.remove(flow);
+        self.schedule_and_send();
+    }
+
+    /// Drops region records whose flow matches and which are no longer held
+    /// (reclaimed); scattering ones stay until their scatter completes.
+    fn forget_regions(&mut self, pred: impl Fn(&FlowKey) -> bool) {
+        let sched = &self.scheduler;
+        self.regions
+            .retain(|off, r| !pred(&r.flow) || sched.held_by_flow(&r.flow, *off));
+        self.scatter_queue
+            .retain(|s| !pred(&s.flow) || sched.held_by_flow(&s.flow, s.offset));
+    }
+
+    fn schedule_and_send(&mut self) {
+        let grants = self.scheduler.schedule();
+        if grants.is_empty() {
+            return;
+        }
+        self.stats
+            .grants
+            .fetch_add(grants.len() as u64, Ordering::Relaxed);
+        // Group per flow, preserving grant order.
+        let mut batches: Vec<(FlowKey, Vec<Credit>)> = Vec::new();
+        for g in grants {
+            let idx = self.grant_index.entry(g.flow.clone()).or_insert(0);
+            let credit = Credit {
+                chunk_index: *idx,
+                region_handle: g.region_offset,
+                addr: self.arena.base + g.region_offset,
+                len: g.len,
+                device_id: self.arena.device_id as i32,
+            };
+            *idx += 1;
+            self.regions.insert(
+                g.region_offset,
+                RecvRegion {
+                    flow: g.flow.clone(),
+                    len: g.len,
+                },
+            );
+            match batches.iter_mut().find(|(f, _)| *f == g.flow) {
+                Some((_, v)) => v.push(credit),
+                None => batches.push((g.flow, vec![credit])),
+            }
+        }
+        for (flow, credits) in batches {
+            let msg = Message::Grant(Grant {
+                request_id: flow.rid,
+                credits,
+            });
+            self.send(&flow.peer, &msg);
+        }
+    }
+
+    fn validate_runs(&self, region_len: u64, runs: &[ScatterRun]) -> Result<(), String> {
+        let mut total: u64 = 0;
+        for (k, r) in runs.iter().enumerate() {
+            if r.segment_len == 0 || r.count == 0 {
+                return Err(format!("run {k} is empty"));
+            }
+            let end = r
+                .region_end()
+                .ok_or_else(|| format!("run {k} overflows"))?;
+            if end > region_len {
+                return Err(format!(
+                    "run {k} ends at region byte {end}, beyond the granted {region_len} bytes"
+                ));
+            }
+            let dst_end = u64::from(r.count - 1)
+                .checked_mul(r.addr_stride)
+                .and_then(|x| x.checked_add(r.addr))
+                .and_then(|x| x.checked_add(r.segment_len))
+                .ok_or_else(|| format!("run {k} destination overflows"))?;
+            let inside = self
+                .allowed
+                .iter()
+                .any(|&(a, l)| r.addr >= a && dst_end <= a + l);
+            if !inside {
+                return Err(format!(
+                    "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
+                    r.addr
+                ));
+            }
+            total = total.saturating_add(r.total_bytes());
+        }
+        if total > region_len {
+            return Err(format!(
+                "runs move {total} bytes, more than the granted {region_len}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_data(&mut self, peer: &str, d: Data) {
+        let flow = FlowKey::new(peer, d.request_id);
+        if !self.scheduler.held_by_flow(&flow, d.region_handle) {
+            // Late DATA after a cancel / forget: never scatter (seed §9).
+            tracing::warn!(agent = %self.name, peer, rid = d.request_id, region = d.region_handle, "DATA for a region the flow does not hold; dropped");
+            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let len = self
+            .regions
+            .get(&d.region_handle)
+            .map(|r| r.len)
+            .unwrap_or(0);
+        if let Err(why) = self.validate_runs(len, &d.runs) {
+            tracing::warn!(agent = %self.name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
+            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if let Err(e) = self.scheduler.begin_scatter(&flow, d.region_handle) {
+            tracing::warn!(agent = %self.name, peer, error = %e, "DATA rejected");
+            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.scatter_queue.push_back(PendingScatter {
+            flow,
+            offset: d.region_handle,
+            chunk: d.chunk_index,
+            runs: d.runs.into(),
+        });
+        self.drain_scatter_queue();
+    }
+
+    fn drain_scatter_queue(&mut self) {
+        while !self.scatter_queue.is_empty() {
+            let Some(()) = self.exec.try_acquire() else {
+                return;
+            };
+            let s = self.scatter_queue.pop_front().expect("non-empty");
+            let token = self.token();
+            let region_addr = self.arena.base + s.offset;
+            self.jobs.insert(
+                token,
+                JobRef::Scatter {
+                    flow: s.flow,
+                    offset: s.offset,
+                    chunk: s.chunk,
+                },
+            );
+            if let Some(w) = &self.workers {
+                w.submit(CopyJob {
+                    token,
+                    kind: CopyKind::Scatter,
+                    region_addr,
+                    runs: s.runs,
+                });
+            }
+        }
+    }
+
+    fn drain_copies(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(done) = self.done_rx.try_recv() {
+            n += 1;
+            self.exec.release(());
+            match self.jobs.remove(&done.token) {
+                Some(JobRef::Gather { rid, chunk, local }) => {
+                    match done.result {
+                        Ok(()) => {
+                            if let Some(req) = self.requests.get_mut(&rid) {
+                                req.state[chunk].state = ChunkState::Gathered;
+                                req.last_progress = Instant::now();
+                                self.pump(rid);
+                            } else {
+                                let _ = self.scheduler.release_local(local);
+                            }
+                        }
+                        Err(e) => {
+                            if let Some(req) = self.requests.get_mut(&rid) {
+                                // Region is no longer written: free it with the request.
+                                req.state[chunk].state = ChunkState::Gathered;
+                            }
+                            self.fail_request(rid, format!("gather of chunk {chunk}: {e}"));
+                        }
+                    }
+                }
+                Some(JobRef::OrphanGather { local }) => {
+                    let _ = self.scheduler.release_local(local);
+                    self.parked = true;
+                    self.schedule_and_send();
+                }
+                Some(JobRef::Scatter {
+                    flow,
+                    offset,
+                    chunk,
+                }) => {
+                    let live = self.scheduler.held_by_flow(&flow, offset);
+                    let _ = self.scheduler.scatter_done(offset);
+                    self.regions.remove(&offset);
+                    if !self.scheduler.contains_flow(&flow) {
+                        self.grant_index.remove(&flow);
+                    }
+                    match (live, done.result) {
+                        (true, Ok(())) => {
+                            self.stats.chunks_scattered.fetch_add(1, Ordering::Relaxed);
+                            let ack = Message::Ack(Ack {
+                                request_id: flow.rid,
+                                chunk_index: chunk,
+                                region_handle: offset,
+                            });
+                            self.send(&flow.peer, &ack);
+                        }
+                        (true, Err(e)) => {
+                            // Never report landed on a failed scatter (seed §9).
+                            tracing::warn!(agent = %self.name, flow = %flow, error = %e, "scatter failed; no ACK");
+                        }
+                        (false, _) => {} // orphan: freed, nothing to ACK
+                    }
+                    self.schedule_and_send();
+                }
+                None => {}
+            }
+        }
+        n
+    }
+
+    fn on_message(&mut self, peer: &str, bytes: &[u8]) {
+        match Message::decode(bytes) {
+            Ok(Message::Want(w)) => self.on_want(peer, w),
+            Ok(Message::Grant(g)) => self.on_grant(peer, g),
+            Ok(Message::Data(d)) => self.on_data(peer, d),
+            Ok(Message::Ack(a)) => self.on_ack(peer, a),
+            Ok(Message::Handshake(_)) => {
+                tracing::warn!(agent = %self.name, peer, "handshake on the control channel; ignored")
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.name, peer, error = %e, "undecodable control message; dropped")
+            }
+        }
+    }
+
+    // ---------------- lifecycle ----------------
+
+    fn forget_peer(&mut self, peer: &str) {
+        self.channel.remove_peer(peer);
+        self.peers.remove(peer);
+        let _ = self.engine.forget_peer(peer);
+        self.scheduler.reclaim_by_prefix(peer);
+        self.forget_regions(|f| f.peer == peer);
+        self.grant_index.retain(|f, _| f.peer != peer);
+        let rids: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.peer == peer)
+            .map(|(rid, _)| *rid)
+            .collect();
+        for rid in rids {
+            self.fail_request(rid, format!("peer {peer:?} was forgotten"));
+        }
+        self.schedule_and_send();
+    }
+
+    fn shutdown(&mut self) {
+        let rids: Vec<u64> = self.requests.keys().copied().collect();
+        for rid in rids {
+            self.fail_request(rid, "transport shut down".into());
+        }
+        // Finish copies already queued (bounded), then join workers.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.jobs.is_empty() && Instant::now() < deadline {
+            if self.drain_copies() == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.workers.take();
+        while !self.orphan_writes.is_empty() && Instant::now() < deadline {
+            let _ = self.engine.progress();
+            self.drain_orphan_writes();
+        }
+        // Anything left is released unconditionally.
+        for (h, _) in self.orphan_writes.drain(..) {
+            self.engine.release(h);
+        }
+        // Resolve commands that raced with shutdown.
+        while let Ok(cmd) = self.cmd_rx.try_recv() {
+            match cmd {
+                Command::Submit { completion, .. } => {
+                    completion.resolve(TransferOutcome::Failure("transport shut down".into()))
+                }
+                Command::ForgetPeer { reply, .. } => {
+                    let _ = reply.send(());
+                }
+                Command::AddPeer { reply, .. } => {
+                    let _ = reply.send(Err(ControlError::Transport("shut down".into())));
+                }
+                _ => {}
+            }
+        }
+    }
+}

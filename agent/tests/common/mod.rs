@@ -1,0 +1,153 @@
+//! Shared fixtures for the agent's end-to-end tests: fabric agents over
+//! real NIXL (loopback) with host KV pools, pattern fill and verification.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvfabric_agent::core::config::BounceConfig;
+use kvfabric_agent::core::Descriptor;
+use kvfabric_agent::runtime::control::zmq::BindAddr;
+use kvfabric_agent::runtime::engine::{EngineError, MemDesc, MemKind};
+use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
+
+/// A page-aligned host buffer used as a KV pool.
+pub struct Pool {
+    pub buf: Vec<u8>,
+}
+
+impl Pool {
+    pub fn new(len: usize) -> Self {
+        Self { buf: vec![0u8; len] }
+    }
+    pub fn addr(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+    pub fn desc(&self) -> (MemKind, MemDesc) {
+        (MemKind::Dram, MemDesc::host(self.addr(), self.buf.len() as u64))
+    }
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A unique agent name (pid + counter + label).
+pub fn unique(label: &str) -> String {
+    format!(
+        "{label}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A test config: small arena, min descriptor count 1.
+pub fn test_config(arena: &str, max_chunk: &str, w: u32) -> BounceConfig {
+    let mut c = BounceConfig::default();
+    c.apply_env_vars([
+        ("KVFABRIC_BOUNCE_ENABLE", "1"),
+        ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", arena),
+        ("KVFABRIC_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES", "64KiB"),
+        ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", max_chunk),
+        ("KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST", &w.to_string()),
+        ("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1"),
+        ("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "5000"),
+        ("KVFABRIC_BOUNCE_SCATTER_WORKER_COUNT", "2"),
+    ]);
+    c
+}
+
+/// Builds an agent over `pools`, or `None` (with a printed reason) when the
+/// NIXL runtime is not installed.
+pub fn agent(label: &str, cfg: &BounceConfig, pools: &[&Pool]) -> Option<FabricAgent> {
+    let eff = cfg.validate().expect("valid test config");
+    match FabricAgent::new(FabricOptions {
+        name: unique(label),
+        config: eff,
+        kv_regions: pools.iter().map(|p| p.desc()).collect(),
+        bind: BindAddr::Loopback,
+        copy: None,
+    }) {
+        Ok(a) => Some(a),
+        Err(EngineError::Runtime(e)) => {
+            eprintln!("SKIP: NIXL runtime not available: {e}");
+            None
+        }
+        Err(e) => panic!("creating fabric agent: {e}"),
+    }
+}
+
+/// Loads each agent into the other.
+pub fn connect(a: &FabricAgent, b: &FabricAgent) {
+    a.load_peer(&b.local_descriptor().unwrap()).unwrap();
+    b.load_peer(&a.local_descriptor().unwrap()).unwrap();
+}
+
+/// Deterministic byte for (seed, index): distinct per transfer.
+pub fn pattern(seed: u64, i: u64) -> u8 {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    (x ^ (x >> 29)) as u8
+}
+
+/// A permutation of `n` slots (xorshift, deterministic per seed).
+pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut s = seed | 1;
+    for i in (1..n).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// `count` blocks of `block` bytes: src slot `src_base + i` → dst slot
+/// `perm[i]` (both in block units, random scatter on the receiver).
+pub fn block_descs(
+    src: &Pool,
+    src_first_slot: usize,
+    dst: &Pool,
+    dst_slots: &[usize],
+    block: usize,
+) -> Vec<Descriptor> {
+    dst_slots
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            Descriptor::new(
+                src.addr() + ((src_first_slot + i) * block) as u64,
+                dst.addr() + (d * block) as u64,
+                block as u64,
+            )
+        })
+        .collect()
+}
+
+/// Fills the source bytes of `descs` with the transfer's pattern.
+pub fn fill(src: &mut Pool, descs: &[Descriptor], seed: u64) {
+    let base = src.addr();
+    for (k, d) in descs.iter().enumerate() {
+        let off = (d.src - base) as usize;
+        for j in 0..d.len as usize {
+            src.buf[off + j] = pattern(seed, (k as u64) << 32 | j as u64);
+        }
+    }
+}
+
+/// Checks every destination byte of `descs`; returns the first mismatch.
+pub fn verify(dst: &Pool, descs: &[Descriptor], seed: u64) -> Result<(), String> {
+    let base = dst.addr();
+    for (k, d) in descs.iter().enumerate() {
+        let off = (d.dst - base) as usize;
+        for j in 0..d.len as usize {
+            let want = pattern(seed, (k as u64) << 32 | j as u64);
+            let got = dst.buf[off + j];
+            if got != want {
+                return Err(format!(
+                    "descriptor {k} byte {j}: got {got:#04x}, want {want:#04x}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}

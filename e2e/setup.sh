@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One-time set-up of a fresh machine for building and testing kvfabric.
+# Idempotent: re-running only installs what is missing.
+#   - Debian packages: libclang-dev (bindgen for nixl-sys), protobuf-compiler
+#     (etcd-client), etcd-server/etcd-client (discovery tests), cmake/g++
+#     (vendored libzmq).
+#   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+need=()
+[ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server etcd-client)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+if [ "${#need[@]}" -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+"$repo/e2e/install-nixl.sh"
+echo "setup: done"
