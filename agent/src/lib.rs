@@ -15,4 +15,5 @@
 
 pub use kvfabric_core as core;
 
+pub mod bench;
 pub mod runtime;

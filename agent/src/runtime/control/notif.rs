@@ -82,6 +82,11 @@ impl NixlNotifControlChannel {
 }
 
 impl ControlChannel for NixlNotifControlChannel {
+    /// `recv` progresses the shared engine and owns its notifications.
+    fn progresses_engine(&self) -> bool {
+        true
+    }
+
     /// The engine's current serialized NIXL metadata (it grows as regions
     /// are registered, so it is read fresh on every call). Empty when the
     /// engine cannot produce it (logged): an agent without a usable endpoint

@@ -1,0 +1,5 @@
+//! Benchmarks and demos that run the engine for real: the data-plane
+//! side-by-side bench (two processes) and its helpers.
+
+pub mod dataplane;
+pub mod pattern;
