@@ -1,1 +1,139 @@
-fn main() {}
+//! Criterion benchmarks of the transfer plan and the wire codec (issue 2
+//! "Must show"): planning 16,384 descriptors (4 KiB each, random-ish slots and
+//! dense), and encode/decode throughput of a 16,384-descriptor DATA with
+//! merged runs vs per-descriptor entries. Also prints the encoded sizes.
+//!
+//! Run: `cargo bench -p kvfabric-core --bench plan_wire`.
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvfabric_core::plan::TransferPlan;
+use kvfabric_core::wire::{decode_data, Data, Message};
+use kvfabric_core::Descriptor;
+use std::time::Duration;
+
+const N: u64 = 16_384;
+const DESC_LEN: u64 = 4096;
+/// Seed §10 default `maxChunkSizeBytes`.
+const MAX_CHUNK: u64 = 32 << 20;
+/// A chunk cap holding all 16,384 × 4 KiB descriptors (one DATA message).
+const ONE_CHUNK: u64 = N * DESC_LEN;
+
+/// Dense: src and dst both contiguous (e.g. ctx tp1 → gen tp4 of one layer).
+fn dense() -> Vec<Descriptor> {
+    (0..N)
+        .map(|i| {
+            Descriptor::new(
+                0x7f00_0000_0000 + i * DESC_LEN,
+                0x7e00_0000_0000 + i * DESC_LEN,
+                DESC_LEN,
+            )
+        })
+        .collect()
+}
+
+/// Random-ish: KV blocks at pseudo-random slots of a 1M-block pool on both
+/// sides (a paged cache after churn): nothing merges.
+fn scattered() -> Vec<Descriptor> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        // xorshift64*
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D) % (1 << 20)
+    };
+    (0..N)
+        .map(|_| {
+            Descriptor::new(
+                0x7f00_0000_0000 + next() * DESC_LEN,
+                0x7e00_0000_0000 + next() * DESC_LEN,
+                DESC_LEN,
+            )
+        })
+        .collect()
+}
+
+/// Strided: dst advances by a uniform stride (one layer of an interleaved
+/// cache), src dense.
+fn strided() -> Vec<Descriptor> {
+    (0..N)
+        .map(|i| {
+            Descriptor::new(
+                0x7f00_0000_0000 + i * DESC_LEN,
+                0x7e00_0000_0000 + i * 8 * DESC_LEN,
+                DESC_LEN,
+            )
+        })
+        .collect()
+}
+
+fn bench_plan(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_16384x4KiB");
+    g.throughput(Throughput::Elements(N));
+    for (name, descs) in [
+        ("dense", dense()),
+        ("strided", strided()),
+        ("scattered", scattered()),
+    ] {
+        for merge in [true, false] {
+            let id = BenchmarkId::new(name, if merge { "merged" } else { "unmerged" });
+            g.bench_with_input(id, &descs, |b, d| {
+                b.iter(|| TransferPlan::build(black_box(d), MAX_CHUNK, merge).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+fn data_for(descs: &[Descriptor], merge: bool) -> Data {
+    let plan = TransferPlan::build(descs, ONE_CHUNK, merge).unwrap();
+    assert_eq!(plan.chunk_count(), 1);
+    Data {
+        request_id: 1,
+        chunk_index: 0,
+        region_handle: 0,
+        runs: plan.into_chunks().remove(0).scatter_runs,
+    }
+}
+
+fn bench_data(c: &mut Criterion) {
+    let mut g = c.benchmark_group("data_16384");
+    for (name, descs) in [("strided", strided()), ("scattered", scattered())] {
+        for merge in [true, false] {
+            let data = Message::from(data_for(&descs, merge));
+            let enc = data.encode();
+            let label = format!("{name}/{}", if merge { "merged" } else { "unmerged" });
+            println!(
+                "DATA {label}: {} runs, {} bytes encoded",
+                match &data {
+                    Message::Data(d) => d.runs.len(),
+                    _ => unreachable!(),
+                },
+                enc.len()
+            );
+            g.throughput(Throughput::Elements(N));
+            let mut buf = Vec::with_capacity(enc.len());
+            g.bench_function(BenchmarkId::new("encode", &label), |b| {
+                b.iter(|| {
+                    buf.clear();
+                    black_box(&data).encode_into(&mut buf);
+                    black_box(buf.len())
+                })
+            });
+            g.bench_function(BenchmarkId::new("decode", &label), |b| {
+                b.iter(|| decode_data(black_box(&enc)).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = bench_plan, bench_data
+}
+criterion_main!(benches);

@@ -1,1 +1,706 @@
-//! TODO: filled by the module's owner.
+//! Transfer plan: bin-pack scattered descriptors into chunks and coalesce the
+//! per-chunk gather / scatter views into runs (seed §4 `BounceTransferPlan`,
+//! §6 "Small control messages").
+//!
+//! # Packing rules
+//!
+//! Descriptors are packed **in order** (the plan never reorders) into chunks
+//! of at most `max_chunk_size_bytes` packed bytes. Each chunk is moved by one
+//! RDMA write into one arena region of exactly [`Chunk::packed_bytes`] bytes.
+//!
+//! * Every piece starts at a region offset that is a multiple of [`ALIGN`]
+//!   (32 bytes), so the gather/scatter kernel can use vectorized copies.
+//! * Zero-length descriptors are skipped (they produce no piece).
+//! * A descriptor that fits in the current chunk's remaining space goes there.
+//! * A descriptor that does not fit in the current chunk but **fits entirely
+//!   in a fresh chunk** closes the current chunk and starts a new one (it is
+//!   not split). This keeps every such descriptor in one piece, so the runs of
+//!   the dense case stay regular (a split would break a strided run in two
+//!   and cost an extra entry per chunk) at the price of at most one
+//!   descriptor's worth of tail slack per chunk.
+//! * A descriptor **larger than a whole chunk** is split: its first piece
+//!   fills the current chunk's remaining space (or a fresh chunk if the
+//!   current one is full), each further piece takes a whole fresh chunk, and
+//!   the last piece starts the next chunk at offset 0.
+//!
+//! # Runs
+//!
+//! For every chunk the plan keeps two coalesced views of the same pieces, in
+//! the same (region-offset) order:
+//!
+//! * `scatter_runs`: region offset → receiver destination (`Descriptor::dst`),
+//!   carried by DATA (seed §5) and used by the receiver's scatter kernel;
+//! * `gather_runs`: sender source (`Descriptor::src`) → region offset, used by
+//!   the sender's gather kernel.
+//!
+//! Pieces whose `(region_offset, addr)` both continue contiguously are fused
+//! into one longer segment; runs of equal-length segments whose
+//! `(region_offset, addr)` advance by a uniform forward stride collapse into
+//! one [`ScatterRun`] with `count > 1`. With `merge_runs == false` (seed
+//! `DISABLE_SCATTER_RUN_MERGING`, debugging only) every piece is its own run
+//! (`count == 1`, strides 0).
+
+use crate::types::{Descriptor, ScatterRun};
+use thiserror::Error;
+
+/// Alignment in bytes of every piece's in-region offset (seed §4: "32 B
+/// aligned"). `max_chunk_size_bytes` must be a positive multiple of it.
+pub const ALIGN: u64 = 32;
+
+/// Largest number of chunks one plan may have: chunk indices travel as `u32`
+/// in GRANT / DATA / ACK (see [`crate::wire`]).
+pub const MAX_CHUNKS: u64 = u32::MAX as u64;
+
+/// Why [`TransferPlan::build`] rejected its input. Each variant names the
+/// offending value or descriptor index so the caller can report it.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum PlanError {
+    /// `max_chunk_size_bytes` is smaller than [`ALIGN`] (32 bytes).
+    #[error(
+        "max_chunk_size_bytes = {max_chunk_size_bytes} is smaller than the {ALIGN}-byte alignment"
+    )]
+    ChunkSizeTooSmall {
+        /// The rejected chunk cap in bytes.
+        max_chunk_size_bytes: u64,
+    },
+    /// `max_chunk_size_bytes` is not a multiple of [`ALIGN`] (32 bytes).
+    #[error("max_chunk_size_bytes = {max_chunk_size_bytes} is not a multiple of {ALIGN}")]
+    ChunkSizeMisaligned {
+        /// The rejected chunk cap in bytes.
+        max_chunk_size_bytes: u64,
+    },
+    /// `src + len` or `dst + len` of descriptor `index` overflows `u64`.
+    #[error("descriptor #{index} {descriptor:?}: src+len or dst+len overflows u64")]
+    AddressOverflow {
+        /// Index of the descriptor in the input slice.
+        index: usize,
+        /// The offending descriptor.
+        descriptor: Descriptor,
+    },
+    /// The sum of all descriptor lengths up to and including descriptor
+    /// `index` overflows `u64`.
+    #[error("total bytes overflow u64 at descriptor #{index}")]
+    TotalBytesOverflow {
+        /// Index of the descriptor whose length made the sum overflow.
+        index: usize,
+    },
+    /// The plan needs more than [`MAX_CHUNKS`] chunks (chunk indices are
+    /// `u32` on the wire); raise `max_chunk_size_bytes` or split the request.
+    #[error("plan needs at least {needed} chunks of {max_chunk_size_bytes} bytes, more than the {MAX_CHUNKS} a u32 chunk index allows")]
+    TooManyChunks {
+        /// Chunks needed (a lower bound when detected up front).
+        needed: u64,
+        /// The chunk cap in bytes.
+        max_chunk_size_bytes: u64,
+    },
+    /// One chunk has more runs than a DATA message can count (`u32`).
+    #[error("chunk {chunk} has {runs} runs, more than a u32 entry count allows")]
+    TooManyRuns {
+        /// Index of the chunk.
+        chunk: u32,
+        /// Number of runs it would carry.
+        runs: usize,
+    },
+}
+
+/// One chunk of a [`TransferPlan`]: the unit moved by one RDMA write into one
+/// arena region (seed §3 "chunk").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Position of this chunk in the plan (0-based; the `chunk_index` of
+    /// GRANT / DATA / ACK).
+    pub index: u32,
+    /// Region size this chunk needs, in bytes: one past the last byte of its
+    /// last piece (pieces start 32-byte aligned, so this includes the
+    /// alignment padding between pieces but not after the last one).
+    /// Always `0 < packed_bytes <= max_chunk_size_bytes`. This is the value
+    /// WANT carries for the chunk.
+    pub packed_bytes: u64,
+    /// Payload bytes in this chunk (sum of piece lengths, no padding).
+    pub payload_bytes: u64,
+    /// Number of descriptor pieces packed in this chunk.
+    pub pieces: u64,
+    /// Scatter view: `region_offset` → receiver `addr` (= `Descriptor::dst`).
+    /// Carried by DATA.
+    pub scatter_runs: Vec<ScatterRun>,
+    /// Gather view: sender `addr` (= `Descriptor::src`) → `region_offset`.
+    pub gather_runs: Vec<ScatterRun>,
+}
+
+impl Chunk {
+    /// The scatter runs expanded to `(region_offset, dst, len)` segments,
+    /// in region-offset order. See [`expand`].
+    pub fn scatter_segments(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        expand(&self.scatter_runs)
+    }
+
+    /// The gather runs expanded to `(region_offset, src, len)` segments,
+    /// in region-offset order. See [`expand`].
+    pub fn gather_segments(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        expand(&self.gather_runs)
+    }
+}
+
+/// Expands runs into `(region_offset, addr, len)` segments (bytes), in run
+/// order. For a plan built with `merge_runs == false` every segment is exactly
+/// one descriptor piece; with merging, contiguous pieces appear fused into one
+/// longer segment.
+pub fn expand(runs: &[ScatterRun]) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+    runs.iter().flat_map(ScatterRun::segments)
+}
+
+/// A bin-packed transfer plan (seed §4 `BounceTransferPlan`): the chunks a
+/// request is cut into, each with its packed region size and coalesced
+/// gather / scatter runs. Built by [`TransferPlan::build`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferPlan {
+    chunks: Vec<Chunk>,
+    /// Total payload bytes over all descriptors (zero-length ones count 0).
+    pub total_bytes: u64,
+    /// The chunk cap the plan was built with, in bytes.
+    pub max_chunk_size_bytes: u64,
+    /// Whether runs were merged (`false` = seed `DISABLE_SCATTER_RUN_MERGING`).
+    pub merged: bool,
+}
+
+/// Online run coalescer: an open contiguous segment plus the closed runs.
+struct RunBuilder {
+    merge: bool,
+    runs: Vec<ScatterRun>,
+    /// The last segment, still growable contiguously (count 1, strides 0).
+    open: Option<ScatterRun>,
+}
+
+impl RunBuilder {
+    fn new(merge: bool) -> Self {
+        Self {
+            merge,
+            runs: Vec::new(),
+            open: None,
+        }
+    }
+
+    fn single(region_offset: u64, addr: u64, len: u64) -> ScatterRun {
+        ScatterRun {
+            region_offset,
+            addr,
+            segment_len: len,
+            count: 1,
+            region_stride: 0,
+            addr_stride: 0,
+        }
+    }
+
+    fn push(&mut self, region_offset: u64, addr: u64, len: u64) {
+        if !self.merge {
+            self.runs.push(Self::single(region_offset, addr, len));
+            return;
+        }
+        if let Some(open) = &mut self.open {
+            // Contiguous in both the region and user memory: grow the segment.
+            // (Pieces are validated not to overflow, so the adds are exact.)
+            if open.region_offset + open.segment_len == region_offset
+                && open.addr.checked_add(open.segment_len) == Some(addr)
+            {
+                open.segment_len += len;
+                return;
+            }
+        }
+        self.close_open();
+        self.open = Some(Self::single(region_offset, addr, len));
+    }
+
+    /// Folds the open segment into the last closed run when it continues
+    /// that run's uniform stride with an equal segment length; else pushes it.
+    fn close_open(&mut self) {
+        let Some(seg) = self.open.take() else { return };
+        if let Some(last) = self.runs.last_mut() {
+            if Self::try_fold(last, &seg) {
+                return;
+            }
+        }
+        self.runs.push(seg);
+    }
+
+    fn try_fold(last: &mut ScatterRun, seg: &ScatterRun) -> bool {
+        if last.segment_len != seg.segment_len || last.count == u32::MAX {
+            return false;
+        }
+        if last.count == 1 {
+            // Region offsets strictly increase within a chunk; only forward
+            // user-memory strides are merged (keeps every run's address
+            // arithmetic overflow-free and easy to validate).
+            let (Some(rs), Some(as_)) = (
+                seg.region_offset.checked_sub(last.region_offset),
+                seg.addr.checked_sub(last.addr),
+            ) else {
+                return false;
+            };
+            last.region_stride = rs;
+            last.addr_stride = as_;
+            last.count = 2;
+            return true;
+        }
+        let c = u64::from(last.count);
+        let next_r = last
+            .region_stride
+            .checked_mul(c)
+            .and_then(|x| x.checked_add(last.region_offset));
+        let next_a = last
+            .addr_stride
+            .checked_mul(c)
+            .and_then(|x| x.checked_add(last.addr));
+        if next_r == Some(seg.region_offset) && next_a == Some(seg.addr) {
+            last.count += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn finish(mut self) -> Vec<ScatterRun> {
+        self.close_open();
+        self.runs
+    }
+}
+
+/// State of the chunk being filled.
+struct OpenChunk {
+    /// Next free byte (unaligned) in the region.
+    cursor: u64,
+    payload: u64,
+    pieces: u64,
+    scatter: RunBuilder,
+    gather: RunBuilder,
+}
+
+impl OpenChunk {
+    fn new(merge: bool) -> Self {
+        Self {
+            cursor: 0,
+            payload: 0,
+            pieces: 0,
+            scatter: RunBuilder::new(merge),
+            gather: RunBuilder::new(merge),
+        }
+    }
+
+    fn place(&mut self, region_offset: u64, src: u64, dst: u64, len: u64) {
+        self.scatter.push(region_offset, dst, len);
+        self.gather.push(region_offset, src, len);
+        self.cursor = region_offset + len;
+        self.payload += len;
+        self.pieces += 1;
+    }
+}
+
+const fn align_up(x: u64) -> u64 {
+    // Callers guarantee x <= max_chunk (a multiple of ALIGN), so no overflow.
+    (x + (ALIGN - 1)) & !(ALIGN - 1)
+}
+
+impl TransferPlan {
+    /// Bin-packs `descs` (in order) into chunks of at most
+    /// `max_chunk_size_bytes` packed bytes and coalesces their runs (see the
+    /// module docs for the exact rules). `merge_runs == false` emits one run
+    /// per descriptor piece (seed `DISABLE_SCATTER_RUN_MERGING`).
+    ///
+    /// An input with no bytes (empty, or only zero-length descriptors) gives
+    /// a plan with zero chunks.
+    ///
+    /// # Errors
+    ///
+    /// * [`PlanError::ChunkSizeTooSmall`] / [`PlanError::ChunkSizeMisaligned`]
+    ///   if `max_chunk_size_bytes` is not a positive multiple of [`ALIGN`];
+    /// * [`PlanError::AddressOverflow`] if a descriptor's `src + len` or
+    ///   `dst + len` overflows `u64`;
+    /// * [`PlanError::TotalBytesOverflow`] if the lengths sum past `u64`;
+    /// * [`PlanError::TooManyChunks`] if more than [`MAX_CHUNKS`] chunks would
+    ///   be needed (checked up front from the byte total, so no unbounded
+    ///   allocation happens first);
+    /// * [`PlanError::TooManyRuns`] if a chunk would carry more than
+    ///   `u32::MAX` runs.
+    pub fn build(
+        descs: &[Descriptor],
+        max_chunk_size_bytes: u64,
+        merge_runs: bool,
+    ) -> Result<TransferPlan, PlanError> {
+        let max = max_chunk_size_bytes;
+        if max < ALIGN {
+            return Err(PlanError::ChunkSizeTooSmall {
+                max_chunk_size_bytes: max,
+            });
+        }
+        if max % ALIGN != 0 {
+            return Err(PlanError::ChunkSizeMisaligned {
+                max_chunk_size_bytes: max,
+            });
+        }
+
+        // Validation pass: overflow checks and a lower bound on the chunk
+        // count, before any allocation proportional to the output.
+        let mut total: u64 = 0;
+        for (index, d) in descs.iter().enumerate() {
+            if d.len == 0 {
+                continue;
+            }
+            if d.src.checked_add(d.len).is_none() || d.dst.checked_add(d.len).is_none() {
+                return Err(PlanError::AddressOverflow {
+                    index,
+                    descriptor: *d,
+                });
+            }
+            total = total
+                .checked_add(d.len)
+                .ok_or(PlanError::TotalBytesOverflow { index })?;
+        }
+        let min_chunks = total.div_ceil(max);
+        if min_chunks > MAX_CHUNKS {
+            return Err(PlanError::TooManyChunks {
+                needed: min_chunks,
+                max_chunk_size_bytes: max,
+            });
+        }
+
+        // Capacity hint: the lower bound, capped so a huge-but-legal request
+        // does not pre-allocate absurdly.
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(min_chunks.min(1 << 16) as usize);
+        let mut cur = OpenChunk::new(merge_runs);
+
+        for d in descs {
+            if d.len == 0 {
+                continue;
+            }
+            let mut done: u64 = 0;
+            while done < d.len {
+                let remaining = d.len - done;
+                let mut off = align_up(cur.cursor);
+                if off >= max {
+                    Self::close(&mut chunks, &mut cur, merge_runs, max)?;
+                    off = 0;
+                }
+                let space = max - off;
+                if remaining > space && remaining <= max && off > 0 {
+                    // Fits whole in a fresh chunk: do not split it.
+                    Self::close(&mut chunks, &mut cur, merge_runs, max)?;
+                    off = 0;
+                }
+                let take = remaining.min(max - off);
+                cur.place(off, d.src + done, d.dst + done, take);
+                done += take;
+            }
+        }
+        if cur.pieces > 0 {
+            Self::close(&mut chunks, &mut cur, merge_runs, max)?;
+        }
+        Ok(TransferPlan {
+            chunks,
+            total_bytes: total,
+            max_chunk_size_bytes: max,
+            merged: merge_runs,
+        })
+    }
+
+    fn close(
+        chunks: &mut Vec<Chunk>,
+        cur: &mut OpenChunk,
+        merge: bool,
+        max: u64,
+    ) -> Result<(), PlanError> {
+        let open = std::mem::replace(cur, OpenChunk::new(merge));
+        let index = u32::try_from(chunks.len()).map_err(|_| PlanError::TooManyChunks {
+            needed: chunks.len() as u64 + 1,
+            max_chunk_size_bytes: max,
+        })?;
+        let scatter_runs = open.scatter.finish();
+        let gather_runs = open.gather.finish();
+        let runs = scatter_runs.len().max(gather_runs.len());
+        if u32::try_from(runs).is_err() {
+            return Err(PlanError::TooManyRuns { chunk: index, runs });
+        }
+        chunks.push(Chunk {
+            index,
+            packed_bytes: open.cursor,
+            payload_bytes: open.payload,
+            pieces: open.pieces,
+            scatter_runs,
+            gather_runs,
+        });
+        Ok(())
+    }
+
+    /// The chunks, in order (`chunks()[i].index == i`).
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+
+    /// Number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Per-chunk packed region sizes in bytes, in chunk order: exactly the
+    /// `chunk_bytes` list a WANT carries (seed §5).
+    pub fn chunk_bytes(&self) -> Vec<u64> {
+        self.chunks.iter().map(|c| c.packed_bytes).collect()
+    }
+
+    /// Total scatter runs over all chunks (the DATA entries of the request).
+    pub fn scatter_run_count(&self) -> usize {
+        self.chunks.iter().map(|c| c.scatter_runs.len()).sum()
+    }
+
+    /// Total gather runs over all chunks.
+    pub fn gather_run_count(&self) -> usize {
+        self.chunks.iter().map(|c| c.gather_runs.len()).sum()
+    }
+
+    /// Consumes the plan, returning its chunks.
+    pub fn into_chunks(self) -> Vec<Chunk> {
+        self.chunks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIB: u64 = 1024;
+
+    fn dense(n: u64, len: u64) -> Vec<Descriptor> {
+        (0..n)
+            .map(|i| Descriptor::new(0x1000_0000 + i * len, 0x9000_0000 + i * len, len))
+            .collect()
+    }
+
+    fn segs(runs: &[ScatterRun]) -> Vec<(u64, u64, u64)> {
+        expand(runs).collect()
+    }
+
+    #[test]
+    fn rejects_bad_chunk_size() {
+        let d = dense(1, 64);
+        assert_eq!(
+            TransferPlan::build(&d, 16, true),
+            Err(PlanError::ChunkSizeTooSmall {
+                max_chunk_size_bytes: 16
+            })
+        );
+        assert_eq!(
+            TransferPlan::build(&d, 0, true),
+            Err(PlanError::ChunkSizeTooSmall {
+                max_chunk_size_bytes: 0
+            })
+        );
+        assert_eq!(
+            TransferPlan::build(&d, 48, true),
+            Err(PlanError::ChunkSizeMisaligned {
+                max_chunk_size_bytes: 48
+            })
+        );
+    }
+
+    #[test]
+    fn rejects_address_overflow() {
+        let d = [
+            Descriptor::new(0, 0, 8),
+            Descriptor::new(u64::MAX - 3, 0, 8),
+        ];
+        assert_eq!(
+            TransferPlan::build(&d, 64, true),
+            Err(PlanError::AddressOverflow {
+                index: 1,
+                descriptor: d[1]
+            })
+        );
+        let d = [Descriptor::new(0, u64::MAX, 1)];
+        assert!(matches!(
+            TransferPlan::build(&d, 64, true),
+            Err(PlanError::AddressOverflow { index: 0, .. })
+        ));
+        // Zero-length descriptors are skipped, even at the very top.
+        let d = [Descriptor::new(u64::MAX, u64::MAX, 0)];
+        assert_eq!(TransferPlan::build(&d, 64, true).unwrap().chunk_count(), 0);
+    }
+
+    #[test]
+    fn rejects_total_overflow_and_too_many_chunks() {
+        let d = [
+            Descriptor::new(0, 0, u64::MAX / 2 + 1),
+            Descriptor::new(0, 0, u64::MAX / 2 + 1),
+        ];
+        assert_eq!(
+            TransferPlan::build(&d, 64, true),
+            Err(PlanError::TotalBytesOverflow { index: 1 })
+        );
+        let d = [Descriptor::new(0, 0, 1 << 40)];
+        assert!(matches!(
+            TransferPlan::build(&d, 32, true),
+            Err(PlanError::TooManyChunks { needed, max_chunk_size_bytes: 32 }) if needed == 1 << 35
+        ));
+    }
+
+    #[test]
+    fn empty_and_zero_length() {
+        let p = TransferPlan::build(&[], 1024, true).unwrap();
+        assert_eq!(p.chunk_count(), 0);
+        assert_eq!(p.total_bytes, 0);
+        assert!(p.chunk_bytes().is_empty());
+        let d = [
+            Descriptor::new(1, 2, 0),
+            Descriptor::new(100, 200, 10),
+            Descriptor::new(3, 4, 0),
+        ];
+        let p = TransferPlan::build(&d, 1024, true).unwrap();
+        assert_eq!(p.chunk_bytes(), vec![10]);
+        assert_eq!(segs(&p.chunks()[0].scatter_runs), vec![(0, 200, 10)]);
+        assert_eq!(segs(&p.chunks()[0].gather_runs), vec![(0, 100, 10)]);
+    }
+
+    #[test]
+    fn offsets_are_aligned_and_packed_bytes_exact() {
+        let d = [
+            Descriptor::new(0, 1000, 10),
+            Descriptor::new(100, 2000, 33),
+            Descriptor::new(200, 3000, 1),
+        ];
+        let p = TransferPlan::build(&d, 1024, false).unwrap();
+        let c = &p.chunks()[0];
+        assert_eq!(
+            segs(&c.scatter_runs),
+            vec![(0, 1000, 10), (32, 2000, 33), (96, 3000, 1)]
+        );
+        assert_eq!(c.packed_bytes, 97);
+        assert_eq!(c.payload_bytes, 44);
+        assert_eq!(c.pieces, 3);
+    }
+
+    #[test]
+    fn boundary_exact_fit_and_move_to_fresh_chunk() {
+        // 4 × 256 B exactly fill a 1 KiB chunk; the 5th starts a new chunk.
+        let p = TransferPlan::build(&dense(5, 256), 1024, true).unwrap();
+        assert_eq!(p.chunk_bytes(), vec![1024, 256]);
+        // A 600-byte descriptor after 500 bytes: fits a fresh chunk → moved, not split.
+        let d = [Descriptor::new(0, 0, 500), Descriptor::new(1000, 1000, 600)];
+        let p = TransferPlan::build(&d, 1024, true).unwrap();
+        assert_eq!(p.chunk_bytes(), vec![500, 600]);
+        assert_eq!(segs(&p.chunks()[1].scatter_runs), vec![(0, 1000, 600)]);
+    }
+
+    #[test]
+    fn oversized_descriptor_is_split() {
+        // 100 bytes, then a 2500-byte descriptor with 1 KiB chunks: it fills
+        // the tail of chunk 0 (from offset 128), one full chunk, then the rest.
+        let d = [
+            Descriptor::new(0, 0, 100),
+            Descriptor::new(10_000, 50_000, 2500),
+        ];
+        let p = TransferPlan::build(&d, 1024, true).unwrap();
+        assert_eq!(p.chunk_bytes(), vec![1024, 1024, 580]);
+        assert_eq!(
+            segs(&p.chunks()[0].scatter_runs),
+            vec![(0, 0, 100), (128, 50_000, 896)]
+        );
+        assert_eq!(segs(&p.chunks()[1].scatter_runs), vec![(0, 50_896, 1024)]);
+        assert_eq!(segs(&p.chunks()[2].gather_runs), vec![(0, 11_920, 580)]);
+        assert_eq!(p.total_bytes, 2600);
+    }
+
+    #[test]
+    fn split_starts_fresh_when_current_chunk_full() {
+        let d = [Descriptor::new(0, 0, 1024), Descriptor::new(0, 4096, 1500)];
+        let p = TransferPlan::build(&d, 1024, true).unwrap();
+        assert_eq!(p.chunk_bytes(), vec![1024, 1024, 476]);
+    }
+
+    #[test]
+    fn dense_contiguous_collapses_to_one_run_per_chunk() {
+        let d = dense(16_384, 4 * KIB);
+        let p = TransferPlan::build(&d, 32 * KIB * KIB, true).unwrap();
+        assert_eq!(p.chunk_count(), 2);
+        for c in p.chunks() {
+            assert_eq!(c.scatter_runs.len(), 1);
+            assert_eq!(c.gather_runs.len(), 1);
+            assert_eq!(c.scatter_runs[0].segment_len, 32 * KIB * KIB);
+        }
+        let u = TransferPlan::build(&d, 32 * KIB * KIB, false).unwrap();
+        assert_eq!(u.scatter_run_count(), 16_384);
+    }
+
+    #[test]
+    fn uniform_stride_collapses() {
+        // dst strided by 16 KiB (e.g. one layer of an interleaved KV cache),
+        // src strided by 8 KiB.
+        let d: Vec<_> = (0..4096u64)
+            .map(|i| Descriptor::new(i * 8192, 1 << 40 | (i * 16_384), 4096))
+            .collect();
+        let p = TransferPlan::build(&d, 32 * KIB * KIB, true).unwrap();
+        assert_eq!(p.chunk_count(), 1);
+        let c = &p.chunks()[0];
+        assert_eq!(
+            c.scatter_runs,
+            vec![ScatterRun {
+                region_offset: 0,
+                addr: 1 << 40,
+                segment_len: 4096,
+                count: 4096,
+                region_stride: 4096,
+                addr_stride: 16_384,
+            }]
+        );
+        assert_eq!(c.gather_runs.len(), 1);
+        assert_eq!(c.gather_runs[0].addr_stride, 8192);
+    }
+
+    #[test]
+    fn stride_of_fused_pairs() {
+        // Pairs of contiguous 4 KiB blocks, pairs 16 KiB apart → one run of
+        // 8 KiB segments.
+        let d: Vec<_> = (0..64u64)
+            .map(|i| Descriptor::new(i * 4096, (i / 2) * 16_384 + (i % 2) * 4096, 4096))
+            .collect();
+        let p = TransferPlan::build(&d, 1 << 20, true).unwrap();
+        let c = &p.chunks()[0];
+        assert_eq!(c.scatter_runs.len(), 1);
+        assert_eq!(c.scatter_runs[0].segment_len, 8192);
+        assert_eq!(c.scatter_runs[0].count, 32);
+        assert_eq!(c.gather_runs.len(), 1);
+        assert_eq!(c.gather_runs[0].segment_len, 64 * 4096);
+    }
+
+    #[test]
+    fn backwards_addresses_do_not_merge_into_negative_stride() {
+        let d: Vec<_> = (0..8u64)
+            .map(|i| Descriptor::new(0, 1_000_000 - i * 100, 64))
+            .collect();
+        let p = TransferPlan::build(&d, 4096, true).unwrap();
+        let merged: Vec<_> = segs(&p.chunks()[0].scatter_runs);
+        let plain: Vec<_> =
+            segs(&TransferPlan::build(&d, 4096, false).unwrap().chunks()[0].scatter_runs);
+        assert_eq!(merged, plain);
+        // src all equal (stride 0, forward) merges.
+        assert_eq!(p.chunks()[0].gather_runs.len(), 1);
+        assert_eq!(p.chunks()[0].gather_runs[0].addr_stride, 0);
+    }
+
+    #[test]
+    fn chunk_bytes_matches_packed_and_indices() {
+        let d = dense(100, 1000);
+        let p = TransferPlan::build(&d, 4096, true).unwrap();
+        for (i, c) in p.chunks().iter().enumerate() {
+            assert_eq!(c.index as usize, i);
+            assert!(c.packed_bytes <= 4096 && c.packed_bytes > 0);
+        }
+        assert_eq!(
+            p.chunk_bytes(),
+            p.chunks()
+                .iter()
+                .map(|c| c.packed_bytes)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            p.chunks().iter().map(|c| c.payload_bytes).sum::<u64>(),
+            p.total_bytes
+        );
+    }
+}
