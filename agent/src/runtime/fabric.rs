@@ -457,6 +457,10 @@ impl FabricAgent {
             self.stats.standard_failed.fetch_add(1, Ordering::Relaxed);
             TransferHandle::resolved(TransferOutcome::Failure(why))
         };
+        if self.std_tx.is_none() {
+            // Shut down: no poller would ever resolve the handle.
+            return fail("standard path: agent shut down".into());
+        }
         let local: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.src, d.len)).collect();
         let remote: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.dst, d.len)).collect();
         let l = match self.engine.prepare_local(MemKind::Dram, &local) {

@@ -320,6 +320,12 @@ impl BounceTransport {
                 scheduler.max_allocation()
             ));
         }
+        // One max-size block kept back for credit-backed local staging (see
+        // `Io::reserve_block`); only when the arena holds at least two.
+        let reserve_block = scheduler
+            .arena()
+            .block_size(settings.max_chunk_size_bytes)
+            .filter(|&b| scheduler.capacity() >= 2 * b);
         let endpoint = channel.local_endpoint();
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
@@ -351,6 +357,7 @@ impl BounceTransport {
             allowed: Vec::new(),
             faults: FaultPlan::default(),
             parked: false,
+            reserve_block,
         };
         let handle = std::thread::Builder::new()
             .name(format!("{name}-io"))
@@ -611,6 +618,16 @@ struct Io {
     faults: FaultPlan,
     /// Some request could not stage (arena / exec full): retry each tick.
     parked: bool,
+    /// Bidirectional deadlock guard. Both roles share the arena, so a
+    /// receiver that grants all of it to a remote peer's flows leaves its own
+    /// credited chunks nowhere to stage; with the peer doing the same, each
+    /// side's grants wait on the other's staging forever. While this agent
+    /// has send requests, one block of this size (a max-size chunk) stays
+    /// free of remote grants and of eager staging, so a credit-backed
+    /// chunk can always stage, and every credit-backed chunk completes
+    /// without further arena space. `None` when the arena holds fewer than
+    /// two such blocks.
+    reserve_block: Option<u64>,
 }
 
 impl Io {
@@ -891,6 +908,15 @@ impl Io {
                 parked = credited;
                 break;
             };
+            if !credited
+                && self
+                    .reserve_block
+                    .is_some_and(|b| self.scheduler.arena().largest_free_block() < b)
+            {
+                // Eager staging never takes the block kept for credited chunks.
+                let _ = self.scheduler.release_local(local);
+                break;
+            }
             let Some(()) = self.exec.try_acquire() else {
                 let _ = self.scheduler.release_local(local);
                 parked = true;
@@ -1128,6 +1154,7 @@ impl Io {
     }
 
     fn drain_orphan_writes(&mut self) {
+        let mut freed = false;
         let mut k = 0;
         while k < self.orphan_writes.len() {
             let (h, local) = self.orphan_writes[k];
@@ -1138,8 +1165,13 @@ impl Io {
                     let _ = self.scheduler.release_local(local);
                     self.orphan_writes.swap_remove(k);
                     self.parked = true;
+                    freed = true;
                 }
             }
+        }
+        if freed {
+            // Freed bytes may go to a waiting flow.
+            self.schedule_and_send();
         }
     }
 
@@ -1213,7 +1245,19 @@ impl Io {
     }
 
     fn schedule_and_send(&mut self) {
+        // Keep `reserve_block` out of the grants while we send; if it is not
+        // free right now, grant nothing (every free reschedules).
+        let hold = match self.reserve_block {
+            Some(b) if !self.requests.is_empty() => match self.scheduler.acquire_local(b, false) {
+                Some(off) => Some(off),
+                None => return,
+            },
+            _ => None,
+        };
         let grants = self.scheduler.schedule();
+        if let Some(off) = hold {
+            let _ = self.scheduler.release_local(off);
+        }
         if grants.is_empty() {
             return;
         }

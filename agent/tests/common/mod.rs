@@ -3,12 +3,14 @@
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use kvfabric_agent::core::config::BounceConfig;
 use kvfabric_agent::core::Descriptor;
 use kvfabric_agent::runtime::control::zmq::BindAddr;
 use kvfabric_agent::runtime::engine::{EngineError, MemDesc, MemKind};
 use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
+use kvfabric_agent::runtime::transport::TransportStats;
 
 /// A page-aligned host buffer used as a KV pool.
 pub struct Pool {
@@ -17,13 +19,18 @@ pub struct Pool {
 
 impl Pool {
     pub fn new(len: usize) -> Self {
-        Self { buf: vec![0u8; len] }
+        Self {
+            buf: vec![0u8; len],
+        }
     }
     pub fn addr(&self) -> u64 {
         self.buf.as_ptr() as u64
     }
     pub fn desc(&self) -> (MemKind, MemDesc) {
-        (MemKind::Dram, MemDesc::host(self.addr(), self.buf.len() as u64))
+        (
+            MemKind::Dram,
+            MemDesc::host(self.addr(), self.buf.len() as u64),
+        )
     }
 }
 
@@ -44,9 +51,15 @@ pub fn test_config(arena: &str, max_chunk: &str, w: u32) -> BounceConfig {
     c.apply_env_vars([
         ("KVFABRIC_BOUNCE_ENABLE", "1"),
         ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", arena),
-        ("KVFABRIC_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES", "64KiB"),
+        (
+            "KVFABRIC_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES",
+            "64KiB",
+        ),
         ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", max_chunk),
-        ("KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST", &w.to_string()),
+        (
+            "KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST",
+            &w.to_string(),
+        ),
         ("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1"),
         ("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "5000"),
         ("KVFABRIC_BOUNCE_SCATTER_WORKER_COUNT", "2"),
@@ -150,4 +163,77 @@ pub fn verify(dst: &Pool, descs: &[Descriptor], seed: u64) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+/// [`test_config`] with extra `KVFABRIC_BOUNCE_*` overrides; panics on a
+/// variable that does not apply (a typo would silently test the default).
+pub fn config_with(arena: &str, max_chunk: &str, w: u32, extra: &[(&str, &str)]) -> BounceConfig {
+    let mut c = test_config(arena, max_chunk, w);
+    let warnings = c.apply_env_vars(extra.iter().copied());
+    assert!(
+        warnings.is_empty(),
+        "config overrides {extra:?}: {warnings:?}"
+    );
+    c
+}
+
+/// Polls `cond` every millisecond until it holds or `within` elapses;
+/// returns whether it held.
+pub fn wait_for(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The bounce transport's counters of `agent` (bounce must be up).
+pub fn tstats(agent: &FabricAgent) -> &TransportStats {
+    agent.transport().expect("bounce up").stats()
+}
+
+/// Reads a counter.
+pub fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::SeqCst)
+}
+
+/// Waits (at most `within`) until `agent`'s transport is quiesced: every
+/// arena byte free, no flows, no send requests, no send-side orphans; the
+/// conservation check must hold at every sample. Panics with the last
+/// snapshot otherwise.
+pub fn assert_quiesced(agent: &FabricAgent, within: Duration) {
+    let t = agent.transport().expect("bounce up");
+    let deadline = Instant::now() + within;
+    loop {
+        let s = t.snapshot().expect("snapshot");
+        assert_eq!(s.conservation, Ok(()), "conservation on {}", agent.name());
+        if s.free_bytes == s.capacity
+            && s.flows == 0
+            && s.send_requests == 0
+            && s.send_orphans == 0
+            && s.orphaned_bytes == 0
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}: not quiesced within {within:?}: {s:?}",
+            agent.name()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Routes the agent's `tracing` output to the test's captured output,
+/// filtered by `RUST_LOG` (off when unset). Idempotent.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
 }
