@@ -17,3 +17,4 @@ pub use kvfabric_core as core;
 
 pub mod bench;
 pub mod runtime;
+pub mod service;

@@ -1,0 +1,969 @@
+//! Peer discovery (issue "agent daemon", item 2): every agent publishes an
+//! [`AgentRecord`] (its NIXL metadata, bounce handshake, buffer addresses,
+//! incarnation and config generation) and watches everyone else's.
+//!
+//! * [`Discovery`] is the synchronous facade the daemon uses; implementations
+//!   run their own threads (and tokio runtimes) so request load cannot starve
+//!   them.
+//! * [`EtcdDiscovery`] publishes under a lease at
+//!   `/kvfabric/<fabric>/agents/<name>`, keeps it alive on its own thread,
+//!   re-grants and republishes on lease loss, and watches the prefix.
+//! * [`EmbeddedDiscovery`] is an in-process registry so several agents in one
+//!   process find each other without etcd (the default README run).
+//! * [`IncarnationTracker`] turns raw key events into peer events in which a
+//!   new incarnation of a logical agent always removes the old one first
+//!   (seed 004 "stale metadata after a restart").
+//! * [`PeerSync`] applies peer events to a [`FabricAgent`] (`load_peer` /
+//!   `forget_peer`) on its own thread.
+//!
+//! The NIXL agent name carries the incarnation ([`incarnation_name`]), so a
+//! restarted agent is a different key and a different NIXL peer: nobody is
+//! ever served from its predecessor's metadata.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::runtime::fabric::{FabricAgent, PeerDescriptor};
+
+pub mod embedded;
+pub mod etcd;
+
+pub use embedded::{EmbeddedDiscovery, EmbeddedRegistry};
+pub use etcd::{EtcdDiscovery, EtcdOptions};
+
+/// Version of the [`AgentRecord`] JSON schema this build writes and reads.
+pub const RECORD_VERSION: u32 = 1;
+
+/// An identifier unique to one process start of an agent (128 random bits,
+/// shown as 32 lowercase hex digits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Incarnation(pub u128);
+
+impl Incarnation {
+    /// A fresh random incarnation (std's per-process random hash keys mixed
+    /// with the clock, the pid and a counter; no extra dependency).
+    pub fn generate() -> Self {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let half = |salt: u64| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(nanos);
+            h.write_u32(std::process::id());
+            h.write_u64(seq);
+            h.write_u64(salt);
+            h.finish()
+        };
+        Self(((half(1) as u128) << 64) | half(2) as u128)
+    }
+}
+
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl FromStr for Incarnation {
+    type Err = RecordError;
+    /// Parses 1–32 hex digits.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() || s.len() > 32 {
+            return Err(RecordError::Invalid(format!(
+                "incarnation {s:?}: want 1-32 hex digits"
+            )));
+        }
+        u128::from_str_radix(s, 16)
+            .map(Self)
+            .map_err(|e| RecordError::Invalid(format!("incarnation {s:?}: {e}")))
+    }
+}
+
+impl Serialize for Incarnation {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Incarnation {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The NIXL agent name of `logical_id`'s incarnation `inc`:
+/// `<logical_id>-<32 hex digits>`. Unique per process start, so a restarted
+/// agent never reuses its predecessor's name (or metadata).
+pub fn incarnation_name(logical_id: &str, inc: Incarnation) -> String {
+    format!("{logical_id}-{inc}")
+}
+
+/// A memory region peers need to address (e.g. one KV pool).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferRegion {
+    /// What it is (`"kv"`, `"kv-layer-3"`, ...).
+    pub label: String,
+    /// Memory kind (`"dram"` or `"vram"`).
+    pub kind: String,
+    /// Device id (0 for host memory).
+    #[serde(default)]
+    pub device: u32,
+    /// Base virtual address, in the publisher's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// What one agent publishes (serialized as JSON; byte blobs in base64).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRecord {
+    /// Schema version ([`RECORD_VERSION`]).
+    pub version: u32,
+    /// NIXL agent name, incarnation included; also the discovery key's last
+    /// segment (no `/`, no whitespace).
+    pub name: String,
+    /// Stable identity across restarts (pod or node-local agent id); two
+    /// records with the same `logical_id` are incarnations of one agent.
+    pub logical_id: String,
+    /// This process start's incarnation.
+    pub incarnation: Incarnation,
+    /// Node (or pod) the agent runs on, for humans.
+    #[serde(default)]
+    pub node: String,
+    /// Serialized NIXL metadata (`getLocalMD`), base64 in JSON.
+    #[serde(with = "b64")]
+    pub nixl_metadata: Vec<u8>,
+    /// Encoded bounce handshake, base64 in JSON; `None` when bounce is off.
+    #[serde(with = "b64_opt", default)]
+    pub handshake: Option<Vec<u8>>,
+    /// Buffers peers need to address.
+    #[serde(default)]
+    pub buffers: Vec<BufferRegion>,
+    /// Config (rollout) generation.
+    #[serde(default)]
+    pub config_generation: u64,
+    /// When this incarnation started, ms since the Unix epoch; orders
+    /// incarnations of one `logical_id` (later wins, then the larger name).
+    pub started_at_ms: u64,
+    /// When this record was (re)published, ms since the Unix epoch.
+    pub published_at_ms: u64,
+}
+
+/// Why an [`AgentRecord`] could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// Not JSON, or not the record schema.
+    #[error("agent record is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Written by an incompatible schema version.
+    #[error("agent record version {found} is not supported (this build reads {RECORD_VERSION})")]
+    Version {
+        /// The version found.
+        found: u32,
+    },
+    /// A field is out of range.
+    #[error("invalid agent record: {0}")]
+    Invalid(String),
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl AgentRecord {
+    /// A record for `desc` (the agent's [`FabricAgent::local_descriptor`]),
+    /// stamped with `started_at_ms` = `published_at_ms` = now. `desc.name`
+    /// should be [`incarnation_name`]`(logical_id, incarnation)`.
+    pub fn new(desc: &PeerDescriptor, logical_id: &str, incarnation: Incarnation) -> Self {
+        let now = now_ms();
+        Self {
+            version: RECORD_VERSION,
+            name: desc.name.clone(),
+            logical_id: logical_id.to_string(),
+            incarnation,
+            node: String::new(),
+            nixl_metadata: desc.nixl_metadata.clone(),
+            handshake: desc.handshake.clone(),
+            buffers: Vec::new(),
+            config_generation: 0,
+            started_at_ms: now,
+            published_at_ms: now,
+        }
+    }
+
+    /// What [`FabricAgent::load_peer`] needs.
+    pub fn descriptor(&self) -> PeerDescriptor {
+        PeerDescriptor {
+            name: self.name.clone(),
+            nixl_metadata: self.nixl_metadata.clone(),
+            handshake: self.handshake.clone(),
+        }
+    }
+
+    /// Whether loading `other` would give a peer the same endpoint as
+    /// loading `self` (same name, NIXL metadata, handshake and buffers);
+    /// a republish that only moves `published_at_ms` needs no reload.
+    pub fn same_endpoint(&self, other: &AgentRecord) -> bool {
+        self.name == other.name
+            && self.nixl_metadata == other.nixl_metadata
+            && self.handshake == other.handshake
+            && self.buffers == other.buffers
+    }
+
+    /// Checks the fields discovery relies on.
+    ///
+    /// # Errors
+    /// [`RecordError::Version`] for another schema version;
+    /// [`RecordError::Invalid`] for an empty or key-unsafe name, an empty
+    /// logical id or empty NIXL metadata.
+    pub fn validate(&self) -> Result<(), RecordError> {
+        if self.version != RECORD_VERSION {
+            return Err(RecordError::Version {
+                found: self.version,
+            });
+        }
+        validate_name(&self.name)?;
+        if self.logical_id.is_empty() {
+            return Err(RecordError::Invalid(format!(
+                "{}: empty logical_id",
+                self.name
+            )));
+        }
+        if self.nixl_metadata.is_empty() {
+            return Err(RecordError::Invalid(format!(
+                "{}: empty nixl_metadata",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// JSON bytes of the record.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an AgentRecord always serializes")
+    }
+
+    /// Parses and [validates](Self::validate) JSON bytes.
+    ///
+    /// # Errors
+    /// [`RecordError`] when the bytes are not a valid record of this version.
+    pub fn decode(bytes: &[u8]) -> Result<Self, RecordError> {
+        let rec: Self = serde_json::from_slice(bytes)?;
+        rec.validate()?;
+        Ok(rec)
+    }
+
+    /// Whether `self` supersedes `other` as the live incarnation of their
+    /// common logical id: later `started_at_ms`, ties broken by name.
+    pub fn newer_than(&self, other: &AgentRecord) -> bool {
+        (self.started_at_ms, &self.name) > (other.started_at_ms, &other.name)
+    }
+}
+
+/// An agent name must be a single, printable key segment.
+pub(crate) fn validate_name(name: &str) -> Result<(), RecordError> {
+    if name.is_empty()
+        || name.len() > 255
+        || name
+            .chars()
+            .any(|c| c == '/' || c.is_whitespace() || c.is_control())
+    {
+        return Err(RecordError::Invalid(format!(
+            "agent name {name:?}: want 1-255 printable characters without '/' or spaces"
+        )));
+    }
+    Ok(())
+}
+
+mod b64 {
+    use super::*;
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(s.as_bytes())
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+mod b64_opt {
+    use super::*;
+    pub fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(v) => b64::serialize(v, s),
+            None => s.serialize_none(),
+        }
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|s| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(s.as_bytes())
+                    .map_err(serde::de::Error::custom)
+            })
+            .transpose()
+    }
+}
+
+/// A change in the set of live peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A peer appeared or its record changed: load it.
+    Upsert(AgentRecord),
+    /// A peer is gone (deleted, lease expired, or superseded by a newer
+    /// incarnation): forget it.
+    Removed {
+        /// Its NIXL agent name.
+        name: String,
+    },
+}
+
+/// The state of this agent's own publication.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Nothing published yet.
+    Unpublished,
+    /// Published; the lease was confirmed alive within its TTL.
+    Ok,
+    /// Keep-alives are failing, but the last confirmation is younger than
+    /// the TTL: the lease is probably still alive (e.g. etcd restarting).
+    Renewing,
+    /// The store said the lease is gone (expired, revoked or data lost): a
+    /// new lease is being granted and the record republished.
+    Regranting,
+    /// No confirmation for longer than the TTL and the store is unreachable;
+    /// peers have likely forgotten us. Retrying with backoff.
+    Lost,
+    /// Revoked on purpose ([`Discovery::revoke`]).
+    Revoked,
+}
+
+impl LeaseState {
+    /// Lower-case name, for logs and `/v1` endpoints.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unpublished => "unpublished",
+            Self::Ok => "ok",
+            Self::Renewing => "renewing",
+            Self::Regranting => "regranting",
+            Self::Lost => "lost",
+            Self::Revoked => "revoked",
+        }
+    }
+
+    /// Numeric code for a metrics gauge: 0 unpublished, 1 ok, 2 renewing,
+    /// 3 regranting, 4 lost, 5 revoked.
+    pub fn code(self) -> u8 {
+        match self {
+            Self::Unpublished => 0,
+            Self::Ok => 1,
+            Self::Renewing => 2,
+            Self::Regranting => 3,
+            Self::Lost => 4,
+            Self::Revoked => 5,
+        }
+    }
+
+    pub(crate) fn from_code(c: u8) -> Self {
+        match c {
+            1 => Self::Ok,
+            2 => Self::Renewing,
+            3 => Self::Regranting,
+            4 => Self::Lost,
+            5 => Self::Revoked,
+            _ => Self::Unpublished,
+        }
+    }
+}
+
+impl fmt::Display for LeaseState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A discovery failure.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// The store rejected or failed a request.
+    #[error("discovery store: {0}")]
+    Store(String),
+    /// A bounded wait elapsed.
+    #[error("discovery: {what} did not complete within {within:?}")]
+    Timeout {
+        /// The operation.
+        what: &'static str,
+        /// The bound.
+        within: Duration,
+    },
+    /// The record is invalid.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// The discovery service has shut down.
+    #[error("discovery is shut down")]
+    Closed,
+}
+
+/// The discovery facade (synchronous; implementations own their threads).
+pub trait Discovery: Send + Sync {
+    /// Publishes (or replaces) this agent's record, bound to a lease where
+    /// the store has leases. Kept published (renewed, re-granted after loss)
+    /// until [`revoke`](Self::revoke).
+    ///
+    /// # Errors
+    /// An invalid record; or the store could not confirm within its bound
+    /// (the implementation keeps retrying in the background).
+    fn publish(&self, record: AgentRecord) -> Result<(), DiscoveryError>;
+
+    /// A new subscription: first an [`PeerEvent::Upsert`] per peer live now
+    /// (this agent's own record included; consumers skip themselves), then
+    /// every change, in order, with a superseded incarnation always
+    /// [`PeerEvent::Removed`] before its successor's `Upsert`.
+    fn events(&self) -> Receiver<PeerEvent>;
+
+    /// Graceful withdrawal: deletes the record at once (revokes the lease) so
+    /// peers forget this agent without waiting for a TTL. Publishing stops.
+    ///
+    /// # Errors
+    /// When the store could not confirm within its bound (the lease then
+    /// expires on its own after its TTL).
+    fn revoke(&self) -> Result<(), DiscoveryError>;
+
+    /// The own publication's state.
+    fn lease_state(&self) -> LeaseState;
+
+    /// The live peers as this instance sees them now (own record included).
+    fn peers(&self) -> Vec<AgentRecord>;
+}
+
+/// Turns raw per-key changes into [`PeerEvent`]s where each logical agent
+/// has at most one live incarnation: an `Upsert` whose `logical_id` matches
+/// a live peer with another name yields `Removed(old)` then `Upsert(new)`
+/// when the new one is [newer](AgentRecord::newer_than), and nothing when it
+/// is a stale older incarnation. A `Removed` of a name that is not live
+/// (already superseded, or never seen) yields nothing; an `Upsert` identical
+/// to the live record yields nothing.
+#[derive(Debug, Default)]
+pub struct IncarnationTracker {
+    by_logical: HashMap<String, AgentRecord>,
+    by_name: HashMap<String, String>,
+}
+
+impl IncarnationTracker {
+    /// An empty tracker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one raw change; returns the peer events it implies.
+    pub fn apply(&mut self, event: PeerEvent) -> Vec<PeerEvent> {
+        match event {
+            PeerEvent::Upsert(rec) => match self.by_logical.get(&rec.logical_id) {
+                None => {
+                    self.by_name
+                        .insert(rec.name.clone(), rec.logical_id.clone());
+                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
+                    vec![PeerEvent::Upsert(rec)]
+                }
+                Some(cur) if cur.name == rec.name => {
+                    if *cur == rec {
+                        return Vec::new();
+                    }
+                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
+                    vec![PeerEvent::Upsert(rec)]
+                }
+                Some(cur) => {
+                    if !rec.newer_than(cur) {
+                        return Vec::new();
+                    }
+                    let old = cur.name.clone();
+                    self.by_name.remove(&old);
+                    self.by_name
+                        .insert(rec.name.clone(), rec.logical_id.clone());
+                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
+                    vec![PeerEvent::Removed { name: old }, PeerEvent::Upsert(rec)]
+                }
+            },
+            PeerEvent::Removed { name } => match self.by_name.remove(&name) {
+                Some(logical) => {
+                    self.by_logical.remove(&logical);
+                    vec![PeerEvent::Removed { name }]
+                }
+                None => Vec::new(),
+            },
+        }
+    }
+
+    /// The live records, sorted by name.
+    pub fn live(&self) -> Vec<AgentRecord> {
+        let mut v: Vec<_> = self.by_logical.values().cloned().collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+}
+
+/// Raw store contents + incarnation tracking + subscriber fan-out, shared by
+/// both implementations.
+#[derive(Default)]
+pub(crate) struct Hub {
+    inner: Mutex<HubInner>,
+}
+
+#[derive(Default)]
+struct HubInner {
+    raw: BTreeMap<String, AgentRecord>,
+    tracker: IncarnationTracker,
+    subs: Vec<Sender<PeerEvent>>,
+}
+
+impl HubInner {
+    fn fan_out(&mut self, events: Vec<PeerEvent>) {
+        for ev in events {
+            tracing::debug!(?ev, "discovery event");
+            self.subs.retain(|s| s.send(ev.clone()).is_ok());
+        }
+    }
+
+    fn upsert(&mut self, rec: AgentRecord) {
+        self.raw.insert(rec.name.clone(), rec.clone());
+        let out = self.tracker.apply(PeerEvent::Upsert(rec));
+        self.fan_out(out);
+    }
+
+    fn remove(&mut self, name: &str) {
+        self.raw.remove(name);
+        let out = self.tracker.apply(PeerEvent::Removed {
+            name: name.to_string(),
+        });
+        self.fan_out(out);
+    }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn subscribe(&self) -> Receiver<PeerEvent> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut g = self.lock();
+        for rec in g.tracker.live() {
+            let _ = tx.send(PeerEvent::Upsert(rec));
+        }
+        g.subs.push(tx);
+        rx
+    }
+
+    pub(crate) fn upsert(&self, rec: AgentRecord) {
+        self.lock().upsert(rec);
+    }
+
+    pub(crate) fn remove(&self, name: &str) {
+        self.lock().remove(name);
+    }
+
+    /// Replaces the raw contents with `snapshot` (a fresh full read of the
+    /// store): keys gone are removed, new or changed ones upserted.
+    pub(crate) fn resync(&self, snapshot: Vec<AgentRecord>) {
+        let mut g = self.lock();
+        let fresh: BTreeMap<String, AgentRecord> =
+            snapshot.into_iter().map(|r| (r.name.clone(), r)).collect();
+        let gone: Vec<String> = g
+            .raw
+            .keys()
+            .filter(|k| !fresh.contains_key(*k))
+            .cloned()
+            .collect();
+        for name in gone {
+            g.remove(&name);
+        }
+        for (name, rec) in fresh {
+            if g.raw.get(&name) != Some(&rec) {
+                g.upsert(rec);
+            }
+        }
+    }
+
+    pub(crate) fn live(&self) -> Vec<AgentRecord> {
+        self.lock().tracker.live()
+    }
+
+    pub(crate) fn contains_raw(&self, name: &str) -> bool {
+        self.lock().raw.contains_key(name)
+    }
+}
+
+/// What [`PeerSync`] drives: a [`FabricAgent`], or a fake in tests.
+pub trait PeerSink: Send + Sync {
+    /// The local NIXL agent name (events about it are skipped).
+    fn local_name(&self) -> &str;
+    /// Loads (or reloads) a peer.
+    ///
+    /// # Errors
+    /// A human-readable reason when the peer cannot be loaded.
+    fn load(&self, peer: &PeerDescriptor) -> Result<(), String>;
+    /// Forgets a peer (idempotent).
+    fn forget(&self, name: &str);
+}
+
+impl PeerSink for FabricAgent {
+    fn local_name(&self) -> &str {
+        self.name()
+    }
+    fn load(&self, peer: &PeerDescriptor) -> Result<(), String> {
+        self.load_peer(peer).map(|_| ()).map_err(|e| e.to_string())
+    }
+    fn forget(&self, name: &str) {
+        self.forget_peer(name)
+    }
+}
+
+/// Counters of a [`PeerSync`].
+#[derive(Debug, Default)]
+pub struct PeerSyncStats {
+    /// Peers loaded (first load of a name).
+    pub loaded: AtomicU64,
+    /// Peers reloaded because their endpoint changed under the same name.
+    pub reloaded: AtomicU64,
+    /// Peers forgotten (removed, expired or superseded).
+    pub forgotten: AtomicU64,
+    /// Loads that failed (the peer stays unloaded until its next update).
+    pub load_failed: AtomicU64,
+}
+
+/// Applies a subscription's [`PeerEvent`]s to a [`PeerSink`] on its own
+/// thread: `Upsert` → load (skipping the local agent and, when given, other
+/// incarnations of the local logical id; a republish with an unchanged
+/// endpoint is a no-op; a changed endpoint under the same name is forgotten
+/// then reloaded); `Removed` → forget.
+pub struct PeerSync {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    stats: Arc<PeerSyncStats>,
+    loaded: Arc<Mutex<BTreeMap<String, AgentRecord>>>,
+}
+
+/// How often the [`PeerSync`] thread checks for shutdown while idle.
+const SYNC_POLL: Duration = Duration::from_millis(50);
+
+impl PeerSync {
+    /// Starts the thread. `local_logical_id` (the local agent's own logical
+    /// id) makes it skip stale records of the local agent's predecessors.
+    pub fn spawn<S: PeerSink + ?Sized + 'static>(
+        sink: Arc<S>,
+        events: Receiver<PeerEvent>,
+        local_logical_id: Option<String>,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(PeerSyncStats::default());
+        let loaded = Arc::new(Mutex::new(BTreeMap::new()));
+        let (stop2, stats2, loaded2) = (stop.clone(), stats.clone(), loaded.clone());
+        let thread = std::thread::Builder::new()
+            .name("kvfabric-peersync".into())
+            .spawn(move || sync_loop(&*sink, &events, local_logical_id, &stop2, &stats2, &loaded2))
+            .expect("spawning the peer-sync thread");
+        Self {
+            stop,
+            thread: Some(thread),
+            stats,
+            loaded,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &PeerSyncStats {
+        &self.stats
+    }
+
+    /// Names of the peers currently loaded through this sync, sorted.
+    pub fn loaded(&self) -> Vec<String> {
+        self.loaded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Stops the thread (within 50 ms plus one in-progress load).
+    /// Loaded peers stay loaded. Idempotent.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PeerSync {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn sync_loop<S: PeerSink + ?Sized>(
+    sink: &S,
+    events: &Receiver<PeerEvent>,
+    local_logical_id: Option<String>,
+    stop: &AtomicBool,
+    stats: &PeerSyncStats,
+    loaded: &Mutex<BTreeMap<String, AgentRecord>>,
+) {
+    let me = sink.local_name().to_string();
+    while !stop.load(Ordering::SeqCst) {
+        let ev = match events.recv_timeout(SYNC_POLL) {
+            Ok(ev) => ev,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        match ev {
+            PeerEvent::Upsert(rec) => {
+                if rec.name == me || local_logical_id.as_deref() == Some(rec.logical_id.as_str()) {
+                    continue;
+                }
+                let prev = loaded
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&rec.name)
+                    .cloned();
+                let reload = match &prev {
+                    Some(p) if p.same_endpoint(&rec) => {
+                        loaded
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(rec.name.clone(), rec);
+                        continue;
+                    }
+                    Some(_) => {
+                        sink.forget(&rec.name);
+                        true
+                    }
+                    None => false,
+                };
+                match sink.load(&rec.descriptor()) {
+                    Ok(()) => {
+                        tracing::info!(agent = %me, peer = %rec.name, logical = %rec.logical_id, reload, "peer loaded");
+                        let c = if reload {
+                            &stats.reloaded
+                        } else {
+                            &stats.loaded
+                        };
+                        c.fetch_add(1, Ordering::Relaxed);
+                        loaded
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(rec.name.clone(), rec);
+                    }
+                    Err(e) => {
+                        tracing::warn!(agent = %me, peer = %rec.name, error = %e, "loading peer failed");
+                        stats.load_failed.fetch_add(1, Ordering::Relaxed);
+                        if loaded
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&rec.name)
+                            .is_some()
+                        {
+                            stats.forgotten.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            PeerEvent::Removed { name } => {
+                let known = loaded
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&name)
+                    .is_some();
+                if known {
+                    sink.forget(&name);
+                    stats.forgotten.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(agent = %me, peer = %name, "peer forgotten");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(name: &str, logical: &str, started: u64) -> AgentRecord {
+        AgentRecord {
+            version: RECORD_VERSION,
+            name: name.into(),
+            logical_id: logical.into(),
+            incarnation: Incarnation(started as u128),
+            node: "n".into(),
+            nixl_metadata: vec![1, 2, 3],
+            handshake: Some(vec![9]),
+            buffers: vec![BufferRegion {
+                label: "kv".into(),
+                kind: "dram".into(),
+                device: 0,
+                addr: 0x1000,
+                len: 4096,
+            }],
+            config_generation: 7,
+            started_at_ms: started,
+            published_at_ms: started,
+        }
+    }
+
+    #[test]
+    fn record_round_trips_and_rejects_garbage() {
+        let r = rec("a-1", "a", 5);
+        let bytes = r.encode();
+        assert_eq!(AgentRecord::decode(&bytes).unwrap(), r);
+        assert!(matches!(
+            AgentRecord::decode(b"{"),
+            Err(RecordError::Json(_))
+        ));
+        let mut v = r.clone();
+        v.version = 99;
+        assert!(matches!(
+            AgentRecord::decode(&v.encode()),
+            Err(RecordError::Version { found: 99 })
+        ));
+        let mut bad = r.clone();
+        bad.name = "a/b".into();
+        assert!(matches!(
+            AgentRecord::decode(&bad.encode()),
+            Err(RecordError::Invalid(_))
+        ));
+        let mut no_hs = r;
+        no_hs.handshake = None;
+        assert_eq!(AgentRecord::decode(&no_hs.encode()).unwrap(), no_hs);
+    }
+
+    #[test]
+    fn incarnations_are_unique_and_parse() {
+        let a = Incarnation::generate();
+        let b = Incarnation::generate();
+        assert_ne!(a, b);
+        assert_eq!(a.to_string().len(), 32);
+        assert_eq!(a.to_string().parse::<Incarnation>().unwrap(), a);
+        assert!("xyz".parse::<Incarnation>().is_err());
+        assert_eq!(
+            incarnation_name("p", Incarnation(255)),
+            format!("p-{:032x}", 255)
+        );
+    }
+
+    #[test]
+    fn tracker_replaces_old_incarnation_first() {
+        let mut t = IncarnationTracker::new();
+        let old = rec("d-1", "d", 10);
+        let new = rec("d-2", "d", 20);
+        assert_eq!(
+            t.apply(PeerEvent::Upsert(old.clone())),
+            vec![PeerEvent::Upsert(old.clone())]
+        );
+        assert_eq!(t.apply(PeerEvent::Upsert(old.clone())), vec![]);
+        assert_eq!(
+            t.apply(PeerEvent::Upsert(new.clone())),
+            vec![
+                PeerEvent::Removed { name: "d-1".into() },
+                PeerEvent::Upsert(new.clone())
+            ]
+        );
+        // The old key expiring later, or a stale update of it: nothing.
+        assert_eq!(t.apply(PeerEvent::Upsert(old)), vec![]);
+        assert_eq!(t.apply(PeerEvent::Removed { name: "d-1".into() }), vec![]);
+        assert_eq!(t.live(), vec![new]);
+        assert_eq!(
+            t.apply(PeerEvent::Removed { name: "d-2".into() }),
+            vec![PeerEvent::Removed { name: "d-2".into() }]
+        );
+        assert!(t.live().is_empty());
+    }
+
+    #[test]
+    fn hub_resync_diffs() {
+        let hub = Hub::default();
+        hub.upsert(rec("a-1", "a", 1));
+        hub.upsert(rec("b-1", "b", 1));
+        let rx = hub.subscribe();
+        assert_eq!(rx.try_iter().count(), 2);
+        let mut b2 = rec("b-1", "b", 1);
+        b2.published_at_ms = 99;
+        hub.resync(vec![b2.clone(), rec("c-1", "c", 1)]);
+        let evs: Vec<_> = rx.try_iter().collect();
+        assert_eq!(
+            evs,
+            vec![
+                PeerEvent::Removed { name: "a-1".into() },
+                PeerEvent::Upsert(b2),
+                PeerEvent::Upsert(rec("c-1", "c", 1)),
+            ]
+        );
+    }
+
+    struct FakeSink {
+        log: Mutex<Vec<String>>,
+    }
+    impl PeerSink for FakeSink {
+        fn local_name(&self) -> &str {
+            "me-1"
+        }
+        fn load(&self, peer: &PeerDescriptor) -> Result<(), String> {
+            self.log.lock().unwrap().push(format!("load {}", peer.name));
+            Ok(())
+        }
+        fn forget(&self, name: &str) {
+            self.log.lock().unwrap().push(format!("forget {name}"));
+        }
+    }
+
+    #[test]
+    fn peer_sync_applies_events() {
+        let sink = Arc::new(FakeSink {
+            log: Mutex::new(Vec::new()),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut sync = PeerSync::spawn(sink.clone(), rx, Some("me".into()));
+        tx.send(PeerEvent::Upsert(rec("me-1", "me", 1))).unwrap();
+        tx.send(PeerEvent::Upsert(rec("me-0", "me", 0))).unwrap();
+        tx.send(PeerEvent::Upsert(rec("p-1", "p", 1))).unwrap();
+        let mut same = rec("p-1", "p", 1);
+        same.published_at_ms = 50;
+        tx.send(PeerEvent::Upsert(same)).unwrap();
+        let mut changed = rec("p-1", "p", 1);
+        changed.nixl_metadata = vec![4];
+        tx.send(PeerEvent::Upsert(changed)).unwrap();
+        tx.send(PeerEvent::Removed { name: "p-1".into() }).unwrap();
+        tx.send(PeerEvent::Removed { name: "zz".into() }).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while sync.stats().forgotten.load(Ordering::SeqCst) < 1 {
+            assert!(std::time::Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        sync.stop();
+        assert_eq!(
+            *sink.log.lock().unwrap(),
+            vec!["load p-1", "forget p-1", "load p-1", "forget p-1"]
+        );
+        assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 1);
+        assert!(sync.loaded().is_empty());
+    }
+}
