@@ -17,6 +17,7 @@
 
 pub mod buddy;
 pub mod config;
+pub mod model;
 pub mod plan;
 pub mod scheduler;
 pub mod types;

@@ -3,3 +3,4 @@
 
 pub mod dataplane;
 pub mod pattern;
+pub mod trace;

@@ -1,5 +1,8 @@
 //! `kvfabric` — the kvfabric command line.
 //!
+//! * `kvfabric bench` — the main job: replay a request trace prefill →
+//!   decode through bounce and the standard path (embedded mode: both
+//!   agents in this process, no etcd).
 //! * `kvfabric dataplane-bench` — 64 MiB of 4/8/64 KiB random slots through
 //!   the standard per-descriptor path, bounce and one descriptor, side by
 //!   side in two processes, every transfer verified.
@@ -21,6 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Replay a request trace prefill -> decode, bounce vs standard path, every byte verified.
+    Bench(BenchArgs),
     /// Data-plane bench: standard path vs bounce vs one descriptor, two processes.
     DataplaneBench {
         /// Bytes per transfer (suffixes K/M/G accepted).
@@ -60,6 +65,180 @@ enum Cmd {
     },
 }
 
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// JSONL trace (default: the Mooncake conversation trace in ../shared/data/traces).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// First trace line to replay (0-based).
+    #[arg(long, default_value_t = 0)]
+    start: usize,
+    /// Number of consecutive requests to replay.
+    #[arg(long, default_value_t = 40)]
+    requests: usize,
+    /// Model preset: Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b.
+    #[arg(long, default_value = "Llama-3.1-8B")]
+    model: String,
+    /// Custom geometry instead of a preset: layers,kv_heads,head_dim,dtype_bytes.
+    #[arg(long)]
+    geometry: Option<String>,
+    /// Tensor parallelism (divides the KV heads).
+    #[arg(long, default_value_t = 4)]
+    tp: u32,
+    /// Tokens per paged block.
+    #[arg(long, default_value_t = 16)]
+    block: u32,
+    /// K and V in one tensor (default: separate K and V tensors).
+    #[arg(long)]
+    no_kv_split: bool,
+    /// Concurrent requests.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Replay by trace timestamps divided by this factor (default: fixed concurrency).
+    #[arg(long)]
+    speed: Option<f64>,
+    /// KV pool size per side (prefill, decode); requests wait for free blocks.
+    #[arg(long, default_value = "4GiB", value_parser = byte_size)]
+    pool: u64,
+    /// Paths to run, in order.
+    #[arg(long, default_value = "bounce,standard", value_delimiter = ',')]
+    paths: Vec<String>,
+    /// Bounce config YAML (BounceConfig keys); KVFABRIC_BOUNCE_* env overrides it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// JSON report path.
+    #[arg(long, default_value = "kvfabric-bench-report.json")]
+    json: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn default_trace() -> PathBuf {
+    let rel = "shared/data/traces/mooncake_conversation_trace.jsonl";
+    let candidates = [
+        PathBuf::from("..").join(rel),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| candidates[0].clone())
+}
+
+fn run_bench(a: BenchArgs) -> Result<(), String> {
+    use kvfabric_agent::bench::trace::{replay, BenchPath, KvPool, ReplayOptions};
+    use kvfabric_agent::core::model::{parse_trace, preset, KvLayout, ModelGeometry};
+    use kvfabric_agent::runtime::control::zmq::BindAddr;
+    use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
+    use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
+
+    let model = match &a.geometry {
+        None => preset(&a.model)?,
+        Some(g) => {
+            let v: Vec<u32> = g
+                .split(',')
+                .map(|x| x.trim().parse::<u32>())
+                .collect::<Result<_, _>>()
+                .map_err(|_| format!("--geometry: expected layers,kv_heads,head_dim,dtype_bytes as integers, got {g:?}"))?;
+            let [layers, kv_heads, head_dim, dtype_bytes] = v[..] else {
+                return Err(format!("--geometry: expected 4 integers, got {g:?}"));
+            };
+            ModelGeometry { name: format!("custom({g})"), layers, kv_heads, head_dim, dtype_bytes }
+        }
+    };
+    let layout = KvLayout::new(model, a.block, a.tp, !a.no_kv_split)?;
+    let paths = a
+        .paths
+        .iter()
+        .map(|p| match p.trim() {
+            "bounce" => Ok(BenchPath::Bounce),
+            "standard" => Ok(BenchPath::Standard),
+            other => Err(format!("--paths: expected bounce and/or standard, got {other:?}")),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let trace_path = a.trace.clone().unwrap_or_else(default_trace);
+    let text = std::fs::read_to_string(&trace_path)
+        .map_err(|e| format!("trace {}: {e} (pass --trace PATH)", trace_path.display()))?;
+    let trace = parse_trace(&text, a.start, a.requests)?;
+    if trace.is_empty() {
+        return Err(format!("trace {}: no requests at line {}", trace_path.display(), a.start));
+    }
+    let mut config = match &a.config {
+        Some(p) => {
+            let y = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            BounceConfig::from_yaml_str(&y).map_err(|e| format!("{}: {e}", p.display()))?
+        }
+        None => BounceConfig { enabled: true, ..BounceConfig::default() },
+    };
+    for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| k.starts_with("KVFABRIC_BOUNCE_"))) {
+        eprintln!("warning: {w}");
+    }
+    config.enabled = true;
+    let eff = config.validate().map_err(|e| e.to_string())?;
+    let pool_blocks = (a.pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    let ppool = KvPool::new(&layout, pool_blocks, 1)?;
+    let dpool = KvPool::new(&layout, pool_blocks, 2)?;
+    let mk = |role: &str, pool: &KvPool| {
+        let (base, len) = pool.region();
+        FabricAgent::new(FabricOptions {
+            name: format!("{role}-{}-{:x}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)),
+            config: eff.clone(),
+            kv_regions: vec![(MemKind::Dram, MemDesc::host(base, len))],
+            bind: BindAddr::Loopback,
+            copy: None,
+        })
+        .map_err(|e| format!("{role} agent: {e}"))
+    };
+    let prefill = mk("prefill", &ppool)?;
+    let decode = mk("decode", &dpool)?;
+    // Embedded discovery: each agent loads the other's published descriptor.
+    decode
+        .load_peer(&prefill.local_descriptor().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let st = prefill
+        .load_peer(&decode.local_descriptor().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    if let Err(why) = st.bounce {
+        return Err(format!("decode agent is not bounce-capable: {why:?}"));
+    }
+    eprintln!(
+        "replaying {} requests of {} ({} tokens max) with {} TP{} block {}: {} B descriptors, pool {} blocks/side",
+        trace.len(),
+        trace_path.display(),
+        trace.iter().map(|r| r.input_length).max().unwrap_or(0),
+        layout.model.name,
+        layout.tp,
+        layout.block_tokens,
+        layout.descriptor_bytes(),
+        pool_blocks
+    );
+    let report = replay(
+        &prefill,
+        &decode,
+        &ppool,
+        &dpool,
+        &trace,
+        &ReplayOptions {
+            layout,
+            concurrency: a.concurrency,
+            speed: a.speed,
+            pool_blocks,
+            paths,
+            progress: !a.quiet,
+        },
+    )?;
+    print!("{}", report.table());
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    std::fs::write(&a.json, text).map_err(|e| format!("{}: {e}", a.json.display()))?;
+    eprintln!("report written to {}", a.json.display());
+    if report.failures() > 0 {
+        return Err(format!("{} requests failed or did not verify", report.failures()));
+    }
+    Ok(())
+}
+
 fn byte_size(s: &str) -> Result<u64, String> {
     parse_byte_size(s).map_err(|e| format!("{s:?}: {e}"))
 }
@@ -77,6 +256,7 @@ fn main() -> ExitCode {
     init_logs();
     let cli = Cli::parse();
     let result = match cli.cmd {
+        Cmd::Bench(a) => run_bench(a),
         Cmd::Peer { dir, pool_bytes } => dataplane::run_peer(&dir, pool_bytes),
         Cmd::DataplaneBench {
             total,

@@ -289,6 +289,11 @@ pub struct BounceTransport {
     stats: Arc<TransportStats>,
 }
 
+/// Busy ticks without any event before the IO thread starts sleeping.
+const SPIN_BEFORE_BACKOFF: u32 = 64;
+/// Sleep per idle busy tick after the spin budget (seed §7: ~50 µs).
+const BACKOFF: Duration = Duration::from_micros(50);
+
 /// Bound on synchronous commands (add/forget peer, snapshot).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -649,6 +654,7 @@ impl Io {
                 || !self.jobs.is_empty()
                 || !self.orphan_writes.is_empty()
                 || !self.scatter_queue.is_empty()
+                || !self.regions.is_empty()
                 || self.parked;
             // Progress the engine (with the notification channel, its recv
             // does that and owns the notifications).
@@ -694,9 +700,19 @@ impl Io {
             self.check_timeouts();
             self.update_gauges();
             if got == 0 && done == 0 && polled == 0 && busy {
+                // Adaptive poll (seed §7): spin briefly for latency, then back
+                // off so waiting on a copy or a peer never burns a core.
                 idle_spins += 1;
-                if idle_spins > 2000 {
-                    std::thread::sleep(Duration::from_micros(50));
+                // While a write we posted, or one into a region we granted,
+                // may be moving, the engine needs progress calls (with UCX's
+                // AM-emulated RMA the target side copies): yield, don't sleep.
+                let data_moving = !self.writes.is_empty() || !self.regions.is_empty();
+                if idle_spins > SPIN_BEFORE_BACKOFF {
+                    if data_moving {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(BACKOFF);
+                    }
                 }
             } else {
                 idle_spins = 0;
@@ -958,10 +974,18 @@ impl Io {
                 self.fail_request(rid, why);
                 return;
             }
+            // A post can take a while (the engine may copy synchronously):
+            // send DATA for writes that landed meanwhile before posting the
+            // next, so the receiver's scatters overlap our writes.
+            self.poll_writes();
+            if !self.requests.contains_key(&rid) {
+                return;
+            }
         }
     }
 
     fn post_chunk(&mut self, rid: u64, i: usize) -> Result<(), String> {
+        tracing::trace!(rid, chunk = i, "post write");
         let req = self.requests.get_mut(&rid).expect("request exists");
         let c = &req.state[i];
         let credit = c.credit.expect("credited");
@@ -1017,6 +1041,7 @@ impl Io {
             match polled {
                 Ok(XferState::InProgress) => k += 1,
                 Ok(XferState::Success) => {
+                    tracing::trace!(rid, chunk = i, "write landed");
                     self.writes.swap_remove(k);
                     self.engine.release(h);
                     progressed += 1;
@@ -1091,6 +1116,7 @@ impl Io {
             return;
         }
         c.state = ChunkState::Acked;
+        tracing::trace!(rid, chunk = i, "ack");
         if let Some(local) = c.local.take() {
             let _ = self.scheduler.release_local(local);
         }
@@ -1405,6 +1431,7 @@ impl Io {
                     match done.result {
                         Ok(()) => {
                             if let Some(req) = self.requests.get_mut(&rid) {
+                                tracing::trace!(rid, chunk, "gathered");
                                 req.state[chunk].state = ChunkState::Gathered;
                                 req.last_progress = Instant::now();
                                 self.pump(rid);
