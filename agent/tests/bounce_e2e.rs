@@ -34,8 +34,12 @@ fn one_transfer_lands_byte_exact() {
     let cfg = test_config("8MiB", "1MiB", 4);
     let mut src = Pool::new(1024 * BLOCK);
     let dst = Pool::new(1024 * BLOCK);
-    let Some(tx) = agent("snd", &cfg, &[&src]) else { return };
-    let Some(rx) = agent("rcv", &cfg, &[&dst]) else { return };
+    let Some(tx) = agent("snd", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("rcv", &cfg, &[&dst]) else {
+        return;
+    };
     connect(&tx, &rx);
     assert!(tx.has_peer_handshake(rx.name()));
     let slots = permutation(1024, 7);
@@ -43,11 +47,21 @@ fn one_transfer_lands_byte_exact() {
     fill(&mut src, &descs, 1);
     let (path, h) = tx.submit_write(rx.name(), descs.clone());
     assert_eq!(path, PathKind::Bounce);
-    assert_eq!(h.wait(Duration::from_secs(20)), Some(TransferOutcome::Success));
+    assert_eq!(
+        h.wait(Duration::from_secs(20)),
+        Some(TransferOutcome::Success)
+    );
     verify(&dst, &descs, 1).unwrap();
     quiesced(&tx);
     quiesced(&rx);
-    assert_eq!(tx.transport().unwrap().stats().succeeded.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        tx.transport()
+            .unwrap()
+            .stats()
+            .succeeded
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 }
 
 #[test]
@@ -57,8 +71,12 @@ fn request_sixteen_times_the_arena_streams_within_w_regions() {
     let n = 8192; // 8192 x 4 KiB = 32 MiB
     let mut src = Pool::new(n * BLOCK);
     let dst = Pool::new(n * BLOCK);
-    let Some(tx) = agent("snd", &cfg, &[&src]) else { return };
-    let Some(rx) = agent("rcv", &cfg, &[&dst]) else { return };
+    let Some(tx) = agent("snd", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("rcv", &cfg, &[&dst]) else {
+        return;
+    };
     connect(&tx, &rx);
     let slots = permutation(n, 11);
     let descs = block_descs(&src, 0, &dst, &slots, BLOCK);
@@ -78,8 +96,14 @@ fn request_sixteen_times_the_arena_streams_within_w_regions() {
     };
     assert_eq!(outcome, TransferOutcome::Success);
     verify(&dst, &descs, 2).unwrap();
-    assert!(max_rx <= limit, "receiver held {max_rx} > W regions ({limit})");
-    assert!(max_tx <= limit, "sender staged {max_tx} > W regions ({limit})");
+    assert!(
+        max_rx <= limit,
+        "receiver held {max_rx} > W regions ({limit})"
+    );
+    assert!(
+        max_tx <= limit,
+        "sender staged {max_tx} > W regions ({limit})"
+    );
     assert!(max_rx > 0, "sampling saw the receiver hold regions");
     quiesced(&tx);
     quiesced(&rx);

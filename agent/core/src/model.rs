@@ -126,17 +126,13 @@ impl KvLayout {
 
     /// Descriptors of one request of `tokens` prompt tokens.
     pub fn descriptors_for(&self, tokens: u64) -> u64 {
-        self.blocks_for(tokens)
-            * u64::from(self.model.layers)
-            * u64::from(self.tensors_per_layer())
+        self.blocks_for(tokens) * u64::from(self.model.layers) * u64::from(self.tensors_per_layer())
     }
 
     /// Bytes one paged block occupies across all layers and tensors (per TP
     /// rank).
     pub fn bytes_per_block(&self) -> u64 {
-        self.descriptor_bytes()
-            * u64::from(self.model.layers)
-            * u64::from(self.tensors_per_layer())
+        self.descriptor_bytes() * u64::from(self.model.layers) * u64::from(self.tensors_per_layer())
     }
 }
 
@@ -168,7 +164,8 @@ pub fn parse_trace(text: &str, start: usize, limit: usize) -> Result<Vec<TraceRe
         if line.trim().is_empty() {
             continue;
         }
-        let r: TraceRecord = serde_json_lite(line).map_err(|e| format!("trace line {}: {e}", i + 1))?;
+        let r: TraceRecord =
+            serde_json_lite(line).map_err(|e| format!("trace line {}: {e}", i + 1))?;
         out.push(r);
     }
     Ok(out)

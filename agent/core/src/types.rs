@@ -61,7 +61,8 @@ impl ScatterRun {
     pub fn segments(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
         (0..u64::from(self.count)).map(move |i| {
             (
-                self.region_offset.wrapping_add(i.wrapping_mul(self.region_stride)),
+                self.region_offset
+                    .wrapping_add(i.wrapping_mul(self.region_stride)),
                 self.addr.wrapping_add(i.wrapping_mul(self.addr_stride)),
                 self.segment_len,
             )
@@ -128,7 +129,10 @@ pub struct FlowKey {
 impl FlowKey {
     /// Builds the key of request `rid` from `peer`.
     pub fn new(peer: impl Into<String>, rid: u64) -> Self {
-        Self { peer: peer.into(), rid }
+        Self {
+            peer: peer.into(),
+            rid,
+        }
     }
 }
 

@@ -121,7 +121,12 @@ impl DataplaneReport {
     }
 }
 
-fn write_descriptor(path: &Path, d: &PeerDescriptor, pool: u64, pool_len: u64) -> std::io::Result<()> {
+fn write_descriptor(
+    path: &Path,
+    d: &PeerDescriptor,
+    pool: u64,
+    pool_len: u64,
+) -> std::io::Result<()> {
     let mut out = Vec::new();
     let put = |out: &mut Vec<u8>, b: &[u8]| {
         out.extend_from_slice(&(b.len() as u64).to_le_bytes());
@@ -150,7 +155,10 @@ fn read_descriptor(path: &Path) -> Result<(PeerDescriptor, u64, u64), String> {
     };
     let bytes = |pos: &mut usize| -> Result<Vec<u8>, String> {
         let n = u64_at(pos)? as usize;
-        let v = b.get(*pos..*pos + n).ok_or("truncated descriptor file")?.to_vec();
+        let v = b
+            .get(*pos..*pos + n)
+            .ok_or("truncated descriptor file")?
+            .to_vec();
         *pos += n;
         Ok(v)
     };
@@ -227,7 +235,11 @@ pub fn run_peer(dir: &Path, pool_bytes: u64) -> Result<(), String> {
                 // SAFETY: the pool is ours; no transfer is in flight (the
                 // parent only sends ZERO between transfers).
                 unsafe {
-                    std::ptr::write_bytes(pool.base_addr() as usize as *mut u8, 0, pool_bytes as usize)
+                    std::ptr::write_bytes(
+                        pool.base_addr() as usize as *mut u8,
+                        0,
+                        pool_bytes as usize,
+                    )
                 };
                 "OK".to_string()
             }
@@ -278,7 +290,12 @@ impl PeerProcess {
     ///
     /// # Errors
     /// When the child cannot start or does not become ready in time.
-    pub fn spawn(exe: &Path, dir: &Path, pool_bytes: u64, env: &[(String, String)]) -> Result<Self, String> {
+    pub fn spawn(
+        exe: &Path,
+        dir: &Path,
+        pool_bytes: u64,
+        env: &[(String, String)],
+    ) -> Result<Self, String> {
         let mut child = Command::new(exe)
             .arg("peer")
             .arg("--dir")
@@ -387,7 +404,11 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
     for &block in &opts.block_sizes {
         let count = (total / block) as usize;
         let descs = random_slots(pool.base_addr(), rpool, count, block, block);
-        let one = vec![Descriptor::new(pool.base_addr(), rpool, count as u64 * block)];
+        let one = vec![Descriptor::new(
+            pool.base_addr(),
+            rpool,
+            count as u64 * block,
+        )];
         let mut paths: Vec<(&str, &Vec<Descriptor>)> = Vec::new();
         if !opts.skip_standard {
             paths.push(("standard", &descs));

@@ -278,10 +278,11 @@ pub fn replay(
         ));
     }
     let find = |p: BenchPath| stats.iter().find(|s| s.path == p);
-    let ratio = |f: fn(&PathStats) -> f64| match (find(BenchPath::Bounce), find(BenchPath::Standard)) {
-        (Some(b), Some(s)) if f(s) > 0.0 => Some(f(b) / f(s)),
-        _ => None,
-    };
+    let ratio =
+        |f: fn(&PathStats) -> f64| match (find(BenchPath::Bounce), find(BenchPath::Standard)) {
+            (Some(b), Some(s)) if f(s) > 0.0 => Some(f(b) / f(s)),
+            _ => None,
+        };
     Ok(ReplayReport {
         model: layout.model.name.clone(),
         block_tokens: layout.block_tokens,
@@ -365,7 +366,11 @@ fn run_phase(
                 let mut descs = Vec::with_capacity(nblocks as usize * tensors as usize);
                 for t in 0..tensors {
                     for (b, &p) in pb.iter().enumerate() {
-                        descs.push(Descriptor::new(ppool.addr(t, p), dpool.addr(t, db[b]), desc_bytes));
+                        descs.push(Descriptor::new(
+                            ppool.addr(t, p),
+                            dpool.addr(t, db[b]),
+                            desc_bytes,
+                        ));
                     }
                 }
                 // "Prefill": write this request's KV with its own pattern.
@@ -393,7 +398,12 @@ fn run_phase(
                                 .map(|off| (k, off))
                         });
                         if let Some((k, off)) = bad {
-                            tracing::error!(request = i, descriptor = k, byte = off, "verification failed");
+                            tracing::error!(
+                                request = i,
+                                descriptor = k,
+                                byte = off,
+                                "verification failed"
+                            );
                             false
                         } else {
                             true
@@ -486,7 +496,10 @@ impl ReplayReport {
         ) {
             s += &format!("bounce / standard: p50 {r50:.2}x, p99 {r99:.2}x (lower is better)\n");
         }
-        s += &format!("peak RSS {:.1} MiB\n", self.peak_rss_bytes as f64 / 1048576.0);
+        s += &format!(
+            "peak RSS {:.1} MiB\n",
+            self.peak_rss_bytes as f64 / 1048576.0
+        );
         s
     }
 

@@ -16,7 +16,11 @@ use kvfabric_agent::bench::dataplane::{self, DataplaneOptions};
 use kvfabric_agent::core::config::{parse_byte_size, BounceConfig};
 
 #[derive(Parser)]
-#[command(name = "kvfabric", version, about = "KV-cache fabric for disaggregated LLM serving")]
+#[command(
+    name = "kvfabric",
+    version,
+    about = "KV-cache fabric for disaggregated LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -118,7 +122,9 @@ fn default_trace() -> PathBuf {
     let rel = "shared/data/traces/mooncake_conversation_trace.jsonl";
     let candidates = [
         PathBuf::from("..").join(rel),
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(rel),
     ];
     candidates
         .iter()
@@ -145,7 +151,13 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
             let [layers, kv_heads, head_dim, dtype_bytes] = v[..] else {
                 return Err(format!("--geometry: expected 4 integers, got {g:?}"));
             };
-            ModelGeometry { name: format!("custom({g})"), layers, kv_heads, head_dim, dtype_bytes }
+            ModelGeometry {
+                name: format!("custom({g})"),
+                layers,
+                kv_heads,
+                head_dim,
+                dtype_bytes,
+            }
         }
     };
     let layout = KvLayout::new(model, a.block, a.tp, !a.no_kv_split)?;
@@ -155,7 +167,9 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         .map(|p| match p.trim() {
             "bounce" => Ok(BenchPath::Bounce),
             "standard" => Ok(BenchPath::Standard),
-            other => Err(format!("--paths: expected bounce and/or standard, got {other:?}")),
+            other => Err(format!(
+                "--paths: expected bounce and/or standard, got {other:?}"
+            )),
         })
         .collect::<Result<Vec<_>, _>>()?;
     let trace_path = a.trace.clone().unwrap_or_else(default_trace);
@@ -163,16 +177,25 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         .map_err(|e| format!("trace {}: {e} (pass --trace PATH)", trace_path.display()))?;
     let trace = parse_trace(&text, a.start, a.requests)?;
     if trace.is_empty() {
-        return Err(format!("trace {}: no requests at line {}", trace_path.display(), a.start));
+        return Err(format!(
+            "trace {}: no requests at line {}",
+            trace_path.display(),
+            a.start
+        ));
     }
     let mut config = match &a.config {
         Some(p) => {
             let y = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
             BounceConfig::from_yaml_str(&y).map_err(|e| format!("{}: {e}", p.display()))?
         }
-        None => BounceConfig { enabled: true, ..BounceConfig::default() },
+        None => BounceConfig {
+            enabled: true,
+            ..BounceConfig::default()
+        },
     };
-    for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| k.starts_with("KVFABRIC_BOUNCE_"))) {
+    for w in
+        config.apply_env_vars(std::env::vars().filter(|(k, _)| k.starts_with("KVFABRIC_BOUNCE_")))
+    {
         eprintln!("warning: {w}");
     }
     config.enabled = true;
@@ -183,7 +206,14 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     let mk = |role: &str, pool: &KvPool| {
         let (base, len) = pool.region();
         FabricAgent::new(FabricOptions {
-            name: format!("{role}-{}-{:x}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)),
+            name: format!(
+                "{role}-{}-{:x}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0)
+            ),
             config: eff.clone(),
             kv_regions: vec![(MemKind::Dram, MemDesc::host(base, len))],
             bind: BindAddr::Loopback,
@@ -234,7 +264,10 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     std::fs::write(&a.json, text).map_err(|e| format!("{}: {e}", a.json.display()))?;
     eprintln!("report written to {}", a.json.display());
     if report.failures() > 0 {
-        return Err(format!("{} requests failed or did not verify", report.failures()));
+        return Err(format!(
+            "{} requests failed or did not verify",
+            report.failures()
+        ));
     }
     Ok(())
 }
@@ -273,7 +306,10 @@ fn main() -> ExitCode {
                 ("KVFABRIC_BOUNCE_ENABLE", "1".to_string()),
                 ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", arena.to_string()),
                 ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", chunk.to_string()),
-                ("KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST", inflight.to_string()),
+                (
+                    "KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST",
+                    inflight.to_string(),
+                ),
                 ("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1".to_string()),
             ]) {
                 eprintln!("warning: {w}");

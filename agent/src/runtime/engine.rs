@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, NixlDescriptor, MemoryRegion, NotificationMap, OptArgs,
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs,
     RegistrationHandle, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
@@ -230,7 +230,9 @@ impl NixlTransferEngine {
         if let Ok(extra) = std::env::var("KVFABRIC_UCX_PARAMS") {
             for kv in extra.split(',').filter(|s| !s.is_empty()) {
                 if let Some((k, v)) = kv.split_once('=') {
-                    params.set(k.trim(), v.trim()).map_err(nixl("set UCX param"))?;
+                    params
+                        .set(k.trim(), v.trim())
+                        .map_err(nixl("set UCX param"))?;
                 }
             }
         }
@@ -256,7 +258,8 @@ impl NixlTransferEngine {
 
     fn opt_args(inner: &Inner) -> Result<OptArgs, EngineError> {
         let mut args = OptArgs::new().map_err(nixl("opt args"))?;
-        args.add_backend(&inner.backend).map_err(nixl("opt args backend"))?;
+        args.add_backend(&inner.backend)
+            .map_err(nixl("opt args backend"))?;
         Ok(args)
     }
 
@@ -289,7 +292,10 @@ impl TransferEngine for NixlTransferEngine {
     }
 
     fn local_metadata(&self) -> Result<Vec<u8>, EngineError> {
-        self.lock().agent.get_local_md().map_err(nixl("get_local_md"))
+        self.lock()
+            .agent
+            .get_local_md()
+            .map_err(nixl("get_local_md"))
     }
 
     fn load_peer(&self, metadata: &[u8]) -> Result<String, EngineError> {
@@ -394,7 +400,11 @@ impl TransferEngine for NixlTransferEngine {
             what: "transfer",
             id: handle.0,
         })?;
-        match inner.agent.get_xfer_status(req).map_err(nixl("get_xfer_status"))? {
+        match inner
+            .agent
+            .get_xfer_status(req)
+            .map_err(nixl("get_xfer_status"))?
+        {
             XferStatus::Success => Ok(XferState::Success),
             XferStatus::InProgress => Ok(XferState::InProgress),
         }
@@ -415,9 +425,14 @@ impl TransferEngine for NixlTransferEngine {
         if map.is_empty().unwrap_or(true) {
             return Ok(out);
         }
-        let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_string)).collect();
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_string))
+            .collect();
         for agent in agents {
-            let n = map.get_notifications_size(&agent).map_err(nixl("notifications"))?;
+            let n = map
+                .get_notifications_size(&agent)
+                .map_err(nixl("notifications"))?;
             for i in 0..n {
                 let bytes = map
                     .get_notification_bytes(&agent, i)

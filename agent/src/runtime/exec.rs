@@ -35,7 +35,10 @@ impl<T> ExecPool<T> {
 
     /// Returns a borrowed context.
     pub fn release(&self, ctx: T) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(ctx);
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(ctx);
     }
 
     /// Contexts currently free.

@@ -213,7 +213,10 @@ impl FabricAgent {
         let cfg = &opts.config;
         let arena = HostArena::new(cfg.arena_size_bytes() as usize).map_err(|e| e.to_string())?;
         engine
-            .register_region(MemKind::Dram, MemDesc::host(arena.base_addr(), arena.len() as u64))
+            .register_region(
+                MemKind::Dram,
+                MemDesc::host(arena.base_addr(), arena.len() as u64),
+            )
             .map_err(|e| format!("registering the arena: {e}"))?;
         let channel: Box<dyn ControlChannel> = match cfg.control_kind() {
             ControlKind::Zmq => Box::new(
@@ -337,7 +340,8 @@ impl FabricAgent {
             return Err(Incompatibility::LocalBounceOff);
         };
         let blob = blob.ok_or(Incompatibility::NoHandshake)?;
-        let hs = wire::decode_handshake(blob).map_err(|e| Incompatibility::Malformed(e.to_string()))?;
+        let hs =
+            wire::decode_handshake(blob).map_err(|e| Incompatibility::Malformed(e.to_string()))?;
         if hs.wire_version != local.wire_version {
             return Err(Incompatibility::WireVersion {
                 local: local.wire_version,
@@ -448,7 +452,9 @@ impl FabricAgent {
     pub fn submit_standard(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         self.stats.submit_standard.fetch_add(1, Ordering::Relaxed);
-        self.stats.bytes_standard.fetch_add(bytes, Ordering::Relaxed);
+        self.stats
+            .bytes_standard
+            .fetch_add(bytes, Ordering::Relaxed);
         let descs: Vec<Descriptor> = descs.into_iter().filter(|d| d.len > 0).collect();
         if descs.is_empty() {
             return TransferHandle::resolved(TransferOutcome::Success);

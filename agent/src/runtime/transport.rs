@@ -569,10 +569,20 @@ impl SendRequest {
 }
 
 enum JobRef {
-    Gather { rid: u64, chunk: usize, local: u64 },
+    Gather {
+        rid: u64,
+        chunk: usize,
+        local: u64,
+    },
     /// Gather of a request that failed meanwhile: free its staging on done.
-    OrphanGather { local: u64 },
-    Scatter { flow: FlowKey, offset: u64, chunk: u32 },
+    OrphanGather {
+        local: u64,
+    },
+    Scatter {
+        flow: FlowKey,
+        offset: u64,
+        chunk: u32,
+    },
 }
 
 struct RecvRegion {
@@ -1329,9 +1339,7 @@ impl Io {
             if r.segment_len == 0 || r.count == 0 {
                 return Err(format!("run {k} is empty"));
             }
-            let end = r
-                .region_end()
-                .ok_or_else(|| format!("run {k} overflows"))?;
+            let end = r.region_end().ok_or_else(|| format!("run {k} overflows"))?;
             if end > region_len {
                 return Err(format!(
                     "run {k} ends at region byte {end}, beyond the granted {region_len} bytes"
