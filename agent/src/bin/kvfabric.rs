@@ -6,6 +6,10 @@
 //! * `kvfabric dataplane-bench` — 64 MiB of 4/8/64 KiB random slots through
 //!   the standard per-descriptor path, bounce and one descriptor, side by
 //!   side in two processes, every transfer verified.
+//! * `kvfabric agent` — the per-node agent daemon: KV pool + bounce engine,
+//!   discovery (etcd or embedded), HTTP API (`/healthz`, `/readyz`,
+//!   `/metrics`, `/v1/peers`, `/v1/config`, `/v1/debug/verify`), graceful
+//!   shutdown on SIGTERM/SIGINT.
 //! * `kvfabric peer` — the receiver process the bench spawns (internal).
 
 use std::path::PathBuf;
@@ -57,6 +61,8 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Run the agent daemon (config: --config YAML, KVFABRIC_* env, flags; flags win).
+    Agent(AgentArgs),
     /// Receiver process of the data-plane bench (spawned by it).
     #[command(hide = true)]
     Peer {
@@ -116,6 +122,86 @@ struct BenchArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// YAML config file (AgentConfig keys, camelCase; `bounce:` holds the BounceConfig).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// HTTP listen address host:port (port 0 = ephemeral; the bound address is printed).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Fabric name (discovery key prefix /kvfabric/FABRIC/agents/).
+    #[arg(long)]
+    fabric: Option<String>,
+    /// Stable agent id (default: $POD_NAME, $HOSTNAME, or the host name).
+    #[arg(long)]
+    logical_id: Option<String>,
+    /// Role: prefill, decode or both.
+    #[arg(long)]
+    role: Option<String>,
+    /// KV pool size (suffixes accepted).
+    #[arg(long, value_parser = byte_size)]
+    pool_size: Option<u64>,
+    /// etcd endpoints, comma-separated (none = embedded in-process discovery).
+    #[arg(long, value_delimiter = ',')]
+    etcd: Option<Vec<String>>,
+    /// Discovery lease TTL in seconds.
+    #[arg(long)]
+    lease_ttl: Option<u64>,
+    /// Control channel bind: routable, loopback, interface:NIC or an IP.
+    #[arg(long)]
+    control_bind: Option<String>,
+    /// Log format: text or json.
+    #[arg(long)]
+    log_format: Option<String>,
+    /// Print the effective config as YAML and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+fn run_agent(a: AgentArgs) -> Result<(), String> {
+    use kvfabric_agent::service::daemon::{self, AgentConfig, AgentOverrides, LogFormat};
+    use std::io::Write as _;
+    let log_format = match a.log_format.as_deref() {
+        None => None,
+        Some("text") => Some(LogFormat::Text),
+        Some("json") => Some(LogFormat::Json),
+        Some(other) => {
+            return Err(format!(
+                "--log-format: expected text or json, got {other:?}"
+            ))
+        }
+    };
+    let overrides = AgentOverrides {
+        listen: a.listen,
+        fabric: a.fabric,
+        logical_id: a.logical_id,
+        role: a.role,
+        pool_size_bytes: a.pool_size,
+        etcd_endpoints: a.etcd,
+        lease_ttl_seconds: a.lease_ttl,
+        control_bind: a.control_bind,
+        log_format,
+    };
+    let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
+    daemon::init_logging(cfg.log_format);
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    if a.print_config {
+        print!(
+            "{}",
+            serde_yaml::to_string(&cfg).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    daemon::run(cfg, |addr| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "kvfabric agent listening on http://{addr}");
+        let _ = out.flush();
+    })
 }
 
 fn default_trace() -> PathBuf {
@@ -286,9 +372,12 @@ fn init_logs() {
 }
 
 fn main() -> ExitCode {
-    init_logs();
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Agent(_)) {
+        init_logs();
+    }
     let result = match cli.cmd {
+        Cmd::Agent(a) => run_agent(a),
         Cmd::Bench(a) => run_bench(a),
         Cmd::Peer { dir, pool_bytes } => dataplane::run_peer(&dir, pool_bytes),
         Cmd::DataplaneBench {

@@ -1,4 +1,7 @@
-//! Agent services around the runtime: peer discovery (and, later, the HTTP
-//! API and metrics).
+//! Agent services around the runtime: peer discovery, the HTTP API, metrics
+//! and the `kvfabric agent` daemon.
 
+pub mod daemon;
 pub mod discovery;
+pub mod http;
+pub mod metrics;

@@ -1,0 +1,733 @@
+//! The `kvfabric agent` daemon (issue "agent daemon", items 1 and 4).
+//!
+//! * [`AgentConfig`] — one schema for YAML, environment and flags, the
+//!   core's [`BounceConfig`] inside it (`bounce:`). Layering: defaults →
+//!   YAML file → `KVFABRIC_*` environment → command-line flags
+//!   ([`AgentConfig::load`]).
+//! * [`Node`] — the services around one [`FabricAgent`]: metrics, the
+//!   published [`AgentRecord`] (pool buffer included), [`PeerSync`] (peers
+//!   loaded / forgotten from discovery events), the HTTP state, and the
+//!   graceful shutdown sequence ([`Node::shutdown`]).
+//! * [`run`] — the daemon: KV pool + arena registered at start-up (never on
+//!   the request path), the NIXL agent named
+//!   [`incarnation_name`]`(logical_id, Incarnation::generate())` so a restart
+//!   is never served from stale metadata, discovery (etcd when endpoints are
+//!   given, else an in-process registry), the HTTP API, and SIGTERM/SIGINT →
+//!   readyz 503, in-flight transfers resolved within a bound, lease revoked,
+//!   exit 0.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::discovery::{
+    incarnation_name, validate_name, AgentRecord, BufferRegion, Discovery, EmbeddedRegistry,
+    EtcdDiscovery, EtcdOptions, Incarnation, PeerSync,
+};
+use super::http::{ServiceInit, ServiceState, VerifyRegion};
+use super::metrics::AgentMetrics;
+use crate::core::config::{parse_byte_size, BounceConfig, ByteSize};
+use crate::runtime::arena::HostArena;
+use crate::runtime::control::zmq::BindAddr;
+use crate::runtime::engine::{MemDesc, MemKind};
+use crate::runtime::fabric::{FabricAgent, FabricOptions};
+
+/// Prefix of the daemon's own environment variables (`KVFABRIC_BOUNCE_*`
+/// belong to [`BounceConfig`]).
+pub const AGENT_ENV_PREFIX: &str = "KVFABRIC_";
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (default).
+    #[default]
+    Text,
+    /// One JSON object per event.
+    Json,
+}
+
+/// The daemon's configuration: one schema for YAML (camelCase keys,
+/// unknown keys rejected), `KVFABRIC_*` environment variables and flags.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentConfig {
+    /// HTTP listen address (`host:port`; port 0 = ephemeral). Default
+    /// `0.0.0.0:9400`. Env `KVFABRIC_LISTEN`, flag `--listen`.
+    pub listen: String,
+    /// Fabric name: the discovery key prefix is `/kvfabric/<fabric>/agents/`.
+    /// Default `default`. Env `KVFABRIC_FABRIC`, flag `--fabric`.
+    pub fabric: String,
+    /// Stable identity across restarts. Empty = `$POD_NAME`, else
+    /// `$HOSTNAME`, else the host name. Env `KVFABRIC_LOGICAL_ID`, flag
+    /// `--logical-id`.
+    pub logical_id: String,
+    /// Role of this agent: `prefill`, `decode` or `both` (default).
+    /// Env `KVFABRIC_ROLE`, flag `--role`.
+    pub role: String,
+    /// KV pool size, bytes (suffixes accepted). Registered once at start.
+    /// Default 1 GiB. Env `KVFABRIC_POOL_SIZE_BYTES`, flag `--pool-size`.
+    pub pool_size_bytes: ByteSize,
+    /// etcd client URLs; empty = embedded (in-process) discovery.
+    /// Env `KVFABRIC_ETCD_ENDPOINTS` (comma-separated), flag `--etcd`.
+    pub etcd_endpoints: Vec<String>,
+    /// Discovery lease TTL, seconds (≥ 1). Default 10.
+    /// Env `KVFABRIC_LEASE_TTL_SECONDS`, flag `--lease-ttl`.
+    pub lease_ttl_seconds: u64,
+    /// Where the ZMQ control channel binds: `routable` (default), `loopback`,
+    /// `interface:<nic>` or an IP address. Env `KVFABRIC_CONTROL_BIND`,
+    /// flag `--control-bind`.
+    pub control_bind: String,
+    /// Bound on resolving in-flight transfers at shutdown, milliseconds.
+    /// Default 10000. Env `KVFABRIC_SHUTDOWN_TIMEOUT_MS`.
+    pub shutdown_timeout_ms: u64,
+    /// Log format. Env `KVFABRIC_LOG_FORMAT`, flag `--log-format`
+    /// (the filter is `KVFABRIC_LOG`, default `info`).
+    pub log_format: LogFormat,
+    /// The bounce engine's configuration (core schema; env
+    /// `KVFABRIC_BOUNCE_*`).
+    pub bounce: BounceConfig,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:9400".into(),
+            fabric: "default".into(),
+            logical_id: String::new(),
+            role: "both".into(),
+            pool_size_bytes: ByteSize(1 << 30),
+            etcd_endpoints: Vec::new(),
+            lease_ttl_seconds: 10,
+            control_bind: "routable".into(),
+            shutdown_timeout_ms: 10_000,
+            log_format: LogFormat::Text,
+            bounce: BounceConfig::default(),
+        }
+    }
+}
+
+/// Command-line overrides (`None` = not given); they win over YAML and env.
+#[derive(Clone, Debug, Default)]
+pub struct AgentOverrides {
+    /// `--listen`.
+    pub listen: Option<String>,
+    /// `--fabric`.
+    pub fabric: Option<String>,
+    /// `--logical-id`.
+    pub logical_id: Option<String>,
+    /// `--role`.
+    pub role: Option<String>,
+    /// `--pool-size` (bytes).
+    pub pool_size_bytes: Option<u64>,
+    /// `--etcd` (may be given several times / comma-separated).
+    pub etcd_endpoints: Option<Vec<String>>,
+    /// `--lease-ttl` (seconds).
+    pub lease_ttl_seconds: Option<u64>,
+    /// `--control-bind`.
+    pub control_bind: Option<String>,
+    /// `--log-format`.
+    pub log_format: Option<LogFormat>,
+}
+
+fn split_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+impl AgentConfig {
+    /// Parses a YAML document (empty or `null` = defaults).
+    ///
+    /// # Errors
+    /// A message naming the offending key (serde_yaml's, with line/column).
+    pub fn from_yaml_str(yaml: &str) -> Result<Self, String> {
+        let v: serde_yaml::Value = serde_yaml::from_str(yaml).map_err(|e| e.to_string())?;
+        if v.is_null() {
+            return Ok(Self::default());
+        }
+        serde_yaml::from_str(yaml).map_err(|e| e.to_string())
+    }
+
+    /// Applies `KVFABRIC_*` variables from `vars` (pure): the daemon's own
+    /// (`KVFABRIC_LISTEN`, `_FABRIC`, `_LOGICAL_ID`, `_ROLE`,
+    /// `_POOL_SIZE_BYTES`, `_ETCD_ENDPOINTS`, `_LEASE_TTL_SECONDS`,
+    /// `_CONTROL_BIND`, `_SHUTDOWN_TIMEOUT_MS`, `_LOG_FORMAT`) and
+    /// `KVFABRIC_BOUNCE_*` (through [`BounceConfig::apply_env_vars`]). Other
+    /// `KVFABRIC_*` variables (e.g. `KVFABRIC_LOG`) are left alone. An
+    /// unparsable value keeps the previous one and yields a warning.
+    pub fn apply_env_vars<I, K, V>(&mut self, vars: I) -> Vec<String>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut warnings = Vec::new();
+        let mut bounce = Vec::new();
+        for (k, v) in vars {
+            let (k, v) = (k.as_ref(), v.as_ref().trim());
+            let Some(suffix) = k.strip_prefix(AGENT_ENV_PREFIX) else {
+                continue;
+            };
+            let mut bad = |expected: &str| {
+                warnings.push(format!(
+                    "{k}={v:?}: expected {expected}; keeping the previous value"
+                ))
+            };
+            match suffix {
+                "LISTEN" => self.listen = v.to_string(),
+                "FABRIC" => self.fabric = v.to_string(),
+                "LOGICAL_ID" => self.logical_id = v.to_string(),
+                "ROLE" => self.role = v.to_string(),
+                "POOL_SIZE_BYTES" => match parse_byte_size(v) {
+                    Ok(n) => self.pool_size_bytes = ByteSize(n),
+                    Err(_) => bad("a byte size like 1073741824 or \"1GiB\""),
+                },
+                "ETCD_ENDPOINTS" => self.etcd_endpoints = split_list(v),
+                "LEASE_TTL_SECONDS" => match v.parse() {
+                    Ok(n) => self.lease_ttl_seconds = n,
+                    Err(_) => bad("a whole number of seconds"),
+                },
+                "CONTROL_BIND" => self.control_bind = v.to_string(),
+                "SHUTDOWN_TIMEOUT_MS" => match v.parse() {
+                    Ok(n) => self.shutdown_timeout_ms = n,
+                    Err(_) => bad("a whole number of milliseconds"),
+                },
+                "LOG_FORMAT" => match v.to_ascii_lowercase().as_str() {
+                    "text" => self.log_format = LogFormat::Text,
+                    "json" => self.log_format = LogFormat::Json,
+                    _ => bad("text or json"),
+                },
+                s if s.starts_with("BOUNCE_") => bounce.push((k.to_string(), v.to_string())),
+                _ => {}
+            }
+        }
+        warnings.extend(
+            self.bounce
+                .apply_env_vars(bounce)
+                .into_iter()
+                .map(|w| w.to_string()),
+        );
+        warnings
+    }
+
+    /// Applies command-line overrides.
+    pub fn apply_overrides(&mut self, o: &AgentOverrides) {
+        let o = o.clone();
+        if let Some(v) = o.listen {
+            self.listen = v;
+        }
+        if let Some(v) = o.fabric {
+            self.fabric = v;
+        }
+        if let Some(v) = o.logical_id {
+            self.logical_id = v;
+        }
+        if let Some(v) = o.role {
+            self.role = v;
+        }
+        if let Some(v) = o.pool_size_bytes {
+            self.pool_size_bytes = ByteSize(v);
+        }
+        if let Some(v) = o.etcd_endpoints {
+            self.etcd_endpoints = v.iter().flat_map(|s| split_list(s)).collect();
+        }
+        if let Some(v) = o.lease_ttl_seconds {
+            self.lease_ttl_seconds = v;
+        }
+        if let Some(v) = o.control_bind {
+            self.control_bind = v;
+        }
+        if let Some(v) = o.log_format {
+            self.log_format = v;
+        }
+    }
+
+    /// The full pipeline: defaults → `yaml` file (if given) → `env`
+    /// (`KVFABRIC_*`) → `overrides`, then [`resolve`](Self::resolve) and
+    /// [`validate`](Self::validate). Returns the config and the env
+    /// warnings.
+    ///
+    /// # Errors
+    /// An unreadable or invalid YAML file, or a failed validation.
+    pub fn load<I, K, V>(
+        yaml: Option<&Path>,
+        env: I,
+        overrides: &AgentOverrides,
+    ) -> Result<(Self, Vec<String>), String>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut cfg = match yaml {
+            Some(p) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                Self::from_yaml_str(&text).map_err(|e| format!("{}: {e}", p.display()))?
+            }
+            None => Self::default(),
+        };
+        let warnings = cfg.apply_env_vars(env);
+        cfg.apply_overrides(overrides);
+        cfg.resolve();
+        cfg.validate()?;
+        Ok((cfg, warnings))
+    }
+
+    /// Fills in the logical id when empty: `$POD_NAME`, else `$HOSTNAME`,
+    /// else the host name, else `kvfabric-agent`.
+    pub fn resolve(&mut self) {
+        if self.logical_id.trim().is_empty() {
+            self.logical_id = default_logical_id();
+        }
+    }
+
+    /// Checks every field; all problems are reported at once.
+    ///
+    /// # Errors
+    /// A message listing each invalid field (camelCase) and what it expects.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut errs = Vec::new();
+        if self.listen.parse::<std::net::SocketAddr>().is_err()
+            && !self
+                .listen
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+        {
+            errs.push(format!("listen: expected host:port, got {:?}", self.listen));
+        }
+        if let Err(e) = validate_name(&self.fabric) {
+            errs.push(format!("fabric: {e}"));
+        }
+        if let Err(e) = validate_name(&self.logical_id) {
+            errs.push(format!("logicalId: {e}"));
+        }
+        if !matches!(self.role.as_str(), "prefill" | "decode" | "both") {
+            errs.push(format!(
+                "role: expected prefill, decode or both, got {:?}",
+                self.role
+            ));
+        }
+        if self.pool_size_bytes.get() == 0 {
+            errs.push("poolSizeBytes: expected a byte size greater than 0".into());
+        }
+        if self.lease_ttl_seconds == 0 {
+            errs.push("leaseTtlSeconds: expected an integer ≥ 1".into());
+        }
+        if let Err(e) = self.bind_addr() {
+            errs.push(e);
+        }
+        if let Err(e) = self.bounce.validate() {
+            errs.push(format!("bounce: {e}"));
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("invalid agent config: {}", errs.join("; ")))
+        }
+    }
+
+    /// The control channel bind address.
+    ///
+    /// # Errors
+    /// When `controlBind` is none of the accepted forms.
+    pub fn bind_addr(&self) -> Result<BindAddr, String> {
+        let v = self.control_bind.trim();
+        match v {
+            "routable" => Ok(BindAddr::Routable),
+            "loopback" => Ok(BindAddr::Loopback),
+            _ => {
+                if let Some(nic) = v.strip_prefix("interface:") {
+                    return Ok(BindAddr::Interface(nic.to_string()));
+                }
+                v.parse().map(BindAddr::Ip).map_err(|_| {
+                    format!(
+                        "controlBind: expected routable, loopback, interface:<nic> or an IP address, got {v:?}"
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// `$POD_NAME`, else `$HOSTNAME`, else the host name, else
+/// `kvfabric-agent` (always a valid key segment).
+pub fn default_logical_id() -> String {
+    let env = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| validate_name(s).is_ok())
+    };
+    env("POD_NAME")
+        .or_else(|| env("HOSTNAME"))
+        .or_else(|| host_name().filter(|s| validate_name(s).is_ok()))
+        .unwrap_or_else(|| "kvfabric-agent".into())
+}
+
+/// The host name (`gethostname`), if any.
+pub fn host_name() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its full length minus the terminator
+    // we keep.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let s = String::from_utf8_lossy(&buf[..end]).trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+/// What [`Node::start`] needs besides the agent and discovery.
+pub struct NodeOptions {
+    /// Stable identity (the record's `logical_id`).
+    pub logical_id: String,
+    /// This process start's incarnation (the agent's name should be
+    /// [`incarnation_name`]`(logical_id, incarnation)`).
+    pub incarnation: Incarnation,
+    /// Node name for humans (host name).
+    pub node: String,
+    /// Buffers published in the record (the KV pool).
+    pub buffers: Vec<BufferRegion>,
+    /// Ranges `/v1/debug/verify` may read (normally the same pool).
+    pub verify_regions: Vec<VerifyRegion>,
+    /// The effective configuration document (served by `/v1/config`).
+    pub config: serde_json::Value,
+    /// Whether bounce was requested (readiness needs the arena then).
+    pub bounce_requested: bool,
+}
+
+/// How a [`Node::shutdown`] went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// In-flight bounce work drained before the bound.
+    pub drained: bool,
+    /// Time spent waiting for in-flight work.
+    pub waited: Duration,
+    /// The lease revocation error, if it failed.
+    pub revoke_error: Option<String>,
+}
+
+/// The services around one agent: metrics, published record, peer sync and
+/// HTTP state.
+pub struct Node {
+    agent: Arc<FabricAgent>,
+    discovery: Arc<dyn Discovery>,
+    sync: Mutex<Option<PeerSync>>,
+    state: Arc<ServiceState>,
+    record: AgentRecord,
+}
+
+impl Node {
+    /// Starts the services: metrics watching `agent` and `discovery`; a
+    /// [`PeerSync`] loading/forgetting peers from `discovery`'s events
+    /// (other incarnations of our own logical id skipped); then publishes
+    /// the agent's record. A publish the store did not confirm is logged
+    /// and retried in the background by the discovery (readiness reports
+    /// it).
+    ///
+    /// # Errors
+    /// When the metrics cannot be built, NIXL cannot serialize the agent's
+    /// metadata, or the record is invalid.
+    pub fn start(
+        agent: Arc<FabricAgent>,
+        discovery: Arc<dyn Discovery>,
+        opts: NodeOptions,
+    ) -> Result<Self, String> {
+        let metrics = Arc::new(AgentMetrics::new()?);
+        metrics.watch_agent(&agent);
+        metrics.watch_discovery(agent.name(), &discovery);
+        let desc = agent
+            .local_descriptor()
+            .map_err(|e| format!("NIXL metadata: {e}"))?;
+        let mut record = AgentRecord::new(&desc, &opts.logical_id, opts.incarnation);
+        record.node = opts.node;
+        record.buffers = opts.buffers;
+        record.config_generation = agent.handshake().map_or(0, |h| h.config_generation);
+        record.validate().map_err(|e| e.to_string())?;
+        let sync = PeerSync::spawn(
+            agent.clone(),
+            discovery.events(),
+            Some(opts.logical_id.clone()),
+        );
+        match discovery.publish(record.clone()) {
+            Ok(()) => {
+                tracing::info!(agent = %record.name, logical = %record.logical_id, "published to discovery")
+            }
+            Err(e @ super::discovery::DiscoveryError::Record(_)) => return Err(e.to_string()),
+            Err(e) => {
+                tracing::warn!(agent = %record.name, error = %e, "publish not confirmed yet; retrying in the background")
+            }
+        }
+        let state = ServiceState::new(ServiceInit {
+            agent: agent.clone(),
+            discovery: Some(discovery.clone()),
+            metrics,
+            config: opts.config,
+            bounce_requested: opts.bounce_requested,
+            logical_id: opts.logical_id,
+            incarnation: Some(opts.incarnation),
+            verify_regions: opts.verify_regions,
+        });
+        Ok(Self {
+            agent,
+            discovery,
+            sync: Mutex::new(Some(sync)),
+            state,
+            record,
+        })
+    }
+
+    /// The HTTP state.
+    pub fn state(&self) -> &Arc<ServiceState> {
+        &self.state
+    }
+
+    /// The agent.
+    pub fn agent(&self) -> &Arc<FabricAgent> {
+        &self.agent
+    }
+
+    /// The discovery.
+    pub fn discovery(&self) -> &Arc<dyn Discovery> {
+        &self.discovery
+    }
+
+    /// The published record.
+    pub fn record(&self) -> &AgentRecord {
+        &self.record
+    }
+
+    /// Names of the peers loaded through discovery.
+    pub fn loaded_peers(&self) -> Vec<String> {
+        self.sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(PeerSync::loaded)
+            .unwrap_or_default()
+    }
+
+    /// Graceful shutdown (blocking; idempotent): readiness → 503; waits at
+    /// most `bound` for in-flight bounce work (send requests and granted
+    /// flows) to resolve; revokes the discovery lease so peers forget this
+    /// agent at once; stops the peer sync; stops the transport (anything
+    /// still in flight resolves FAILURE). The standard-path poller stops
+    /// when the agent is dropped.
+    pub fn shutdown(&self, bound: Duration) -> ShutdownReport {
+        self.state.begin_shutdown();
+        let t0 = Instant::now();
+        let mut drained = true;
+        if let Some(t) = self.agent.transport() {
+            drained = false;
+            while t0.elapsed() < bound {
+                match t.snapshot() {
+                    Some(s) if s.send_requests == 0 && s.flows == 0 => {
+                        drained = true;
+                        break;
+                    }
+                    Some(_) => std::thread::sleep(Duration::from_millis(10)),
+                    None => {
+                        drained = true;
+                        break;
+                    }
+                }
+            }
+            if !drained {
+                tracing::warn!(agent = %self.agent.name(), ?bound, snapshot = ?t.snapshot(), "in-flight transfers did not drain; failing them");
+            }
+        }
+        let waited = t0.elapsed();
+        let revoke_error = match self.discovery.revoke() {
+            Ok(()) => None,
+            Err(e) => {
+                tracing::warn!(agent = %self.agent.name(), error = %e, "revoking the discovery lease failed; it expires with its TTL");
+                Some(e.to_string())
+            }
+        };
+        if let Some(mut s) = self.sync.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            s.stop();
+        }
+        if let Some(t) = self.agent.transport() {
+            t.shutdown();
+        }
+        tracing::info!(agent = %self.agent.name(), drained, ?waited, "agent stopped");
+        ShutdownReport {
+            drained,
+            waited,
+            revoke_error,
+        }
+    }
+}
+
+/// Initialises `tracing` output on stderr in `format`, filtered by
+/// `$KVFABRIC_LOG` (default `info`). Idempotent (later calls are no-ops).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
+}
+
+/// Resolves when SIGTERM or SIGINT arrives; returns the signal's name.
+async fn termination_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the agent");
+            let _ = tokio::signal::ctrl_c().await;
+            "SIGINT"
+        }
+    }
+}
+
+/// Bound on finishing open HTTP requests after the lease is revoked.
+const HTTP_DRAIN: Duration = Duration::from_secs(5);
+
+/// Runs the daemon until SIGTERM/SIGINT: allocates and registers the KV
+/// pool and arena, builds the NIXL agent (incarnation-named), discovery
+/// (etcd or embedded), the [`Node`] and the HTTP server (its bound address
+/// is passed to `announce` once listening), then shuts down gracefully.
+///
+/// # Errors
+/// A start-up failure (invalid config, pool allocation, NIXL agent,
+/// discovery, listener) or an HTTP server error.
+pub fn run(
+    cfg: AgentConfig,
+    announce: impl FnOnce(std::net::SocketAddr) + Send,
+) -> Result<(), String> {
+    cfg.validate()?;
+    let eff = cfg.bounce.validate().map_err(|e| format!("bounce: {e}"))?;
+    for n in eff.notes() {
+        tracing::info!("bounce config: {n}");
+    }
+    let incarnation = Incarnation::generate();
+    let name = incarnation_name(&cfg.logical_id, incarnation);
+    let pool_len = cfg.pool_size_bytes.get();
+    let pool = Arc::new(HostArena::new(pool_len as usize).map_err(|e| format!("KV pool: {e}"))?);
+    let pool_addr = pool.base_addr();
+    let agent = Arc::new(
+        FabricAgent::new(FabricOptions {
+            name: name.clone(),
+            config: eff,
+            kv_regions: vec![(MemKind::Dram, MemDesc::host(pool_addr, pool_len))],
+            bind: cfg.bind_addr()?,
+            copy: None,
+        })
+        .map_err(|e| format!("NIXL agent {name}: {e}"))?,
+    );
+    if let Some(why) = &agent.bounce_unavailable {
+        tracing::warn!(agent = %name, reason = %why, "bounce is not running; standard path only");
+    }
+    let discovery: Arc<dyn Discovery> = if cfg.etcd_endpoints.is_empty() {
+        tracing::info!("no etcd endpoints: embedded (in-process) discovery");
+        Arc::new(EmbeddedRegistry::new().handle())
+    } else {
+        let mut o = EtcdOptions::new(cfg.etcd_endpoints.clone(), &cfg.fabric);
+        o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
+        Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
+    };
+    let keep: Arc<dyn std::any::Any + Send + Sync> = pool.clone();
+    let node = Arc::new(Node::start(
+        agent.clone(),
+        discovery.clone(),
+        NodeOptions {
+            logical_id: cfg.logical_id.clone(),
+            incarnation,
+            node: host_name().unwrap_or_default(),
+            buffers: vec![BufferRegion {
+                label: "kv".into(),
+                kind: "dram".into(),
+                device: 0,
+                addr: pool_addr,
+                len: pool_len,
+            }],
+            // SAFETY: the pool is kept alive by the region (`keep`).
+            verify_regions: vec![unsafe { VerifyRegion::new(pool_addr, pool_len, Some(keep)) }],
+            config: serde_json::to_value(&cfg).map_err(|e| e.to_string())?,
+            bounce_requested: cfg.bounce.enabled,
+        },
+    )?);
+    drop(agent);
+    tracing::info!(
+        agent = %name, logical = %cfg.logical_id, incarnation = %incarnation, role = %cfg.role,
+        pool_bytes = pool_len, bounce = node.agent().transport().is_some(), "agent started"
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let bound = Duration::from_millis(cfg.shutdown_timeout_ms);
+    let result = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&cfg.listen)
+            .await
+            .map_err(|e| format!("listening on {}: {e}", cfg.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        tracing::info!(%addr, "HTTP API listening");
+        announce(addr);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(super::http::serve(
+            listener,
+            node.state().clone(),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        tokio::select! {
+            sig = termination_signal() => tracing::info!(signal = sig, "shutting down"),
+            r = &mut server => {
+                return Err(match r {
+                    Ok(Ok(())) => "HTTP server stopped unexpectedly".to_string(),
+                    Ok(Err(e)) => format!("HTTP server: {e}"),
+                    Err(e) => format!("HTTP server task: {e}"),
+                });
+            }
+        }
+        // A second signal while draining exits at once.
+        tokio::spawn(async {
+            let sig = termination_signal().await;
+            tracing::warn!(signal = sig, "second signal: exiting without draining");
+            std::process::exit(1);
+        });
+        let n = node.clone();
+        let report = tokio::task::spawn_blocking(move || n.shutdown(bound))
+            .await
+            .map_err(|e| format!("shutdown task: {e}"))?;
+        tracing::info!(drained = report.drained, waited_ms = report.waited.as_millis() as u64, revoke_error = ?report.revoke_error, "drained");
+        let _ = stop_tx.send(());
+        match tokio::time::timeout(HTTP_DRAIN, server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server error during shutdown"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
+            Err(_) => tracing::warn!("HTTP connections still open after {HTTP_DRAIN:?}; closing"),
+        }
+        Ok(())
+    });
+    // Drops the runtime (and any connection tasks) before the agent and
+    // the pool it registered.
+    drop(rt);
+    drop(node);
+    drop(discovery);
+    drop(pool);
+    if result.is_ok() {
+        tracing::info!("exit");
+    }
+    result
+}

@@ -1,0 +1,509 @@
+//! The agent's HTTP API (issue "agent daemon", item 3), on axum:
+//!
+//! | route | answer |
+//! |---|---|
+//! | `GET /healthz` | 200 `{"status":"ok"}` while the process runs |
+//! | `GET /readyz` | 200 when the NIXL agent is up, the bounce arena is up (or bounce is disabled by config), discovery has published (lease `ok` or `renewing`) and no shutdown began; else 503 with the failing checks and a `reason` |
+//! | `GET /metrics` | Prometheus text format ([`AgentMetrics`]) |
+//! | `GET /v1/peers` | loaded peers: name, logical id, incarnation, handshake compatibility (and why not), path in use |
+//! | `GET /v1/config` | the effective config (as given by the daemon) plus the bounce sizes in force |
+//! | `POST /v1/debug/verify` | `{seed, descriptors:[{dst,len}]}` → `{ok, first_mismatch}`: checks the fast bench pattern ([`check_fast`] with `k` = descriptor index) over ranges that must lie inside this agent's registered pool (400 naming the first bad range otherwise) |
+//!
+//! All JSON errors have the shape `{"error": "..."}`.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::discovery::{AgentRecord, BufferRegion, Discovery, Incarnation, LeaseState};
+use super::metrics::AgentMetrics;
+use crate::bench::pattern::check_fast;
+use crate::runtime::fabric::{FabricAgent, Incompatibility};
+
+/// Largest accepted `/v1/debug/verify` body (bytes).
+pub const VERIFY_BODY_LIMIT: usize = 64 << 20;
+
+/// A memory range `/v1/debug/verify` may read (the agent's registered KV
+/// pool), optionally keeping its owner alive.
+pub struct VerifyRegion {
+    addr: u64,
+    len: u64,
+    _keep: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl VerifyRegion {
+    /// `[addr, addr + len)` may be read by verify requests.
+    ///
+    /// # Safety
+    /// The range must stay allocated and readable for as long as the
+    /// [`ServiceState`] holding it lives (pass its owner as `keep` to
+    /// guarantee that). Concurrent writes by transfers are tolerated (the
+    /// check then simply reports a mismatch).
+    pub unsafe fn new(addr: u64, len: u64, keep: Option<Arc<dyn Any + Send + Sync>>) -> Self {
+        Self {
+            addr,
+            len,
+            _keep: keep,
+        }
+    }
+
+    /// Base address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn contains(&self, dst: u64, len: u64) -> bool {
+        dst >= self.addr
+            && dst
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// What a [`ServiceState`] is built from.
+pub struct ServiceInit {
+    /// The fabric agent served.
+    pub agent: Arc<FabricAgent>,
+    /// Its discovery (readiness needs a published record); `None` = no
+    /// discovery check (e.g. a standalone agent).
+    pub discovery: Option<Arc<dyn Discovery>>,
+    /// Its metrics (must already watch the agent).
+    pub metrics: Arc<AgentMetrics>,
+    /// The effective configuration document served by `/v1/config`.
+    pub config: serde_json::Value,
+    /// Whether the configuration asks for bounce (readiness then needs the
+    /// arena up).
+    pub bounce_requested: bool,
+    /// Stable identity of the agent.
+    pub logical_id: String,
+    /// This process start's incarnation, when known.
+    pub incarnation: Option<Incarnation>,
+    /// Ranges `/v1/debug/verify` may read.
+    pub verify_regions: Vec<VerifyRegion>,
+}
+
+/// Shared state of the HTTP handlers.
+pub struct ServiceState {
+    agent: Arc<FabricAgent>,
+    discovery: Option<Arc<dyn Discovery>>,
+    metrics: Arc<AgentMetrics>,
+    config: serde_json::Value,
+    bounce_requested: bool,
+    logical_id: String,
+    incarnation: Option<Incarnation>,
+    regions: Vec<VerifyRegion>,
+    shutting_down: AtomicBool,
+}
+
+/// The result of the readiness checks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Readiness {
+    /// All checks pass.
+    pub ready: bool,
+    /// The NIXL agent exists and serializes its metadata.
+    pub nixl: bool,
+    /// The bounce arena and transport are up, or bounce is disabled by
+    /// config.
+    pub arena: bool,
+    /// Discovery published the record and the lease is `ok` or `renewing`
+    /// (always true without discovery).
+    pub discovery: bool,
+    /// The lease state (`unpublished`, `ok`, ...), when there is discovery.
+    pub lease_state: Option<String>,
+    /// Graceful shutdown began.
+    pub shutting_down: bool,
+    /// Why not ready (empty when ready), `; `-separated.
+    pub reason: String,
+}
+
+impl ServiceState {
+    /// Builds the state.
+    pub fn new(init: ServiceInit) -> Arc<Self> {
+        Arc::new(Self {
+            agent: init.agent,
+            discovery: init.discovery,
+            metrics: init.metrics,
+            config: init.config,
+            bounce_requested: init.bounce_requested,
+            logical_id: init.logical_id,
+            incarnation: init.incarnation,
+            regions: init.verify_regions,
+            shutting_down: AtomicBool::new(false),
+        })
+    }
+
+    /// The agent served.
+    pub fn agent(&self) -> &Arc<FabricAgent> {
+        &self.agent
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Arc<AgentMetrics> {
+        &self.metrics
+    }
+
+    /// Marks graceful shutdown: `/readyz` answers 503 from now on.
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.metrics.set_shutting_down(true);
+    }
+
+    /// Whether graceful shutdown began.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Runs the readiness checks (serializes the NIXL metadata once to prove
+    /// the agent is usable; blocking, call off the async executor).
+    pub fn readiness(&self) -> Readiness {
+        let mut reasons = Vec::new();
+        let nixl = match self.agent.local_descriptor() {
+            Ok(_) => true,
+            Err(e) => {
+                reasons.push(format!("NIXL agent not usable: {e}"));
+                false
+            }
+        };
+        let arena = if !self.bounce_requested || self.agent.transport().is_some() {
+            true
+        } else {
+            reasons.push(format!(
+                "bounce arena not up: {}",
+                self.agent
+                    .bounce_unavailable
+                    .as_deref()
+                    .unwrap_or("unknown reason")
+            ));
+            false
+        };
+        let lease = self.discovery.as_ref().map(|d| d.lease_state());
+        let discovery = match lease {
+            None | Some(LeaseState::Ok) | Some(LeaseState::Renewing) => true,
+            Some(s) => {
+                reasons.push(format!("discovery lease {s}"));
+                false
+            }
+        };
+        let shutting_down = self.is_shutting_down();
+        if shutting_down {
+            reasons.push("shutting down".into());
+        }
+        Readiness {
+            ready: reasons.is_empty(),
+            nixl,
+            arena,
+            discovery,
+            lease_state: lease.map(|s| s.as_str().to_string()),
+            shutting_down,
+            reason: reasons.join("; "),
+        }
+    }
+}
+
+/// Human-readable form of an [`Incompatibility`].
+pub fn describe_incompatibility(why: &Incompatibility) -> String {
+    match why {
+        Incompatibility::LocalBounceOff => "bounce is off on this agent".into(),
+        Incompatibility::NoHandshake => "peer advertises no bounce handshake".into(),
+        Incompatibility::Malformed(e) => format!("peer handshake is malformed: {e}"),
+        Incompatibility::WireVersion { local, peer } => {
+            format!("wire version differs (local {local}, peer {peer})")
+        }
+        Incompatibility::ControlKind { local, peer } => {
+            format!("control kind differs (local {local:?}, peer {peer:?})")
+        }
+        Incompatibility::MaxChunk { local, peer } => {
+            format!("max chunk size differs (local {local} B, peer {peer} B)")
+        }
+        Incompatibility::Endpoint(e) => format!("peer control endpoint unusable: {e}"),
+    }
+}
+
+/// One peer in `/v1/peers`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// NIXL agent name (incarnation included).
+    pub name: String,
+    /// Logical id, when discovery knows the peer.
+    pub logical_id: Option<String>,
+    /// The peer's incarnation (from its record, else parsed from its name).
+    pub incarnation: Option<String>,
+    /// Node the peer runs on, when published.
+    pub node: Option<String>,
+    /// Whether the bounce handshake passed.
+    pub bounce_compatible: bool,
+    /// Why not, when it did not.
+    pub reason: Option<String>,
+    /// Path transfers to this peer use: `bounce` (when the routing gate
+    /// also passes) or `standard`.
+    pub path: String,
+    /// Buffers the peer published.
+    pub buffers: Vec<BufferRegion>,
+}
+
+/// A `/v1/debug/verify` descriptor: `len` bytes at `dst` in this agent's
+/// pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyDescriptor {
+    /// Destination address (this agent's address space).
+    pub dst: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// `/v1/debug/verify` request body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyRequest {
+    /// The transfer's pattern seed.
+    pub seed: u64,
+    /// Descriptor `k` must hold `fill_fast(.., seed, k)`.
+    pub descriptors: Vec<VerifyDescriptor>,
+}
+
+/// The first mismatch `/v1/debug/verify` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mismatch {
+    /// Descriptor index.
+    pub descriptor: usize,
+    /// Byte offset within the descriptor.
+    pub offset: u64,
+}
+
+/// `/v1/debug/verify` answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyResponse {
+    /// Every byte matched.
+    pub ok: bool,
+    /// The first mismatch, if any.
+    pub first_mismatch: Option<Mismatch>,
+    /// Descriptors checked.
+    pub descriptors: usize,
+    /// Bytes checked.
+    pub bytes: u64,
+}
+
+fn json_error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+type St = State<Arc<ServiceState>>;
+
+async fn healthz() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn readyz(State(s): St) -> Response {
+    let s2 = s.clone();
+    let r = tokio::task::spawn_blocking(move || s2.readiness())
+        .await
+        .unwrap_or_else(|e| Readiness {
+            ready: false,
+            nixl: false,
+            arena: false,
+            discovery: false,
+            lease_state: None,
+            shutting_down: s.is_shutting_down(),
+            reason: format!("readiness check panicked: {e}"),
+        });
+    let code = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(r)).into_response()
+}
+
+async fn metrics(State(s): St) -> Response {
+    let m = s.metrics.clone();
+    match tokio::task::spawn_blocking(move || m.render()).await {
+        Ok(Ok(text)) => ([(header::CONTENT_TYPE, s.metrics.content_type())], text).into_response(),
+        Ok(Err(e)) => json_error(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+fn incarnation_from_name(name: &str) -> Option<String> {
+    let (_, tail) = name.rsplit_once('-')?;
+    (tail.len() == 32)
+        .then(|| tail.parse::<Incarnation>().ok())
+        .flatten()
+        .map(|i| i.to_string())
+}
+
+fn peer_infos(s: &ServiceState) -> Vec<PeerInfo> {
+    let records: HashMap<String, AgentRecord> = s
+        .discovery
+        .as_ref()
+        .map(|d| d.peers().into_iter().map(|r| (r.name.clone(), r)).collect())
+        .unwrap_or_default();
+    s.agent
+        .peers()
+        .into_iter()
+        .map(|(name, st)| {
+            let rec = records.get(&name);
+            let (compatible, reason) = match &st.bounce {
+                Ok(_) => (true, None),
+                Err(why) => (false, Some(describe_incompatibility(why))),
+            };
+            PeerInfo {
+                logical_id: rec.map(|r| r.logical_id.clone()),
+                incarnation: rec
+                    .map(|r| r.incarnation.to_string())
+                    .or_else(|| incarnation_from_name(&name)),
+                node: rec.map(|r| r.node.clone()).filter(|n| !n.is_empty()),
+                bounce_compatible: compatible,
+                reason,
+                path: if compatible { "bounce" } else { "standard" }.into(),
+                buffers: rec.map(|r| r.buffers.clone()).unwrap_or_default(),
+                name,
+            }
+        })
+        .collect()
+}
+
+async fn peers(State(s): St) -> Response {
+    let s2 = s.clone();
+    match tokio::task::spawn_blocking(move || peer_infos(&s2)).await {
+        Ok(p) => Json(json!({
+            "agent": s.agent.name(),
+            "logical_id": s.logical_id,
+            "incarnation": s.incarnation.map(|i| i.to_string()),
+            "peers": p,
+        }))
+        .into_response(),
+        Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+async fn config(State(s): St) -> Response {
+    let a = &s.agent;
+    let hs = a.handshake();
+    Json(json!({
+        "agent": a.name(),
+        "logical_id": s.logical_id,
+        "incarnation": s.incarnation.map(|i| i.to_string()),
+        "config": s.config,
+        "bounce_effective": {
+            "requested": s.bounce_requested,
+            "active": a.transport().is_some(),
+            "unavailable_reason": a.bounce_unavailable,
+            "max_chunk_size_bytes": hs.map(|h| h.max_chunk_size_bytes),
+            "arena_usable_capacity_bytes": hs.map(|h| h.arena_usable_capacity_bytes),
+            "control_kind": hs.map(|h| format!("{:?}", h.control_kind)),
+            "wire_version": hs.map(|h| h.wire_version),
+            "config_generation": hs.map(|h| h.config_generation),
+        },
+    }))
+    .into_response()
+}
+
+fn verify_blocking(s: &ServiceState, req: &VerifyRequest) -> Result<VerifyResponse, String> {
+    for (k, d) in req.descriptors.iter().enumerate() {
+        if !s.regions.iter().any(|r| r.contains(d.dst, d.len)) {
+            let pools: Vec<String> = s
+                .regions
+                .iter()
+                .map(|r| format!("[{:#x}, {:#x})", r.addr, r.addr + r.len))
+                .collect();
+            return Err(format!(
+                "descriptor {k}: range [{:#x}, {:#x}) ({} bytes) is not inside this agent's registered pool {}",
+                d.dst,
+                d.dst.saturating_add(d.len),
+                d.len,
+                if pools.is_empty() {
+                    "(none registered)".to_string()
+                } else {
+                    pools.join(", ")
+                }
+            ));
+        }
+    }
+    let mut bytes = 0;
+    for (k, d) in req.descriptors.iter().enumerate() {
+        // SAFETY: the range lies inside a VerifyRegion, whose constructor's
+        // contract keeps it readable while the state lives.
+        if let Err(offset) = unsafe { check_fast(d.dst, d.len, req.seed, k as u64) } {
+            return Ok(VerifyResponse {
+                ok: false,
+                first_mismatch: Some(Mismatch {
+                    descriptor: k,
+                    offset,
+                }),
+                descriptors: req.descriptors.len(),
+                bytes: bytes + offset,
+            });
+        }
+        bytes += d.len;
+    }
+    Ok(VerifyResponse {
+        ok: true,
+        first_mismatch: None,
+        descriptors: req.descriptors.len(),
+        bytes,
+    })
+}
+
+async fn verify(
+    State(s): St,
+    body: Result<Json<VerifyRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    match tokio::task::spawn_blocking(move || verify_blocking(&s, &req)).await {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => json_error(StatusCode::BAD_REQUEST, e),
+        Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// The API's router over `state`.
+pub fn router(state: Arc<ServiceState>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/peers", get(peers))
+        .route("/v1/config", get(config))
+        .route(
+            "/v1/debug/verify",
+            post(verify).layer(DefaultBodyLimit::max(VERIFY_BODY_LIMIT)),
+        )
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves (then stops
+/// accepting and finishes in-flight requests).
+///
+/// # Errors
+/// An IO error from the listener.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<ServiceState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
