@@ -2,6 +2,8 @@
 
 pub mod arena;
 pub mod control;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod exec;
 pub mod fabric;

@@ -1,0 +1,1371 @@
+//! GPU data plane (feature `cuda`; seed §4 `BounceArena`, `ExecPool`,
+//! `GatherScatterKernel`): the gather/scatter kernel of
+//! `kernels/gather_scatter.cu` compiled at start-up by NVRTC for the
+//! device's own architecture to a cubin, a device-memory arena to register
+//! with NIXL as VRAM, and [`CudaCopyEngine`], a [`CopyEngine`] over a pool of
+//! {stream, event, pinned host plan buffer, device plan buffer} contexts.
+//!
+//! The CUDA driver and NVRTC are loaded at run time (cudarc
+//! `dynamic-loading`): the build needs no CUDA, and [`probe`] says why the
+//! GPU is unusable (no driver, no device, no NVRTC) instead of panicking.
+//! Every CUDA error is logged with its error string and returned; none is
+//! swallowed (seed §9).
+//!
+//! Comparison paths (selected by [`CopyPath`]): one `cuMemcpyDtoDAsync` per
+//! segment, and the driver's batched memcpy (`cuMemcpyBatchAsync`, exported
+//! by CUDA 13 drivers as `cuMemcpyBatchAsync_v2`, which cudarc 0.19.10
+//! exposes in `driver::sys` for `cuda-13000`; looked up at run time).
+
+use std::ffi::{c_void, CStr, CString};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use cudarc::nvrtc::sys as nvrtc_sys;
+use kvfabric_core::ScatterRun;
+
+use super::engine::{MemDesc, MemKind};
+use super::exec::{CopyEngine, CopyError, ExecPool};
+
+/// Source of the gather/scatter kernel (`kernels/gather_scatter.cu`),
+/// embedded at build time and compiled by NVRTC at start-up.
+pub const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/gather_scatter.cu");
+/// Entry point of the gather/scatter kernel (registers capped at 64, blocks
+/// of up to 1024 threads).
+pub const GATHER_SCATTER_KERNEL: &str = "kvf_gather_scatter";
+/// The same kernel built for full occupancy (registers capped at 32, blocks
+/// of up to 256 threads).
+pub const GATHER_SCATTER_KERNEL_OCC: &str = "kvf_gather_scatter_occ";
+
+/// Default bytes per kernel task (one warp each): longer segments are split
+/// into pieces of this size, shorter ones grouped up to it.
+pub const DEFAULT_PIECE_BYTES: u64 = 32 * 1024;
+
+/// A CUDA failure, with the driver's or NVRTC's own error string.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CudaError {
+    /// No usable driver, device or NVRTC library (the reason says which).
+    #[error("CUDA unavailable: {0}")]
+    Unavailable(String),
+    /// A driver call failed.
+    #[error("{op}: {msg}")]
+    Driver {
+        /// The driver call.
+        op: &'static str,
+        /// `cuGetErrorName (cuGetErrorString)`.
+        msg: String,
+    },
+    /// NVRTC failed; `msg` carries the compile log when there is one.
+    #[error("NVRTC {op}: {msg}")]
+    Nvrtc {
+        /// The NVRTC call.
+        op: &'static str,
+        /// The error string and compile log.
+        msg: String,
+    },
+    /// A plan the kernel cannot run (too many tasks, bad launch shape).
+    #[error("invalid copy plan: {0}")]
+    Invalid(String),
+}
+
+impl From<CudaError> for CopyError {
+    fn from(e: CudaError) -> Self {
+        CopyError(e.to_string())
+    }
+}
+
+/// `name (string)` of a driver error.
+fn driver_msg(e: &DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("CUresult {}", e.0 as u32));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{name} ({text})")
+}
+
+/// Maps a driver result, logging failures (never swallowed).
+fn drv<T>(op: &'static str, r: Result<T, DriverError>) -> Result<T, CudaError> {
+    r.map_err(|e| {
+        let msg = driver_msg(&e);
+        tracing::error!(op, error = %msg, "CUDA driver call failed");
+        CudaError::Driver { op, msg }
+    })
+}
+
+/// Maps a raw `CUresult`.
+fn check(op: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
+    drv(op, r.result())
+}
+
+fn nvrtc_err(op: &'static str, e: nvrtc_sys::nvrtcResult, log: &str) -> CudaError {
+    // SAFETY: nvrtcGetErrorString returns a static NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(nvrtc_sys::nvrtcGetErrorString(e)) }
+        .to_string_lossy()
+        .into_owned();
+    let msg = if log.trim().is_empty() {
+        text
+    } else {
+        format!("{text}\n{log}")
+    };
+    tracing::error!(op, error = %msg, "NVRTC call failed");
+    CudaError::Nvrtc { op, msg }
+}
+
+/// Whether the CUDA driver library and NVRTC can be loaded and a device
+/// exists. `Err` carries a printable skip reason ("no CUDA driver …").
+pub fn probe() -> Result<(), String> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda.so not loadable)".into());
+    }
+    result::init().map_err(|e| format!("no CUDA driver (cuInit: {})", driver_msg(&e)))?;
+    let n = result::device::get_count()
+        .map_err(|e| format!("no CUDA device (cuDeviceGetCount: {})", driver_msg(&e)))?;
+    if n == 0 {
+        return Err("no CUDA device".into());
+    }
+    probe_nvrtc()
+}
+
+/// Whether NVRTC can be loaded (compiling needs no GPU).
+pub fn probe_nvrtc() -> Result<(), String> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(
+            "no NVRTC (libnvrtc.so not loadable; set LD_LIBRARY_PATH=/usr/local/cuda/lib64)".into(),
+        );
+    }
+    Ok(())
+}
+
+/// NVRTC's version (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: out-pointers to locals.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(nvrtc_err("nvrtcVersion", r, ""));
+    }
+    Ok((major, minor))
+}
+
+/// Compiles CUDA C `src` with NVRTC for `sm_{major}{minor}` to a cubin
+/// (machine code, not PTX: no JIT at load). Needs NVRTC, not a GPU.
+pub fn compile_cubin(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>, CudaError> {
+    let csrc = CString::new(src).map_err(|_| CudaError::Invalid("NUL in kernel source".into()))?;
+    let cname = CString::new(name).map_err(|_| CudaError::Invalid("NUL in kernel name".into()))?;
+    let prog = cudarc::nvrtc::result::create_program(&csrc, Some(&cname))
+        .map_err(|e| nvrtc_err("nvrtcCreateProgram", e.0, ""))?;
+    let opts = [
+        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
+        "--std=c++17".to_string(),
+    ];
+    // SAFETY: prog is live until destroy_program below.
+    let out = unsafe {
+        let compiled = cudarc::nvrtc::result::compile_program(prog, &opts);
+        let log = cudarc::nvrtc::result::get_program_log(prog)
+            .map(|l| {
+                let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(nvrtc_err("nvrtcCompileProgram", e.0, &log)),
+            Ok(()) => {
+                if !log.trim().is_empty() {
+                    tracing::warn!(kernel = name, log = %log, "NVRTC compile log");
+                }
+                let mut size = 0usize;
+                let r = nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size);
+                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(nvrtc_err("nvrtcGetCUBINSize", r, ""))
+                } else {
+                    let mut cubin = vec![0u8; size];
+                    let r = nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
+                    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                        Err(nvrtc_err("nvrtcGetCUBIN", r, ""))
+                    } else {
+                        Ok(cubin)
+                    }
+                }
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    if let Err(e) = unsafe { cudarc::nvrtc::result::destroy_program(prog) } {
+        tracing::warn!(error = ?e, "nvrtcDestroyProgram failed");
+    }
+    out
+}
+
+/// What [`CudaGpu::open`] found and did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Device name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Multiprocessors.
+    pub sm_count: i32,
+    /// Device memory (bytes).
+    pub total_mem: usize,
+    /// Driver API version (e.g. 13000).
+    pub driver_version: i32,
+    /// NVRTC version.
+    pub nvrtc_version: (i32, i32),
+    /// Time NVRTC took to compile the kernels (ms).
+    pub compile_ms: f64,
+    /// Size of the loaded cubin (bytes).
+    pub cubin_bytes: usize,
+    /// The loaded kernel builds.
+    pub kernels: Vec<KernelInfo>,
+}
+
+/// One loaded kernel entry point.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KernelInfo {
+    /// Entry point.
+    pub name: &'static str,
+    /// Registers per thread.
+    pub regs: i32,
+    /// Local memory per thread (bytes; non-zero means spills).
+    pub local_bytes: i32,
+    /// Largest block it can be launched with.
+    pub max_threads: i32,
+    /// Resident blocks per multiprocessor for 32, 64, …, 1024 threads per
+    /// block (occupancy calculator; caps the persistent grid).
+    pub max_blocks_per_sm: Vec<i32>,
+}
+
+/// A kernel handle with its launch limits.
+struct KernelFn {
+    f: sys::CUfunction,
+    info: KernelInfo,
+}
+
+impl KernelFn {
+    fn load(module: sys::CUmodule, name: &'static str) -> Result<Self, CudaError> {
+        // SAFETY: module is loaded.
+        let f = drv("cuModuleGetFunction", unsafe {
+            result::module::get_function(module, CString::new(name).unwrap())
+        })?;
+        let attr = |a| {
+            // SAFETY: f is a live function handle.
+            drv("cuFuncGetAttribute", unsafe {
+                result::function::get_function_attribute(f, a)
+            })
+        };
+        let regs = attr(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?;
+        let local_bytes = attr(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?;
+        let max_threads = attr(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
+        let mut max_blocks_per_sm = Vec::new();
+        for threads in (32..=1024).step_by(32) {
+            let n = if threads <= max_threads {
+                // SAFETY: f is a live function handle.
+                drv("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+                    result::occupancy::max_active_block_per_multiprocessor(f, threads, 0)
+                })?
+            } else {
+                0
+            };
+            max_blocks_per_sm.push(n);
+        }
+        Ok(Self {
+            f,
+            info: KernelInfo {
+                name,
+                regs,
+                local_bytes,
+                max_threads,
+                max_blocks_per_sm,
+            },
+        })
+    }
+}
+
+/// One GPU: its primary context and the loaded gather/scatter module.
+pub struct CudaGpu {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    kernel: KernelFn,
+    kernel_occ: KernelFn,
+    info: GpuInfo,
+}
+
+// SAFETY: module and function handles are context-wide driver objects,
+// usable from any thread that has the context current (every entry point
+// binds it first).
+unsafe impl Send for CudaGpu {}
+unsafe impl Sync for CudaGpu {}
+
+impl std::fmt::Debug for CudaGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaGpu").field("info", &self.info).finish()
+    }
+}
+
+impl CudaGpu {
+    /// Opens device `ordinal`: checks [`probe`], retains its primary context,
+    /// compiles `kernels/*.cu` with NVRTC for its architecture to a cubin and
+    /// loads it.
+    pub fn open(ordinal: usize) -> Result<Arc<Self>, CudaError> {
+        probe().map_err(CudaError::Unavailable)?;
+        let ctx = drv("cuDevicePrimaryCtxRetain", CudaContext::new(ordinal))?;
+        let cc = drv("cuDeviceGetAttribute", ctx.compute_capability())?;
+        let sm_count = drv(
+            "cuDeviceGetAttribute",
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )?;
+        let name = drv("cuDeviceGetName", ctx.name())?;
+        let total_mem = drv("cuDeviceTotalMem", ctx.total_mem())?;
+        let mut driver_version = 0;
+        // SAFETY: out-pointer to a local.
+        check("cuDriverGetVersion", unsafe {
+            sys::cuDriverGetVersion(&mut driver_version)
+        })?;
+        let nvrtc_version = nvrtc_version()?;
+        let t0 = Instant::now();
+        let cubin = compile_cubin(GATHER_SCATTER_SRC, "gather_scatter.cu", cc)?;
+        let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // SAFETY: cubin is a complete image produced by NVRTC; context bound.
+        let module = drv("cuModuleLoadData", unsafe {
+            result::module::load_data(cubin.as_ptr().cast())
+        })?;
+        let kernel = KernelFn::load(module, GATHER_SCATTER_KERNEL)?;
+        let kernel_occ = KernelFn::load(module, GATHER_SCATTER_KERNEL_OCC)?;
+        let info = GpuInfo {
+            ordinal,
+            name,
+            compute_capability: cc,
+            sm_count,
+            total_mem,
+            driver_version,
+            nvrtc_version,
+            compile_ms,
+            cubin_bytes: cubin.len(),
+            kernels: vec![kernel.info.clone(), kernel_occ.info.clone()],
+        };
+        tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
+        Ok(Arc::new(Self {
+            ctx,
+            module,
+            kernel,
+            kernel_occ,
+            info,
+        }))
+    }
+
+    /// What was found at open.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        drv("cuCtxSetCurrent", self.ctx.bind_to_thread())
+    }
+
+    /// The cudarc context (for callers that want cudarc's safe API).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            // SAFETY: loaded in open, unloaded once.
+            if let Err(e) = unsafe { result::module::unload(self.module) } {
+                tracing::warn!(error = %driver_msg(&e), "cuModuleUnload failed");
+            }
+        }
+    }
+}
+
+/// Device memory from `cuMemAlloc` (seed §4 `BounceArena` on the GPU):
+/// allocated once at start-up and registered with the transfer engine as
+/// [`MemKind::Vram`] ([`CudaArena::mem_desc`]); regions are byte offsets.
+/// Also used for test/bench buffers.
+pub struct CudaArena {
+    gpu: Arc<CudaGpu>,
+    ptr: u64,
+    len: usize,
+}
+
+impl std::fmt::Debug for CudaArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaArena")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl CudaArena {
+    /// Allocates `len` bytes of device memory (256-byte aligned by the
+    /// driver), zero-filled.
+    pub fn new(gpu: &Arc<CudaGpu>, len: usize) -> Result<Self, CudaError> {
+        if len == 0 {
+            return Err(CudaError::Invalid("arena size must be > 0".into()));
+        }
+        gpu.bind()?;
+        // SAFETY: context bound; len > 0.
+        let ptr = drv("cuMemAlloc", unsafe { result::malloc_sync(len) })?;
+        let arena = Self {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        };
+        // SAFETY: ptr..ptr+len was just allocated.
+        drv("cuMemsetD8", unsafe { result::memset_d8_sync(ptr, 0, len) })?;
+        Ok(arena)
+    }
+
+    /// Device address of the first byte.
+    pub fn base_addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: an arena has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Address of `offset`, or `None` past the end.
+    pub fn at(&self, offset: u64) -> Option<u64> {
+        (offset < self.len as u64).then(|| self.ptr + offset)
+    }
+
+    /// The memory kind to register it as (VRAM).
+    pub fn kind(&self) -> MemKind {
+        MemKind::Vram
+    }
+
+    /// The descriptor to register it with NIXL (VRAM on this GPU).
+    pub fn mem_desc(&self) -> MemDesc {
+        MemDesc {
+            addr: self.ptr,
+            len: self.len as u64,
+            device_id: self.gpu.info.ordinal as u64,
+        }
+    }
+
+    /// Copies host bytes to `offset` (synchronous; tests and benches).
+    pub fn upload(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        self.range_check(offset, data.len())?;
+        self.gpu.bind()?;
+        // SAFETY: range checked against the allocation.
+        drv("cuMemcpyHtoD", unsafe {
+            result::memcpy_htod_sync(self.ptr + offset as u64, data)
+        })
+    }
+
+    /// Copies bytes at `offset` to host memory (synchronous).
+    pub fn download(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        self.range_check(offset, out.len())?;
+        self.gpu.bind()?;
+        // SAFETY: range checked against the allocation.
+        drv("cuMemcpyDtoH", unsafe {
+            result::memcpy_dtoh_sync(out, self.ptr + offset as u64)
+        })
+    }
+
+    fn range_check(&self, offset: usize, len: usize) -> Result<(), CudaError> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(CudaError::Invalid(format!(
+                "range {offset}+{len} outside arena of {} bytes",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaArena {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: allocated in new, freed once.
+            if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                tracing::warn!(error = %driver_msg(&e), "cuMemFree failed");
+            }
+        }
+    }
+}
+
+/// One scatter run as the kernel reads it (`struct kvf_run` in
+/// `kernels/gather_scatter.cu`; 48 bytes, `#[repr(C)]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuRun {
+    /// Offset of the first segment inside the region.
+    pub region_offset: u64,
+    /// User address of the first segment.
+    pub addr: u64,
+    /// Bytes per segment.
+    pub segment_len: u64,
+    /// Region distance between segments.
+    pub region_stride: u64,
+    /// User distance between segments.
+    pub addr_stride: u64,
+    /// Segments.
+    pub count: u32,
+    /// Zero.
+    pub pad: u32,
+}
+
+impl From<&ScatterRun> for GpuRun {
+    fn from(r: &ScatterRun) -> Self {
+        Self {
+            region_offset: r.region_offset,
+            addr: r.addr,
+            segment_len: r.segment_len,
+            region_stride: r.region_stride,
+            addr_stride: r.addr_stride,
+            count: r.count,
+            pad: 0,
+        }
+    }
+}
+
+/// One warp's share of a plan (`struct kvf_task`; 16 bytes): `seg_count`
+/// whole segments of run `run` from `seg_begin`, or piece `piece` of
+/// segment `seg_begin` when the run's segments exceed the piece size.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuTask {
+    /// Index into the run array.
+    pub run: u32,
+    /// First segment.
+    pub seg_begin: u32,
+    /// Segments (1 for a piece).
+    pub seg_count: u32,
+    /// Piece of the segment (0 when whole segments).
+    pub piece: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<GpuRun>() == 48);
+const _: () = assert!(std::mem::size_of::<GpuTask>() == 16);
+
+/// Splits `runs` (zero-length ones dropped) into kernel tasks of about
+/// `piece_bytes`; pushes the kept runs to `out_runs` and the tasks to
+/// `out_tasks`. Returns the bytes the plan moves.
+pub fn build_plan(
+    runs: &[ScatterRun],
+    piece_bytes: u64,
+    out_runs: &mut Vec<GpuRun>,
+    out_tasks: &mut Vec<GpuTask>,
+) -> Result<u64, CudaError> {
+    let piece_bytes = piece_bytes.max(1);
+    let mut bytes = 0u64;
+    for r in runs {
+        if r.count == 0 || r.segment_len == 0 {
+            continue;
+        }
+        let ri = u32::try_from(out_runs.len())
+            .map_err(|_| CudaError::Invalid("more than 2^32 runs".into()))?;
+        out_runs.push(GpuRun::from(r));
+        bytes = bytes.saturating_add(r.total_bytes());
+        if r.segment_len > piece_bytes {
+            let pieces = r.segment_len.div_ceil(piece_bytes);
+            let pieces = u32::try_from(pieces)
+                .map_err(|_| CudaError::Invalid("segment of more than 2^32 pieces".into()))?;
+            for s in 0..r.count {
+                for p in 0..pieces {
+                    out_tasks.push(GpuTask {
+                        run: ri,
+                        seg_begin: s,
+                        seg_count: 1,
+                        piece: p,
+                    });
+                }
+            }
+        } else {
+            let per = u32::try_from((piece_bytes / r.segment_len).max(1)).unwrap_or(u32::MAX);
+            let mut s = 0u32;
+            while s < r.count {
+                let n = per.min(r.count - s);
+                out_tasks.push(GpuTask {
+                    run: ri,
+                    seg_begin: s,
+                    seg_count: n,
+                    piece: 0,
+                });
+                s += n;
+            }
+        }
+    }
+    if u32::try_from(out_tasks.len()).is_err() {
+        return Err(CudaError::Invalid("more than 2^32 kernel tasks".into()));
+    }
+    Ok(bytes)
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// User memory → region.
+    Gather,
+    /// Region → user memory.
+    Scatter,
+}
+
+/// Where the kernel reads its plan from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanSource {
+    /// Mapped pinned host memory, read by the kernel over the bus
+    /// (zero-copy; the default: no upload before the launch).
+    PinnedHost,
+    /// A device buffer the plan is copied into on the same stream first.
+    Device,
+}
+
+/// How a plan is executed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyPath {
+    /// The batched gather/scatter kernel (production).
+    Kernel,
+    /// One `cuMemcpyDtoDAsync` per segment (comparison).
+    PerSegmentMemcpy,
+    /// The driver's batched memcpy, `cuMemcpyBatchAsync` (comparison).
+    BatchedMemcpy,
+}
+
+/// [`CudaCopyEngine`] settings.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaCopyConfig {
+    /// Execution contexts (streams) in the pool; size it ≥ copy workers.
+    pub streams: usize,
+    /// Threads per block (a multiple of 32, 32..=1024; ≤ 256 with
+    /// `high_occupancy`). Each warp copies one task at a time.
+    pub threads_per_block: u32,
+    /// Use the kernel build capped at 32 registers (full occupancy).
+    pub high_occupancy: bool,
+    /// Bytes per task (see [`DEFAULT_PIECE_BYTES`]).
+    pub piece_bytes: u64,
+    /// Blocks per multiprocessor of the persistent grid, capped at what is
+    /// resident (0: one warp per task, no persistence).
+    pub blocks_per_sm: u32,
+    /// Where the kernel reads its plan.
+    pub plan_source: PlanSource,
+    /// Which path executes a plan.
+    pub path: CopyPath,
+}
+
+impl Default for CudaCopyConfig {
+    fn default() -> Self {
+        Self {
+            streams: 4,
+            threads_per_block: 256,
+            high_occupancy: false,
+            piece_bytes: DEFAULT_PIECE_BYTES,
+            blocks_per_sm: 0,
+            plan_source: PlanSource::PinnedHost,
+            path: CopyPath::Kernel,
+        }
+    }
+}
+
+type BatchFn = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// Looks up `cuMemcpyBatchAsync_v2` in the loaded driver (CUDA 13 drivers).
+fn batch_fn() -> Option<BatchFn> {
+    // SAFETY: the driver library is loaded (probe passed); the symbol's
+    // signature is the CUDA 13 `cuMemcpyBatchAsync` one.
+    unsafe {
+        sys::culib()
+            .get::<BatchFn>(b"cuMemcpyBatchAsync_v2")
+            .ok()
+            .map(|s| *s)
+    }
+}
+
+/// A plan written into an [`ExecCtx`], ready to launch (possibly many
+/// times, e.g. in a benchmark).
+#[derive(Clone, Copy, Debug)]
+pub struct PreparedPlan {
+    runs_ptr: u64,
+    tasks_ptr: u64,
+    ntasks: u32,
+    nruns: u32,
+    region_base: u64,
+    to_region: i32,
+    /// Bytes the plan moves.
+    pub bytes: u64,
+}
+
+impl PreparedPlan {
+    /// Kernel tasks (0: nothing to copy).
+    pub fn tasks(&self) -> u32 {
+        self.ntasks
+    }
+    /// Runs after dropping zero-length ones.
+    pub fn runs(&self) -> u32 {
+        self.nruns
+    }
+    /// Whether the kernel reads a task table (false: one task per run).
+    pub fn has_task_table(&self) -> bool {
+        self.tasks_ptr != 0
+    }
+}
+
+/// One execution context (seed §4 `ExecCtx`): a non-blocking stream, a
+/// completion event, a mapped pinned host plan buffer and a device plan
+/// buffer (both grown on demand). Borrowed from the pool for one copy.
+pub struct ExecCtx {
+    gpu: Arc<CudaGpu>,
+    stream: sys::CUstream,
+    done: sys::CUevent,
+    pinned: *mut u8,
+    pinned_dev: u64,
+    pinned_cap: usize,
+    dplan: u64,
+    dplan_cap: usize,
+    /// The plan buffers may still be read by earlier work on the stream.
+    busy: bool,
+    runs: Vec<GpuRun>,
+    tasks: Vec<GpuTask>,
+}
+
+// SAFETY: the raw handles are owned by this context and only used by the
+// thread that currently borrows it from the pool.
+unsafe impl Send for ExecCtx {}
+
+impl std::fmt::Debug for ExecCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecCtx")
+            .field("pinned_cap", &self.pinned_cap)
+            .field("dplan_cap", &self.dplan_cap)
+            .finish()
+    }
+}
+
+const CU_MEMHOSTALLOC_PORTABLE: u32 = 0x01;
+const CU_MEMHOSTALLOC_DEVICEMAP: u32 = 0x02;
+const CU_MEMHOSTALLOC_WRITECOMBINED: u32 = 0x04;
+
+impl ExecCtx {
+    /// Creates a stream, an event and plan buffers of `plan_bytes`.
+    pub fn new(gpu: &Arc<CudaGpu>, plan_bytes: usize) -> Result<Self, CudaError> {
+        gpu.bind()?;
+        let stream = drv(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        let done = match drv(
+            "cuEventCreate",
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+        ) {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above.
+                let _ = unsafe { result::stream::destroy(stream) };
+                return Err(e);
+            }
+        };
+        let mut ctx = Self {
+            gpu: gpu.clone(),
+            stream,
+            done,
+            pinned: std::ptr::null_mut(),
+            pinned_dev: 0,
+            pinned_cap: 0,
+            dplan: 0,
+            dplan_cap: 0,
+            busy: false,
+            runs: Vec::new(),
+            tasks: Vec::new(),
+        };
+        ctx.ensure_capacity(plan_bytes.max(4096))?;
+        Ok(ctx)
+    }
+
+    /// The stream (for events around work in benchmarks).
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    /// Waits for earlier work on this context's stream.
+    pub fn synchronize(&mut self) -> Result<(), CudaError> {
+        // SAFETY: live stream.
+        drv("cuStreamSynchronize", unsafe {
+            result::stream::synchronize(self.stream)
+        })?;
+        self.busy = false;
+        Ok(())
+    }
+
+    /// Records the completion event after the work enqueued so far.
+    pub fn record_done(&mut self) -> Result<(), CudaError> {
+        // SAFETY: live event and stream.
+        drv("cuEventRecord", unsafe {
+            result::event::record(self.done, self.stream)
+        })
+    }
+
+    /// Whether the work before the last [`ExecCtx::record_done`] finished
+    /// (never blocks: for the reactor's completion polling).
+    pub fn query_done(&self) -> Result<bool, CudaError> {
+        // SAFETY: live event.
+        let r = unsafe { sys::cuEventQuery(self.done) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuEventQuery", other).map(|()| false),
+        }
+    }
+
+    /// Blocks until the work before the last [`ExecCtx::record_done`]
+    /// finished.
+    pub fn wait_done(&mut self) -> Result<(), CudaError> {
+        // SAFETY: live event.
+        drv("cuEventSynchronize", unsafe {
+            result::event::synchronize(self.done)
+        })?;
+        self.busy = false;
+        Ok(())
+    }
+
+    fn ensure_capacity(&mut self, bytes: usize) -> Result<(), CudaError> {
+        if bytes <= self.pinned_cap && bytes <= self.dplan_cap {
+            return Ok(());
+        }
+        if self.busy {
+            self.synchronize()?;
+        }
+        let cap = bytes.next_power_of_two();
+        if cap > self.pinned_cap {
+            self.free_pinned();
+            // SAFETY: context bound by the caller chain; cap > 0.
+            let p = drv("cuMemHostAlloc", unsafe {
+                result::malloc_host(
+                    cap,
+                    CU_MEMHOSTALLOC_PORTABLE
+                        | CU_MEMHOSTALLOC_DEVICEMAP
+                        | CU_MEMHOSTALLOC_WRITECOMBINED,
+                )
+            })?;
+            let mut dev: sys::CUdeviceptr = 0;
+            // SAFETY: p is a mapped pinned allocation.
+            if let Err(e) = check("cuMemHostGetDevicePointer", unsafe {
+                sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0)
+            }) {
+                // SAFETY: allocated above.
+                let _ = unsafe { result::free_host(p) };
+                return Err(e);
+            }
+            self.pinned = p.cast();
+            self.pinned_dev = dev;
+            self.pinned_cap = cap;
+        }
+        if cap > self.dplan_cap {
+            self.free_dplan();
+            // SAFETY: context bound; cap > 0.
+            self.dplan = drv("cuMemAlloc", unsafe { result::malloc_sync(cap) })?;
+            self.dplan_cap = cap;
+        }
+        Ok(())
+    }
+
+    fn free_pinned(&mut self) {
+        if !self.pinned.is_null() {
+            // SAFETY: allocated by malloc_host, freed once.
+            if let Err(e) = unsafe { result::free_host(self.pinned.cast()) } {
+                tracing::warn!(error = %driver_msg(&e), "cuMemFreeHost failed");
+            }
+            self.pinned = std::ptr::null_mut();
+            self.pinned_cap = 0;
+        }
+    }
+
+    fn free_dplan(&mut self) {
+        if self.dplan != 0 {
+            // SAFETY: allocated by malloc_sync, freed once.
+            if let Err(e) = unsafe { result::free_sync(self.dplan) } {
+                tracing::warn!(error = %driver_msg(&e), "cuMemFree failed");
+            }
+            self.dplan = 0;
+            self.dplan_cap = 0;
+        }
+    }
+
+    /// Writes the kernel plan for `runs` into the pinned buffer (and, for
+    /// [`PlanSource::Device`], enqueues its upload). Waits first for any
+    /// earlier work that may still read the buffers.
+    pub fn prepare(
+        &mut self,
+        cfg: &CudaCopyConfig,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[ScatterRun],
+    ) -> Result<PreparedPlan, CudaError> {
+        self.gpu.bind()?;
+        if self.busy {
+            self.synchronize()?;
+        }
+        let mut r = std::mem::take(&mut self.runs);
+        let mut t = std::mem::take(&mut self.tasks);
+        r.clear();
+        t.clear();
+        let built = build_plan(runs, cfg.piece_bytes, &mut r, &mut t);
+        let out = built.and_then(|bytes| self.write_plan(cfg, dir, region_addr, &r, &t, bytes));
+        self.runs = r;
+        self.tasks = t;
+        out
+    }
+
+    fn write_plan(
+        &mut self,
+        cfg: &CudaCopyConfig,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[GpuRun],
+        tasks: &[GpuTask],
+        bytes: u64,
+    ) -> Result<PreparedPlan, CudaError> {
+        // One task per run: the kernel needs no task table.
+        let identity = tasks.len() == runs.len();
+        let runs_bytes = std::mem::size_of_val(runs);
+        let tasks_bytes = if identity {
+            0
+        } else {
+            std::mem::size_of_val(tasks)
+        };
+        let total = runs_bytes + tasks_bytes;
+        self.ensure_capacity(total)?;
+        // SAFETY: the buffer holds `total` bytes, is not read by any pending
+        // work (synchronised above), and runs/tasks are plain repr(C) data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(runs.as_ptr().cast::<u8>(), self.pinned, runs_bytes);
+            if !identity {
+                std::ptr::copy_nonoverlapping(
+                    tasks.as_ptr().cast::<u8>(),
+                    self.pinned.add(runs_bytes),
+                    tasks_bytes,
+                );
+            }
+        }
+        let base = match cfg.plan_source {
+            PlanSource::PinnedHost => self.pinned_dev,
+            PlanSource::Device => {
+                if total > 0 {
+                    // SAFETY: both buffers hold `total` bytes.
+                    check("cuMemcpyHtoDAsync", unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            self.dplan,
+                            self.pinned as *const c_void,
+                            total,
+                            self.stream,
+                        )
+                    })?;
+                    self.busy = true;
+                }
+                self.dplan
+            }
+        };
+        Ok(PreparedPlan {
+            runs_ptr: base,
+            tasks_ptr: if identity {
+                0
+            } else {
+                base + runs_bytes as u64
+            },
+            ntasks: tasks.len() as u32,
+            nruns: runs.len() as u32,
+            region_base: region_addr,
+            to_region: i32::from(dir == Direction::Gather),
+            bytes,
+        })
+    }
+
+    /// Enqueues the kernel for a prepared plan on this context's stream.
+    pub fn launch(&mut self, cfg: &CudaCopyConfig, plan: &PreparedPlan) -> Result<(), CudaError> {
+        if plan.ntasks == 0 {
+            return Ok(());
+        }
+        let threads = cfg.threads_per_block;
+        let k = if cfg.high_occupancy {
+            &self.gpu.kernel_occ
+        } else {
+            &self.gpu.kernel
+        };
+        if !(32..=1024).contains(&threads)
+            || threads % 32 != 0
+            || threads > k.info.max_threads.max(0) as u32
+        {
+            return Err(CudaError::Invalid(format!(
+                "threads_per_block {threads} is not a multiple of 32 in 32..={} for {}",
+                k.info.max_threads, k.info.name
+            )));
+        }
+        // One warp per task.
+        let warps = threads / 32;
+        let mut grid = plan.ntasks.div_ceil(warps);
+        if cfg.blocks_per_sm > 0 {
+            // A persistent grid: no more blocks than can be resident.
+            let resident = k
+                .info
+                .max_blocks_per_sm
+                .get((warps - 1) as usize)
+                .copied()
+                .unwrap_or(1)
+                .max(1) as u32;
+            let per_sm = cfg.blocks_per_sm.min(resident);
+            let cap = (self.gpu.info.sm_count.max(1) as u32).saturating_mul(per_sm);
+            grid = grid.min(cap);
+        }
+        let grid = grid.min(i32::MAX as u32);
+        let mut runs_ptr = plan.runs_ptr;
+        let mut tasks_ptr = plan.tasks_ptr;
+        let mut ntasks = plan.ntasks;
+        let mut region_base = plan.region_base;
+        let mut to_region = plan.to_region;
+        let mut piece_bytes = cfg.piece_bytes.max(1);
+        let mut params: [*mut c_void; 6] = [
+            (&mut runs_ptr as *mut u64).cast(),
+            (&mut tasks_ptr as *mut u64).cast(),
+            (&mut ntasks as *mut u32).cast(),
+            (&mut region_base as *mut u64).cast(),
+            (&mut to_region as *mut i32).cast(),
+            (&mut piece_bytes as *mut u64).cast(),
+        ];
+        // SAFETY: the kernel's parameters match `kvf_gather_scatter`; plan
+        // buffers stay valid until the context is synchronised (`busy`).
+        drv("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                k.f,
+                (grid, 1, 1),
+                (threads, 1, 1),
+                0,
+                self.stream,
+                &mut params,
+            )
+        })?;
+        self.busy = true;
+        Ok(())
+    }
+
+    /// Enqueues one `cuMemcpyDtoDAsync` per segment (comparison path).
+    pub fn memcpy_per_segment(
+        &mut self,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        for run in runs {
+            for (off, addr, len) in run.segments() {
+                if len == 0 {
+                    continue;
+                }
+                let region = region_addr + off;
+                let (dst, src) = match dir {
+                    Direction::Gather => (region, addr),
+                    Direction::Scatter => (addr, region),
+                };
+                // SAFETY: addresses validated by the caller.
+                check("cuMemcpyDtoDAsync", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.stream)
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues the driver's batched memcpy over every segment (comparison
+    /// path). `Unavailable` when the driver lacks `cuMemcpyBatchAsync_v2`.
+    pub fn memcpy_batched(
+        &mut self,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), CudaError> {
+        let f = batch_fn().ok_or_else(|| {
+            CudaError::Unavailable("the driver has no cuMemcpyBatchAsync_v2".into())
+        })?;
+        self.gpu.bind()?;
+        let mut dsts = Vec::new();
+        let mut srcs = Vec::new();
+        let mut sizes = Vec::new();
+        for run in runs {
+            for (off, addr, len) in run.segments() {
+                if len == 0 {
+                    continue;
+                }
+                let region = region_addr + off;
+                let (dst, src) = match dir {
+                    Direction::Gather => (region, addr),
+                    Direction::Scatter => (addr, region),
+                };
+                dsts.push(dst);
+                srcs.push(src);
+                sizes.push(len as usize);
+            }
+        }
+        if sizes.is_empty() {
+            return Ok(());
+        }
+        let dev = self.gpu.info.ordinal as i32;
+        // SAFETY: all-zero is a valid bit pattern for this plain C struct.
+        let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        attr.srcLocHint.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        attr.srcLocHint.id = dev;
+        attr.dstLocHint.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        attr.dstLocHint.id = dev;
+        let mut attr_idx = [0usize];
+        // SAFETY: arrays of equal length `sizes.len()`; one attribute applies
+        // from index 0; addresses validated by the caller.
+        check("cuMemcpyBatchAsync", unsafe {
+            f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                sizes.len(),
+                &mut attr,
+                attr_idx.as_mut_ptr(),
+                1,
+                self.stream,
+            )
+        })
+    }
+}
+
+impl Drop for ExecCtx {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        // SAFETY: handles created in new, destroyed once, after the stream
+        // drained.
+        unsafe {
+            if let Err(e) = result::stream::synchronize(self.stream) {
+                tracing::warn!(error = %driver_msg(&e), "cuStreamSynchronize failed at drop");
+            }
+            let _ = result::event::destroy(self.done);
+            let _ = result::stream::destroy(self.stream);
+        }
+        self.free_pinned();
+        self.free_dplan();
+    }
+}
+
+/// Whether the driver exports the batched memcpy (`cuMemcpyBatchAsync_v2`).
+pub fn has_batched_memcpy() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    let present = unsafe { sys::is_culib_present() };
+    present && batch_fn().is_some()
+}
+
+/// The GPU [`CopyEngine`] (seed §4 `GatherScatterKernel` + `ExecPool`):
+/// each call borrows an [`ExecCtx`], enqueues the configured [`CopyPath`]
+/// on its stream, records its event and waits for it in the calling worker
+/// thread. Errors are logged with the CUDA error string and returned.
+pub struct CudaCopyEngine {
+    gpu: Arc<CudaGpu>,
+    pool: ExecPool<ExecCtx>,
+    cfg: CudaCopyConfig,
+}
+
+impl std::fmt::Debug for CudaCopyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopyEngine")
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+impl CudaCopyEngine {
+    /// Builds `cfg.streams` contexts (at least one).
+    pub fn new(gpu: &Arc<CudaGpu>, cfg: CudaCopyConfig) -> Result<Self, CudaError> {
+        if cfg.path == CopyPath::BatchedMemcpy && batch_fn().is_none() {
+            return Err(CudaError::Unavailable(
+                "the driver has no cuMemcpyBatchAsync_v2".into(),
+            ));
+        }
+        let mut ctxs = Vec::new();
+        for _ in 0..cfg.streams.max(1) {
+            ctxs.push(ExecCtx::new(gpu, 64 * 1024)?);
+        }
+        Ok(Self {
+            gpu: gpu.clone(),
+            pool: ExecPool::new(ctxs),
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CudaCopyConfig {
+        &self.cfg
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Arc<CudaGpu> {
+        &self.gpu
+    }
+
+    /// Borrows a context, waiting while all are in use (the pool should be
+    /// at least as large as the number of copy workers).
+    pub fn acquire(&self) -> ExecCtx {
+        let mut spins = 0u32;
+        loop {
+            if let Some(c) = self.pool.try_acquire() {
+                return c;
+            }
+            spins += 1;
+            if spins == 1000 {
+                tracing::warn!(
+                    streams = self.pool.capacity(),
+                    "CUDA exec pool exhausted; size it to at least the copy workers"
+                );
+            }
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    /// Returns a borrowed context.
+    pub fn release(&self, ctx: ExecCtx) {
+        self.pool.release(ctx);
+    }
+
+    /// Enqueues the configured path for `runs` on `ctx` without waiting.
+    pub fn enqueue(
+        &self,
+        ctx: &mut ExecCtx,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), CudaError> {
+        match self.cfg.path {
+            CopyPath::Kernel => {
+                let plan = ctx.prepare(&self.cfg, dir, region_addr, runs)?;
+                ctx.launch(&self.cfg, &plan)
+            }
+            CopyPath::PerSegmentMemcpy => ctx.memcpy_per_segment(dir, region_addr, runs),
+            CopyPath::BatchedMemcpy => ctx.memcpy_batched(dir, region_addr, runs),
+        }
+    }
+
+    /// Runs one copy to completion: borrow, enqueue, record, wait, return.
+    pub fn run(
+        &self,
+        dir: Direction,
+        region_addr: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), CudaError> {
+        let mut ctx = self.acquire();
+        let out = self
+            .gpu
+            .bind()
+            .and_then(|()| self.enqueue(&mut ctx, dir, region_addr, runs))
+            .and_then(|()| ctx.record_done())
+            .and_then(|()| ctx.wait_done());
+        if out.is_err() {
+            // Drain whatever was enqueued before the failure so the plan
+            // buffers are free for the next borrower.
+            let _ = ctx.synchronize();
+        }
+        self.release(ctx);
+        if let Err(e) = &out {
+            tracing::error!(?dir, error = %e, "CUDA copy failed");
+        }
+        out
+    }
+}
+
+impl CopyEngine for CudaCopyEngine {
+    fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+        self.run(Direction::Gather, region_addr, runs)
+            .map_err(CopyError::from)
+    }
+    fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+        self.run(Direction::Scatter, region_addr, runs)
+            .map_err(CopyError::from)
+    }
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(off: u64, addr: u64, len: u64, count: u32, rs: u64, us: u64) -> ScatterRun {
+        ScatterRun {
+            region_offset: off,
+            addr,
+            segment_len: len,
+            count,
+            region_stride: rs,
+            addr_stride: us,
+        }
+    }
+
+    #[test]
+    fn plan_splits_groups_and_skips_empty() {
+        let runs = [
+            run(0, 0x1000, 4096, 1, 0, 0),
+            run(4096, 0x9000, 0, 1, 0, 0),
+            run(8192, 0x20000, 200 * 1024, 2, 200 * 1024, 300 * 1024),
+            run(0, 0x50000, 1024, 200, 1024, 4096),
+        ];
+        let (mut r, mut t) = (Vec::new(), Vec::new());
+        let bytes = build_plan(&runs, 64 * 1024, &mut r, &mut t).unwrap();
+        assert_eq!(r.len(), 3);
+        assert_eq!(bytes, 4096 + 2 * 200 * 1024 + 200 * 1024);
+        // run 0: one task; run 1: 2 segments × 4 pieces; run 2: 200 / 64 → 4 tasks.
+        assert_eq!(t.len(), 1 + 8 + 4);
+        assert_eq!(
+            t[1],
+            GpuTask {
+                run: 1,
+                seg_begin: 0,
+                seg_count: 1,
+                piece: 0
+            }
+        );
+        assert_eq!(t[8].piece, 3);
+        assert_eq!(t[12].seg_begin, 192);
+        assert_eq!(t[12].seg_count, 8);
+        let covered: u32 = t[9..].iter().map(|x| x.seg_count).sum();
+        assert_eq!(covered, 200);
+    }
+
+    #[test]
+    fn kernel_compiles_or_skips() {
+        // Compiling needs NVRTC, not a GPU.
+        if let Err(why) = probe_nvrtc() {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        let cubin = compile_cubin(GATHER_SCATTER_SRC, "gather_scatter.cu", (9, 0)).unwrap();
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "NVRTC output is a cubin (ELF)"
+        );
+    }
+}
