@@ -175,6 +175,8 @@ fn start_node(
                 addr: pool.addr(),
                 len: pool.buf.len() as u64,
             }],
+            http: String::new(),
+            role: "both".into(),
             // SAFETY: the pools outlive the nodes and servers (dropped
             // first at the end of the test).
             verify_regions: vec![unsafe {

@@ -3,4 +3,5 @@
 
 pub mod dataplane;
 pub mod pattern;
+pub mod remote;
 pub mod trace;

@@ -10,6 +10,13 @@
 //! A request waits (FIFO) for free blocks on both sides, as an engine's
 //! scheduler would. Latency is measured from submit (prefill done, blocks
 //! held) to the transfer's resolution.
+//!
+//! The replay logic ([`replay_with`]) only allocates blocks ([`BlockPool`],
+//! which addresses a pool by its base address and owns no memory) and
+//! builds descriptors; a [`HandOff`] moves and verifies each request's KV.
+//! Embedded mode ([`replay`]) uses [`LocalHandOff`] over two in-process
+//! agents and their [`KvPool`]s; distributed mode
+//! ([`super::remote`]) drives two agent daemons over HTTP.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -29,14 +36,23 @@ const XFER_TIMEOUT: Duration = Duration::from_secs(300);
 /// Bound on waiting for pool blocks.
 const BLOCK_WAIT: Duration = Duration::from_secs(600);
 
-/// A paged KV pool: `num_blocks` block ids over `tensors` (layer × K/V)
-/// regions of `num_blocks × descriptor_bytes` each, in one host buffer.
-pub struct KvPool {
-    mem: HostArena,
+/// The block allocator of a paged KV pool at some base address (local or
+/// in another process — it never touches the memory): `num_blocks` block
+/// ids over `tensors` (layer × K/V) regions of `num_blocks ×
+/// descriptor_bytes` each, laid out from `base`.
+pub struct BlockPool {
+    base: u64,
     num_blocks: u32,
     desc_bytes: u64,
     state: Mutex<PoolState>,
     cv: Condvar,
+}
+
+/// A paged KV pool in one host buffer owned by this process (embedded
+/// mode), with its [`BlockPool`].
+pub struct KvPool {
+    mem: HostArena,
+    blocks: BlockPool,
 }
 
 struct PoolState {
@@ -52,25 +68,10 @@ impl KvPool {
     /// # Errors
     /// When the host allocation fails.
     pub fn new(layout: &KvLayout, num_blocks: u32, seed: u64) -> Result<Self, String> {
-        let tensors = layout.model.layers * layout.tensors_per_layer();
-        let desc_bytes = layout.descriptor_bytes();
-        let bytes = u64::from(num_blocks) * u64::from(tensors) * desc_bytes;
+        let bytes = BlockPool::bytes_for(layout, num_blocks);
         let mem = HostArena::new(bytes as usize).map_err(|e| e.to_string())?;
-        let free = permutation(num_blocks as usize, seed)
-            .into_iter()
-            .map(|b| b as u32)
-            .collect();
-        Ok(Self {
-            mem,
-            num_blocks,
-            desc_bytes,
-            state: Mutex::new(PoolState {
-                free,
-                next_ticket: 0,
-                serving: 0,
-            }),
-            cv: Condvar::new(),
-        })
+        let blocks = BlockPool::new(layout, num_blocks, mem.base_addr(), seed);
+        Ok(Self { mem, blocks })
     }
 
     /// Base address and size in bytes (to register with the engine).
@@ -78,9 +79,72 @@ impl KvPool {
         (self.mem.base_addr(), self.mem.len() as u64)
     }
 
+    /// The block allocator over this pool's memory.
+    pub fn blocks(&self) -> &BlockPool {
+        &self.blocks
+    }
+
     /// Address of block `block` of tensor `tensor`.
     pub fn addr(&self, tensor: u32, block: u32) -> u64 {
-        self.mem.base_addr()
+        self.blocks.addr(tensor, block)
+    }
+
+    /// Takes `n` blocks, waiting in FIFO order (bounded by 600 s).
+    ///
+    /// # Errors
+    /// When `n` exceeds the pool or the wait times out.
+    pub fn allocate(&self, n: u32) -> Result<Vec<u32>, String> {
+        self.blocks.allocate(n)
+    }
+
+    /// Returns blocks to the free list.
+    pub fn release(&self, blocks: Vec<u32>) {
+        self.blocks.release(blocks)
+    }
+}
+
+impl BlockPool {
+    /// Bytes a pool of `num_blocks` blocks for `layout` spans.
+    pub fn bytes_for(layout: &KvLayout, num_blocks: u32) -> u64 {
+        let tensors = layout.model.layers * layout.tensors_per_layer();
+        u64::from(num_blocks) * u64::from(tensors) * layout.descriptor_bytes()
+    }
+
+    /// The allocator of a pool of `num_blocks` blocks for `layout` (per TP
+    /// rank) laid out from `base` (which must span
+    /// [`bytes_for`](Self::bytes_for) bytes wherever it lives), its free
+    /// list shuffled by `seed`.
+    pub fn new(layout: &KvLayout, num_blocks: u32, base: u64, seed: u64) -> Self {
+        let free = permutation(num_blocks as usize, seed)
+            .into_iter()
+            .map(|b| b as u32)
+            .collect();
+        Self {
+            base,
+            num_blocks,
+            desc_bytes: layout.descriptor_bytes(),
+            state: Mutex::new(PoolState {
+                free,
+                next_ticket: 0,
+                serving: 0,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Base address of the pool.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Address of block `block` of tensor `tensor`.
+    pub fn addr(&self, tensor: u32, block: u32) -> u64 {
+        self.base
             + (u64::from(tensor) * u64::from(self.num_blocks) + u64::from(block)) * self.desc_bytes
     }
 
@@ -233,8 +297,80 @@ pub fn peak_rss_bytes() -> u64 {
         .unwrap_or(0)
 }
 
+/// Moves one request's KV from the prefill side to the decode side and
+/// verifies it: the seam between the replay logic and where the agents
+/// run.
+pub trait HandOff: Sync {
+    /// Checks that `path` can run at all (before its phase starts).
+    ///
+    /// # Errors
+    /// Why not (e.g. bounce is not running on the prefill agent).
+    fn check_path(&self, path: BenchPath) -> Result<(), String>;
+
+    /// Fills each source `k` of `descs` with [`fill_fast`]`(seed, k)`,
+    /// writes `descs` (src on the prefill side, dst on the decode side)
+    /// through `path`, waits for the outcome and verifies every destination
+    /// byte. Returns the transfer latency in ms, submit → resolution.
+    ///
+    /// # Errors
+    /// A failed or timed-out transfer, or a verification mismatch (named).
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String>;
+}
+
+/// [`HandOff`] between two agents in this process (embedded mode).
+pub struct LocalHandOff<'a> {
+    /// The sending agent.
+    pub prefill: &'a FabricAgent,
+    /// The receiving agent (loaded as a peer by `prefill`).
+    pub decode: &'a FabricAgent,
+}
+
+impl HandOff for LocalHandOff<'_> {
+    fn check_path(&self, path: BenchPath) -> Result<(), String> {
+        if path == BenchPath::Bounce && self.prefill.transport().is_none() {
+            return Err(format!(
+                "bounce is not running on the prefill agent: {}",
+                self.prefill.bounce_unavailable.clone().unwrap_or_default()
+            ));
+        }
+        Ok(())
+    }
+
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
+        // "Prefill": write this request's KV with its own pattern.
+        for (k, d) in descs.iter().enumerate() {
+            // SAFETY: src lies in the prefill pool's blocks the caller holds.
+            unsafe { fill_fast(d.src, d.len, seed, k as u64) };
+        }
+        let decode_name = self.decode.name();
+        let t0 = Instant::now();
+        let handle: TransferHandle = match path {
+            BenchPath::Bounce => self
+                .prefill
+                .transport()
+                .ok_or("bounce is not running on the prefill agent")?
+                .submit(decode_name, descs.clone()),
+            BenchPath::Standard => self.prefill.submit_standard(decode_name, descs.clone()),
+        };
+        let outcome = handle.wait(XFER_TIMEOUT);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        match outcome {
+            Some(TransferOutcome::Success) => {}
+            other => return Err(format!("transfer failed: {other:?}")),
+        }
+        for (k, d) in descs.iter().enumerate() {
+            // SAFETY: dst lies in the decode pool's blocks the caller holds.
+            if let Err(off) = unsafe { check_fast(d.dst, d.len, seed, k as u64) } {
+                return Err(format!("verification failed: descriptor {k}, byte {off}"));
+            }
+        }
+        Ok(ms)
+    }
+}
+
 /// Replays `trace` from `prefill` to `decode` over `prefill_pool` /
-/// `decode_pool` (registered with their agents), once per path.
+/// `decode_pool` (registered with their agents), once per path (embedded
+/// mode: [`replay_with`] over a [`LocalHandOff`]).
 ///
 /// # Errors
 /// Setup failures (a request larger than the pool, no bounce transport).
@@ -245,6 +381,30 @@ pub fn replay(
     decode: &FabricAgent,
     prefill_pool: &KvPool,
     decode_pool: &KvPool,
+    trace: &[TraceRecord],
+    opts: &ReplayOptions,
+) -> Result<ReplayReport, String> {
+    replay_with(
+        &LocalHandOff { prefill, decode },
+        prefill_pool.blocks(),
+        decode_pool.blocks(),
+        trace,
+        opts,
+    )
+}
+
+/// Replays `trace` through `hand_off` with blocks allocated from
+/// `prefill_pool` / `decode_pool` (pools of `opts.pool_blocks` blocks,
+/// wherever their memory lives), once per path.
+///
+/// # Errors
+/// Setup failures (a request larger than the pool, a path that cannot run).
+/// Transfer failures and verification mismatches are counted per path and
+/// make the caller's exit status non-zero.
+pub fn replay_with(
+    hand_off: &dyn HandOff,
+    prefill_pool: &BlockPool,
+    decode_pool: &BlockPool,
     trace: &[TraceRecord],
     opts: &ReplayOptions,
 ) -> Result<ReplayReport, String> {
@@ -260,15 +420,9 @@ pub fn replay(
     }
     let mut stats = Vec::new();
     for (pi, &path) in opts.paths.iter().enumerate() {
-        if path == BenchPath::Bounce && prefill.transport().is_none() {
-            return Err(format!(
-                "bounce is not running on the prefill agent: {}",
-                prefill.bounce_unavailable.clone().unwrap_or_default()
-            ));
-        }
+        hand_off.check_path(path)?;
         stats.push(run_phase(
-            prefill,
-            decode,
+            hand_off,
             prefill_pool,
             decode_pool,
             trace,
@@ -299,12 +453,10 @@ pub fn replay(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_phase(
-    prefill: &FabricAgent,
-    decode: &FabricAgent,
-    ppool: &KvPool,
-    dpool: &KvPool,
+    hand_off: &dyn HandOff,
+    ppool: &BlockPool,
+    dpool: &BlockPool,
     trace: &[TraceRecord],
     opts: &ReplayOptions,
     path: BenchPath,
@@ -333,7 +485,6 @@ fn run_phase(
         indicatif::ProgressBar::hidden()
     };
     let start = Instant::now();
-    let decode_name = decode.name().to_string();
     std::thread::scope(|scope| {
         for _ in 0..opts.concurrency.max(1) {
             scope.spawn(|| loop {
@@ -373,50 +524,14 @@ fn run_phase(
                         ));
                     }
                 }
-                // "Prefill": write this request's KV with its own pattern.
-                for (k, d) in descs.iter().enumerate() {
-                    // SAFETY: src lies in the prefill pool's blocks we hold.
-                    unsafe { fill_fast(d.src, d.len, seed, k as u64) };
-                }
                 let n = descs.len() as u64;
-                let t0 = Instant::now();
-                let handle: TransferHandle = match path {
-                    BenchPath::Bounce => prefill
-                        .transport()
-                        .expect("checked before the phase")
-                        .submit(&decode_name, descs.clone()),
-                    BenchPath::Standard => prefill.submit_standard(&decode_name, descs.clone()),
-                };
-                let outcome = handle.wait(XFER_TIMEOUT);
-                let ms = t0.elapsed().as_secs_f64() * 1e3;
-                let ok = match outcome {
-                    Some(TransferOutcome::Success) => {
-                        let bad = descs.iter().enumerate().find_map(|(k, d)| {
-                            // SAFETY: dst lies in the decode pool's blocks we hold.
-                            unsafe { check_fast(d.dst, d.len, seed, k as u64) }
-                                .err()
-                                .map(|off| (k, off))
-                        });
-                        if let Some((k, off)) = bad {
-                            tracing::error!(
-                                request = i,
-                                descriptor = k,
-                                byte = off,
-                                "verification failed"
-                            );
-                            false
-                        } else {
-                            true
-                        }
-                    }
-                    other => {
-                        tracing::error!(request = i, outcome = ?other, "transfer failed");
-                        false
-                    }
-                };
+                let result = hand_off.hand_off(path, seed, descs);
                 ppool.release(pb);
                 dpool.release(db);
-                if ok {
+                if let Err(e) = &result {
+                    tracing::error!(request = i, error = %e, "hand-off failed");
+                }
+                if let Ok(ms) = result {
                     latencies.lock().unwrap_or_else(|p| p.into_inner()).push(ms);
                     bytes.fetch_add(n * desc_bytes, Ordering::Relaxed);
                     descs_total.fetch_add(n, Ordering::Relaxed);

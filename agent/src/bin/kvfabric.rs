@@ -1,14 +1,17 @@
 //! `kvfabric` — the kvfabric command line.
 //!
 //! * `kvfabric bench` — the main job: replay a request trace prefill →
-//!   decode through bounce and the standard path (embedded mode: both
-//!   agents in this process, no etcd).
+//!   decode through bounce and the standard path. Embedded mode (default):
+//!   both agents in this process, no etcd. Distributed mode (`--etcd`): the
+//!   bench is a client of two `kvfabric agent` daemons found in etcd
+//!   (`--prefill` / `--decode` logical ids), driving them over HTTP.
 //! * `kvfabric dataplane-bench` — 64 MiB of 4/8/64 KiB random slots through
 //!   the standard per-descriptor path, bounce and one descriptor, side by
 //!   side in two processes, every transfer verified.
 //! * `kvfabric agent` — the per-node agent daemon: KV pool + bounce engine,
 //!   discovery (etcd or embedded), HTTP API (`/healthz`, `/readyz`,
-//!   `/metrics`, `/v1/peers`, `/v1/config`, `/v1/debug/verify`), graceful
+//!   `/metrics`, `/v1/peers`, `/v1/config`, `/v1/debug/verify`,
+//!   `/v1/debug/transfer`), graceful
 //!   shutdown on SIGTERM/SIGINT.
 //! * `kvfabric peer` — the receiver process the bench spawns (internal).
 
@@ -108,8 +111,9 @@ struct BenchArgs {
     #[arg(long)]
     speed: Option<f64>,
     /// KV pool size per side (prefill, decode); requests wait for free blocks.
-    #[arg(long, default_value = "4GiB", value_parser = byte_size)]
-    pool: u64,
+    /// Default 4GiB; in distributed mode the agents' pools, capped by this.
+    #[arg(long, value_parser = byte_size)]
+    pool: Option<u64>,
     /// Paths to run, in order.
     #[arg(long, default_value = "bounce,standard", value_delimiter = ',')]
     paths: Vec<String>,
@@ -122,6 +126,24 @@ struct BenchArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Distributed mode: etcd endpoints (comma-separated). The bench then
+    /// runs no agents itself: it drives the `kvfabric agent` daemons named
+    /// by --prefill / --decode over their HTTP APIs.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Option<Vec<String>>,
+    /// Fabric name of the agents (distributed mode).
+    #[arg(long, default_value = "default")]
+    fabric: String,
+    /// Logical id of the prefill (sending) agent (distributed mode).
+    #[arg(long, default_value = "prefill")]
+    prefill: String,
+    /// Logical id of the decode (receiving) agent (distributed mode).
+    #[arg(long, default_value = "decode")]
+    decode: String,
+    /// Seconds to wait for both agents to be registered, ready and loaded
+    /// by each other (distributed mode).
+    #[arg(long, default_value_t = 60)]
+    wait: u64,
 }
 
 #[derive(clap::Args)]
@@ -220,11 +242,8 @@ fn default_trace() -> PathBuf {
 }
 
 fn run_bench(a: BenchArgs) -> Result<(), String> {
-    use kvfabric_agent::bench::trace::{replay, BenchPath, KvPool, ReplayOptions};
+    use kvfabric_agent::bench::trace::BenchPath;
     use kvfabric_agent::core::model::{parse_trace, preset, KvLayout, ModelGeometry};
-    use kvfabric_agent::runtime::control::zmq::BindAddr;
-    use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
-    use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
 
     let model = match &a.geometry {
         None => preset(&a.model)?,
@@ -269,6 +288,36 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
             a.start
         ));
     }
+    let report = match &a.etcd {
+        Some(endpoints) => run_distributed(&a, endpoints, layout, paths, &trace, &trace_path)?,
+        None => run_embedded(&a, layout, paths, &trace, &trace_path)?,
+    };
+    print!("{}", report.table());
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    std::fs::write(&a.json, text).map_err(|e| format!("{}: {e}", a.json.display()))?;
+    eprintln!("report written to {}", a.json.display());
+    if report.failures() > 0 {
+        return Err(format!(
+            "{} requests failed or did not verify",
+            report.failures()
+        ));
+    }
+    Ok(())
+}
+
+/// Embedded mode: both agents (and their pools) in this process.
+fn run_embedded(
+    a: &BenchArgs,
+    layout: kvfabric_agent::core::model::KvLayout,
+    paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
+    trace: &[kvfabric_agent::core::model::TraceRecord],
+    trace_path: &std::path::Path,
+) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
+    use kvfabric_agent::bench::trace::{replay, KvPool, ReplayOptions};
+    use kvfabric_agent::runtime::control::zmq::BindAddr;
+    use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
+    use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
+
     let mut config = match &a.config {
         Some(p) => {
             let y = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -286,7 +335,8 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     }
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let pool_blocks = (a.pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    let pool = a.pool.unwrap_or(DEFAULT_POOL);
+    let pool_blocks = (pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
     let ppool = KvPool::new(&layout, pool_blocks, 1)?;
     let dpool = KvPool::new(&layout, pool_blocks, 2)?;
     let mk = |role: &str, pool: &KvPool| {
@@ -330,12 +380,12 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         layout.descriptor_bytes(),
         pool_blocks
     );
-    let report = replay(
+    replay(
         &prefill,
         &decode,
         &ppool,
         &dpool,
-        &trace,
+        trace,
         &ReplayOptions {
             layout,
             concurrency: a.concurrency,
@@ -344,18 +394,98 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
             paths,
             progress: !a.quiet,
         },
-    )?;
-    print!("{}", report.table());
-    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    std::fs::write(&a.json, text).map_err(|e| format!("{}: {e}", a.json.display()))?;
-    eprintln!("report written to {}", a.json.display());
-    if report.failures() > 0 {
-        return Err(format!(
-            "{} requests failed or did not verify",
-            report.failures()
-        ));
+    )
+}
+
+/// Default `--pool` (embedded mode).
+const DEFAULT_POOL: u64 = 4 << 30;
+
+/// Distributed mode: the bench drives two agent daemons found in etcd.
+fn run_distributed(
+    a: &BenchArgs,
+    endpoints: &[String],
+    layout: kvfabric_agent::core::model::KvLayout,
+    paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
+    trace: &[kvfabric_agent::core::model::TraceRecord],
+    trace_path: &std::path::Path,
+) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
+    use kvfabric_agent::bench::remote::{
+        lookup_agents, wait_until_paired, RemoteAgent, RemoteHandOff,
+    };
+    use kvfabric_agent::bench::trace::{replay_with, BenchPath, BlockPool, ReplayOptions};
+    use std::time::Duration;
+
+    if a.config.is_some() {
+        return Err(
+            "--config applies to embedded mode; in distributed mode the agents use their own bounce config (KVFABRIC_BOUNCE_* / their --config)".into(),
+        );
     }
-    Ok(())
+    if a.prefill == a.decode {
+        return Err("--prefill and --decode must name two different agents".into());
+    }
+    let wait = Duration::from_secs(a.wait);
+    eprintln!(
+        "distributed mode: looking up agents {:?} (prefill) and {:?} (decode) in fabric {:?} at {}",
+        a.prefill,
+        a.decode,
+        a.fabric,
+        endpoints.join(",")
+    );
+    let recs = lookup_agents(endpoints, &a.fabric, &[&a.prefill, &a.decode], wait)?;
+    let mut recs = recs.into_iter();
+    let (Some(p), Some(d)) = (recs.next(), recs.next()) else {
+        return Err("agent lookup returned too few records".into());
+    };
+    let prefill = RemoteAgent::from_record(p)?;
+    let decode = RemoteAgent::from_record(d)?;
+    for (role, r) in [("prefill", &prefill), ("decode", &decode)] {
+        eprintln!(
+            "  {role}: {} at {} (role {}), pool {:#x} + {} B",
+            r.name(),
+            r.record.http,
+            if r.record.role.is_empty() {
+                "?"
+            } else {
+                &r.record.role
+            },
+            r.pool.addr,
+            r.pool.len
+        );
+    }
+    wait_until_paired(&prefill, &decode, paths.contains(&BenchPath::Bounce), wait)?;
+    let pool = prefill
+        .pool
+        .len
+        .min(decode.pool.len)
+        .min(a.pool.unwrap_or(u64::MAX));
+    let pool_blocks = (pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    let ppool = BlockPool::new(&layout, pool_blocks, prefill.pool.addr, 1);
+    let dpool = BlockPool::new(&layout, pool_blocks, decode.pool.addr, 2);
+    eprintln!(
+        "replaying {} requests of {} ({} tokens max) with {} TP{} block {}: {} B descriptors, pool {} blocks/side",
+        trace.len(),
+        trace_path.display(),
+        trace.iter().map(|r| r.input_length).max().unwrap_or(0),
+        layout.model.name,
+        layout.tp,
+        layout.block_tokens,
+        layout.descriptor_bytes(),
+        pool_blocks
+    );
+    replay_with(
+        &RemoteHandOff { prefill, decode },
+        &ppool,
+        &dpool,
+        trace,
+        &ReplayOptions {
+            layout,
+            concurrency: a.concurrency,
+            speed: a.speed,
+            pool_blocks,
+            paths,
+            progress: !a.quiet,
+        },
+    )
 }
 
 fn byte_size(s: &str) -> Result<u64, String> {

@@ -395,6 +395,12 @@ pub struct NodeOptions {
     pub node: String,
     /// Buffers published in the record (the KV pool).
     pub buffers: Vec<BufferRegion>,
+    /// Base URL of the HTTP API published in the record (`http://ip:port`;
+    /// empty = not published).
+    pub http: String,
+    /// Role published in the record (`prefill`, `decode`, `both`; may be
+    /// empty).
+    pub role: String,
     /// Ranges `/v1/debug/verify` may read (normally the same pool).
     pub verify_regions: Vec<VerifyRegion>,
     /// The effective configuration document (served by `/v1/config`).
@@ -449,6 +455,8 @@ impl Node {
         let mut record = AgentRecord::new(&desc, &opts.logical_id, opts.incarnation);
         record.node = opts.node;
         record.buffers = opts.buffers;
+        record.http = opts.http;
+        record.role = opts.role;
         record.config_generation = agent.handshake().map_or(0, |h| h.config_generation);
         record.validate().map_err(|e| e.to_string())?;
         let sync = PeerSync::spawn(
@@ -597,6 +605,22 @@ async fn termination_signal() -> &'static str {
     }
 }
 
+/// The HTTP API's URL as published in the record: the bound address, with
+/// an unspecified IP (`0.0.0.0`, `::`) replaced by the host's routable IP
+/// (the control channel's choice), else loopback.
+pub fn advertised_http_url(bound: std::net::SocketAddr) -> String {
+    let ip = if bound.ip().is_unspecified() {
+        crate::runtime::control::zmq::local_routable_ip(None).unwrap_or(if bound.is_ipv4() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+        })
+    } else {
+        bound.ip()
+    };
+    format!("http://{}", std::net::SocketAddr::new(ip, bound.port()))
+}
+
 /// Bound on finishing open HTTP requests after the lease is revoked.
 const HTTP_DRAIN: Duration = Duration::from_secs(5);
 
@@ -643,6 +667,14 @@ pub fn run(
         o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
         Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
     };
+    // Bind the HTTP listener before publishing, so the record carries the
+    // API's address (clients such as the distributed bench find it there).
+    let std_listener = std::net::TcpListener::bind(&cfg.listen)
+        .map_err(|e| format!("listening on {}: {e}", cfg.listen))?;
+    std_listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("listening on {}: {e}", cfg.listen))?;
+    let addr = std_listener.local_addr().map_err(|e| e.to_string())?;
     let keep: Arc<dyn std::any::Any + Send + Sync> = pool.clone();
     let node = Arc::new(Node::start(
         agent.clone(),
@@ -658,8 +690,14 @@ pub fn run(
                 addr: pool_addr,
                 len: pool_len,
             }],
-            // SAFETY: the pool is kept alive by the region (`keep`).
-            verify_regions: vec![unsafe { VerifyRegion::new(pool_addr, pool_len, Some(keep)) }],
+            http: advertised_http_url(addr),
+            role: cfg.role.clone(),
+            // SAFETY: the pool is kept alive by the region (`keep`); this
+            // process owns it, and `/v1/debug/transfer` writes only the
+            // sources a client names (the bench's own blocks).
+            verify_regions: vec![unsafe {
+                VerifyRegion::new_writable(pool_addr, pool_len, Some(keep))
+            }],
             config: serde_json::to_value(&cfg).map_err(|e| e.to_string())?,
             bounce_requested: cfg.bounce.enabled,
         },
@@ -676,11 +714,9 @@ pub fn run(
         .map_err(|e| format!("tokio runtime: {e}"))?;
     let bound = Duration::from_millis(cfg.shutdown_timeout_ms);
     let result = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&cfg.listen)
-            .await
+        let listener = tokio::net::TcpListener::from_std(std_listener)
             .map_err(|e| format!("listening on {}: {e}", cfg.listen))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        tracing::info!(%addr, "HTTP API listening");
+        tracing::info!(%addr, url = %node.record().http, "HTTP API listening");
         announce(addr);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let mut server = tokio::spawn(super::http::serve(

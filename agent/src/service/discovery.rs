@@ -153,6 +153,15 @@ pub struct AgentRecord {
     /// Buffers peers need to address.
     #[serde(default)]
     pub buffers: Vec<BufferRegion>,
+    /// Base URL of the agent's HTTP API (`http://ip:port`), so clients such
+    /// as the distributed `kvfabric bench` can reach it; empty when not
+    /// served (or written by an older build).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub http: String,
+    /// Role the agent was started with (`prefill`, `decode` or `both`);
+    /// empty when unknown.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub role: String,
     /// Config (rollout) generation.
     #[serde(default)]
     pub config_generation: u64,
@@ -203,6 +212,8 @@ impl AgentRecord {
             nixl_metadata: desc.nixl_metadata.clone(),
             handshake: desc.handshake.clone(),
             buffers: Vec::new(),
+            http: String::new(),
+            role: String::new(),
             config_generation: 0,
             started_at_ms: now,
             published_at_ms: now,
@@ -326,6 +337,9 @@ mod b64_opt {
 }
 
 /// A change in the set of live peers.
+// The record travels by value: a handful of events per peer change, so
+// boxing it would only complicate every producer and consumer.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PeerEvent {
     /// A peer appeared or its record changed: load it.
@@ -824,6 +838,8 @@ mod tests {
                 addr: 0x1000,
                 len: 4096,
             }],
+            http: String::new(),
+            role: String::new(),
             config_generation: 7,
             started_at_ms: started,
             published_at_ms: started,

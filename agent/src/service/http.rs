@@ -8,6 +8,7 @@
 //! | `GET /v1/peers` | loaded peers: name, logical id, incarnation, handshake compatibility (and why not), path in use |
 //! | `GET /v1/config` | the effective config (as given by the daemon) plus the bounce sizes in force |
 //! | `POST /v1/debug/verify` | `{seed, descriptors:[{dst,len}]}` → `{ok, first_mismatch}`: checks the fast bench pattern ([`check_fast`] with `k` = descriptor index) over ranges that must lie inside this agent's registered pool (400 naming the first bad range otherwise) |
+//! | `POST /v1/debug/transfer` | `{peer, path, seed, descriptors:[{src,dst,len}]}` → `{outcome, latency_ms, ...}`: fills each source with the fast bench pattern ([`fill_fast`], `k` = descriptor index) and WRITEs the descriptors to `peer` (its agent name, or its logical id → its live incarnation) through `path` (`bounce` or `standard`), waiting at most [`TRANSFER_WAIT`]; sources must lie in this agent's writable pool and destinations in the peer's published buffers (400), the peer must be loaded (404) and, for `bounce`, the transport up and the peer bounce-compatible (409); 503 while shutting down. The distributed `kvfabric bench` drives hand-offs with it |
 //!
 //! All JSON errors have the shape `{"error": "..."}`.
 
@@ -27,17 +28,27 @@ use serde_json::json;
 
 use super::discovery::{AgentRecord, BufferRegion, Discovery, Incarnation, LeaseState};
 use super::metrics::AgentMetrics;
-use crate::bench::pattern::check_fast;
-use crate::runtime::fabric::{FabricAgent, Incompatibility};
+use crate::bench::pattern::{check_fast, fill_fast};
+use crate::core::Descriptor;
+use crate::runtime::fabric::{FabricAgent, Incompatibility, PathKind};
+use crate::runtime::transport::TransferOutcome;
 
 /// Largest accepted `/v1/debug/verify` body (bytes).
 pub const VERIFY_BODY_LIMIT: usize = 64 << 20;
 
+/// Largest accepted `/v1/debug/transfer` body (bytes).
+pub const TRANSFER_BODY_LIMIT: usize = 64 << 20;
+
+/// Bound on waiting for one `/v1/debug/transfer` to resolve.
+pub const TRANSFER_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// A memory range `/v1/debug/verify` may read (the agent's registered KV
-/// pool), optionally keeping its owner alive.
+/// pool), optionally keeping its owner alive; when writable,
+/// `/v1/debug/transfer` may also fill transfer sources in it.
 pub struct VerifyRegion {
     addr: u64,
     len: u64,
+    writable: bool,
     _keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -53,8 +64,34 @@ impl VerifyRegion {
         Self {
             addr,
             len,
+            writable: false,
             _keep: keep,
         }
+    }
+
+    /// `[addr, addr + len)` may be read by verify requests and written by
+    /// `/v1/debug/transfer` (the sources it fills before sending).
+    ///
+    /// # Safety
+    /// As [`new`](Self::new), and the range must be writable memory that
+    /// nothing else in the process relies on the contents of (a KV pool
+    /// whose blocks belong to the client driving the debug API).
+    pub unsafe fn new_writable(
+        addr: u64,
+        len: u64,
+        keep: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Self {
+            addr,
+            len,
+            writable: true,
+            _keep: keep,
+        }
+    }
+
+    /// Whether `/v1/debug/transfer` may write the region.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     /// Base address.
@@ -302,6 +339,53 @@ pub struct VerifyResponse {
     pub bytes: u64,
 }
 
+/// A `/v1/debug/transfer` descriptor: `len` bytes from `src` (this
+/// agent's address space) to `dst` (the peer's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferDescriptor {
+    /// Source address in this agent's writable pool.
+    pub src: u64,
+    /// Destination address in the peer's published buffers.
+    pub dst: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// `/v1/debug/transfer` request body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferRequest {
+    /// The destination agent: its NIXL agent name, or its logical id (the
+    /// live incarnation loaded through discovery is used).
+    pub peer: String,
+    /// `bounce` or `standard`.
+    pub path: String,
+    /// Pattern seed: source `k` is filled with `fill_fast(.., seed, k)`.
+    pub seed: u64,
+    /// What to write.
+    pub descriptors: Vec<TransferDescriptor>,
+}
+
+/// `/v1/debug/transfer` answer (HTTP 200 whenever the transfer was
+/// submitted, whatever its outcome).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransferResponse {
+    /// `success`, `failure` or `timeout` (not resolved within
+    /// [`TRANSFER_WAIT`]).
+    pub outcome: String,
+    /// The failure reason, when not `success`.
+    pub error: Option<String>,
+    /// The peer's agent name the transfer went to.
+    pub peer: String,
+    /// The path used.
+    pub path: String,
+    /// Descriptors sent.
+    pub descriptors: usize,
+    /// Payload bytes sent.
+    pub bytes: u64,
+    /// Submit → resolution, milliseconds (the source fill excluded).
+    pub latency_ms: f64,
+}
+
 fn json_error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(json!({ "error": msg.into() }))).into_response()
 }
@@ -478,6 +562,186 @@ async fn verify(
     }
 }
 
+/// Resolves `peer` (agent name or logical id) to a loaded peer's name and
+/// its discovery record, if any.
+fn resolve_peer(
+    s: &ServiceState,
+    peer: &str,
+) -> Result<(String, Option<AgentRecord>), (StatusCode, String)> {
+    let loaded = s.agent.peers();
+    let records = s.discovery.as_ref().map(|d| d.peers()).unwrap_or_default();
+    let is_loaded = |name: &str| loaded.iter().any(|(n, _)| n == name);
+    if is_loaded(peer) {
+        let rec = records.into_iter().find(|r| r.name == peer);
+        return Ok((peer.to_string(), rec));
+    }
+    let newest = records
+        .into_iter()
+        .filter(|r| r.logical_id == peer && is_loaded(&r.name))
+        .reduce(|a, b| if b.newer_than(&a) { b } else { a });
+    match newest {
+        Some(r) => Ok((r.name.clone(), Some(r))),
+        None => Err((
+            StatusCode::NOT_FOUND,
+            format!(
+                "peer {peer:?} is not loaded (by agent name or logical id); loaded: [{}]",
+                loaded
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
+}
+
+fn transfer_blocking(
+    s: &ServiceState,
+    req: TransferRequest,
+) -> Result<TransferResponse, (StatusCode, String)> {
+    let bad = |m: String| (StatusCode::BAD_REQUEST, m);
+    if s.is_shutting_down() {
+        return Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting down: no new transfers".into(),
+        ));
+    }
+    let bounce = match req.path.as_str() {
+        "bounce" => true,
+        "standard" => false,
+        other => {
+            return Err(bad(format!(
+                "path: expected bounce or standard, got {other:?}"
+            )))
+        }
+    };
+    let (peer, record) = resolve_peer(s, &req.peer)?;
+    for (k, d) in req.descriptors.iter().enumerate() {
+        if !s
+            .regions
+            .iter()
+            .any(|r| r.writable && r.contains(d.src, d.len))
+        {
+            return Err(bad(format!(
+                "descriptor {k}: source [{:#x}, {:#x}) is not inside this agent's writable pool",
+                d.src,
+                d.src.saturating_add(d.len)
+            )));
+        }
+        if let Some(rec) = record.as_ref().filter(|r| !r.buffers.is_empty()) {
+            let inside = rec.buffers.iter().any(|b| {
+                d.dst >= b.addr
+                    && d.dst
+                        .checked_add(d.len)
+                        .is_some_and(|end| end <= b.addr.saturating_add(b.len))
+            });
+            if !inside {
+                return Err(bad(format!(
+                    "descriptor {k}: destination [{:#x}, {:#x}) is not inside a buffer {peer} published",
+                    d.dst,
+                    d.dst.saturating_add(d.len)
+                )));
+            }
+        }
+    }
+    if bounce {
+        if s.agent.transport().is_none() {
+            return Err((
+                StatusCode::CONFLICT,
+                format!(
+                    "bounce is not running on this agent: {}",
+                    s.agent.bounce_unavailable.as_deref().unwrap_or("disabled")
+                ),
+            ));
+        }
+        if let Some((_, st)) = s.agent.peers().into_iter().find(|(n, _)| *n == peer) {
+            if let Err(why) = &st.bounce {
+                return Err((
+                    StatusCode::CONFLICT,
+                    format!(
+                        "peer {peer} is not bounce-compatible: {}",
+                        describe_incompatibility(why)
+                    ),
+                ));
+            }
+        }
+    }
+    let descs: Vec<Descriptor> = req
+        .descriptors
+        .iter()
+        .map(|d| Descriptor::new(d.src, d.dst, d.len))
+        .collect();
+    for (k, d) in descs.iter().enumerate() {
+        // SAFETY: `src` lies inside a writable VerifyRegion (checked
+        // above), whose constructor's contract makes it ours to write.
+        unsafe { fill_fast(d.src, d.len, req.seed, k as u64) };
+    }
+    let bytes: u64 = descs.iter().map(|d| d.len).sum();
+    let n = descs.len();
+    let t0 = std::time::Instant::now();
+    let handle = if bounce {
+        let stats = s.agent.stats();
+        stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
+        stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
+        s.agent
+            .transport()
+            .expect("checked above")
+            .submit(&peer, descs)
+    } else {
+        s.agent.submit_standard(&peer, descs)
+    };
+    let outcome = handle.wait(TRANSFER_WAIT);
+    let elapsed = t0.elapsed();
+    let latency_ms = elapsed.as_secs_f64() * 1e3;
+    if outcome.is_some() {
+        s.metrics.observe_transfer(
+            s.agent.name(),
+            if bounce {
+                PathKind::Bounce
+            } else {
+                PathKind::Standard
+            },
+            outcome == Some(TransferOutcome::Success),
+            elapsed,
+        );
+    }
+    let (outcome, error) = match outcome {
+        Some(TransferOutcome::Success) => ("success", None),
+        Some(TransferOutcome::Failure(why)) => ("failure", Some(why)),
+        None => (
+            "timeout",
+            Some(format!("not resolved within {TRANSFER_WAIT:?}")),
+        ),
+    };
+    if let Some(e) = &error {
+        tracing::warn!(agent = %s.agent.name(), %peer, path = %req.path, outcome, error = %e, "debug transfer did not succeed");
+    }
+    Ok(TransferResponse {
+        outcome: outcome.into(),
+        error,
+        peer,
+        path: req.path,
+        descriptors: n,
+        bytes,
+        latency_ms,
+    })
+}
+
+async fn transfer(
+    State(s): St,
+    body: Result<Json<TransferRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    match tokio::task::spawn_blocking(move || transfer_blocking(&s, req)).await {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err((code, e))) => json_error(code, e),
+        Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
 /// The API's router over `state`.
 pub fn router(state: Arc<ServiceState>) -> Router {
     Router::new()
@@ -489,6 +753,10 @@ pub fn router(state: Arc<ServiceState>) -> Router {
         .route(
             "/v1/debug/verify",
             post(verify).layer(DefaultBodyLimit::max(VERIFY_BODY_LIMIT)),
+        )
+        .route(
+            "/v1/debug/transfer",
+            post(transfer).layer(DefaultBodyLimit::max(TRANSFER_BODY_LIMIT)),
         )
         .with_state(state)
 }

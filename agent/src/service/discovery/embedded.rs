@@ -111,6 +111,8 @@ mod tests {
             nixl_metadata: vec![1],
             handshake: None,
             buffers: vec![],
+            http: String::new(),
+            role: String::new(),
             config_generation: 0,
             started_at_ms: started,
             published_at_ms: started,
