@@ -121,7 +121,9 @@ impl DataplaneReport {
     }
 }
 
-fn write_descriptor(
+/// Writes a peer descriptor file: name, NIXL metadata, handshake, pool
+/// address and length.
+pub(crate) fn write_descriptor(
     path: &Path,
     d: &PeerDescriptor,
     pool: u64,
@@ -140,7 +142,8 @@ fn write_descriptor(
     std::fs::write(path, out)
 }
 
-fn read_descriptor(path: &Path) -> Result<(PeerDescriptor, u64, u64), String> {
+/// Reads what [`write_descriptor`] wrote.
+pub(crate) fn read_descriptor(path: &Path) -> Result<(PeerDescriptor, u64, u64), String> {
     let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut pos = 0usize;
     let u64_at = |pos: &mut usize| -> Result<u64, String> {
@@ -178,7 +181,8 @@ fn read_descriptor(path: &Path) -> Result<(PeerDescriptor, u64, u64), String> {
     ))
 }
 
-fn write_descs(path: &Path, descs: &[Descriptor]) -> std::io::Result<()> {
+/// Writes the (destination, length) of each descriptor for the receiver.
+pub(crate) fn write_descs(path: &Path, descs: &[Descriptor]) -> std::io::Result<()> {
     let mut out = Vec::with_capacity(descs.len() * 16);
     for d in descs {
         out.extend_from_slice(&d.dst.to_le_bytes());
@@ -187,7 +191,8 @@ fn write_descs(path: &Path, descs: &[Descriptor]) -> std::io::Result<()> {
     std::fs::write(path, out)
 }
 
-fn read_descs(path: &Path) -> Result<Vec<(u64, u64)>, String> {
+/// Reads what [`write_descs`] wrote.
+pub(crate) fn read_descs(path: &Path) -> Result<Vec<(u64, u64)>, String> {
     let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(b.chunks_exact(16)
         .map(|c| {
@@ -296,12 +301,30 @@ impl PeerProcess {
         pool_bytes: u64,
         env: &[(String, String)],
     ) -> Result<Self, String> {
+        let args = [
+            "peer".into(),
+            "--dir".into(),
+            dir.as_os_str().to_owned(),
+            "--pool-bytes".into(),
+            pool_bytes.to_string().into(),
+        ];
+        Self::spawn_args(exe, &args, env)
+    }
+
+    /// Spawns `exe ARGS…` with `env` added, and waits (≤ 60 s) for its
+    /// `READY <descriptor file>` line. Lines that are not part of the
+    /// protocol (a library printing to stdout) are echoed to stderr and
+    /// skipped.
+    ///
+    /// # Errors
+    /// When the child cannot start or does not become ready in time.
+    pub fn spawn_args(
+        exe: &Path,
+        args: &[std::ffi::OsString],
+        env: &[(String, String)],
+    ) -> Result<Self, String> {
         let mut child = Command::new(exe)
-            .arg("peer")
-            .arg("--dir")
-            .arg(dir)
-            .arg("--pool-bytes")
-            .arg(pool_bytes.to_string())
+            .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -333,9 +356,18 @@ impl PeerProcess {
     }
 
     fn read_line(&mut self, timeout: Duration) -> Result<String, String> {
-        self.lines
-            .recv_timeout(timeout)
-            .map_err(|_| "peer process did not answer in time (or exited)".to_string())
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .map_err(|_| "peer process did not answer in time (or exited)".to_string())?;
+            if line == "OK" || line.starts_with("ERR") || line.starts_with("READY ") {
+                return Ok(line);
+            }
+            eprintln!("peer stdout: {line}");
+        }
     }
 
     /// Sends a command line and returns `Ok(())` on `OK`.

@@ -5,3 +5,5 @@ pub mod dataplane;
 pub mod pattern;
 pub mod remote;
 pub mod trace;
+#[cfg(feature = "cuda")]
+pub mod vram;

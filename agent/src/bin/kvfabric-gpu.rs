@@ -13,6 +13,13 @@
 //!   scatter, against a contiguous device-to-device memcpy of the same
 //!   bytes, per-descriptor memcpy and the driver's batched memcpy.
 //!
+//! * `kvfabric-gpu vram-bench` — bounce end to end with VRAM arenas and VRAM
+//!   KV pools between two processes (this one and a `vram-peer` child, on
+//!   the same GPU or on `--peer-device`): the standard per-descriptor path,
+//!   bounce and one descriptor side by side, every transfer verified
+//!   byte-exact, plus a UCX transport report (which transports the
+//!   transfers used; a warning on software emulation or TCP).
+//!
 //! Where there is no CUDA driver, device or NVRTC every subcommand prints
 //! `SKIP: <reason>` and exits 0.
 
@@ -23,6 +30,8 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use cudarc::driver::{result, sys};
+use kvfabric_agent::bench::vram::{self, VramOptions};
+use kvfabric_agent::core::config::{parse_byte_size, BounceConfig, ByteSize};
 use kvfabric_agent::core::ScatterRun;
 use kvfabric_agent::runtime::cuda::{
     self, CopyPath, CudaArena, CudaCopyConfig, CudaCopyEngine, CudaError, CudaGpu, Direction,
@@ -84,6 +93,52 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// VRAM end to end: standard vs bounce vs one descriptor between two
+    /// processes (GPU arenas and GPU pools, NIXL VRAM), verified byte-exact.
+    VramBench {
+        /// Bytes per transfer (e.g. 64M).
+        #[arg(long, default_value = "64M")]
+        total: String,
+        /// Descriptor size (e.g. 4K).
+        #[arg(long, default_value = "4K")]
+        block: String,
+        /// The receiver's GPU (default: the sender's).
+        #[arg(long)]
+        peer_device: Option<usize>,
+        /// Bounce max chunk sizes to run, comma-separated (one receiver
+        /// process each; the first also runs the other two paths).
+        #[arg(long, default_value = "4M")]
+        chunks: String,
+        /// Bounce arena size of both agents.
+        #[arg(long, default_value = "256M")]
+        arena: String,
+        /// Per-request in-flight chunk cap W.
+        #[arg(long, default_value_t = 8)]
+        inflight: u32,
+        /// Timed iterations per path (after one warm-up).
+        #[arg(long, default_value_t = 7)]
+        iterations: usize,
+        /// Skip the standard per-descriptor path.
+        #[arg(long)]
+        skip_standard: bool,
+        /// Send per-descriptor scatter runs (no run merging; the merge pass
+        /// finds nothing to merge in random slots).
+        #[arg(long)]
+        no_merge: bool,
+        /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The receiver process of `vram-bench` (internal).
+    #[command(hide = true)]
+    VramPeer {
+        /// Directory for the descriptor file.
+        #[arg(long)]
+        dir: PathBuf,
+        /// GPU pool size (bytes).
+        #[arg(long)]
+        pool_bytes: u64,
+    },
 }
 
 fn init_tracing() {
@@ -133,6 +188,35 @@ fn main() -> ExitCode {
             seed,
             json,
         } => kernel_bench(&gpu, iters.max(1), reps.max(1), sweep, seed, json),
+        Cmd::VramBench {
+            total,
+            block,
+            peer_device,
+            chunks,
+            arena,
+            inflight,
+            iterations,
+            skip_standard,
+            no_merge,
+            json,
+        } => {
+            let args = VramArgs {
+                total,
+                block,
+                peer_device: peer_device.unwrap_or(cli.device),
+                chunks,
+                arena,
+                inflight,
+                iterations,
+                skip_standard,
+                no_merge,
+                json,
+            };
+            vram_bench(&gpu, cli.device, &args)
+        }
+        Cmd::VramPeer { dir, pool_bytes } => {
+            vram::run_peer(&gpu, &dir, pool_bytes, CudaCopyConfig::default())
+        }
     };
     match out {
         Ok(()) => ExitCode::SUCCESS,
@@ -1017,4 +1101,353 @@ fn kernel_bench(
         println!("wrote {}", p.display());
     }
     Ok(())
+}
+
+// ------------------------------------------------------------ vram-bench
+
+/// `vram-bench` arguments.
+struct VramArgs {
+    total: String,
+    block: String,
+    peer_device: usize,
+    chunks: String,
+    arena: String,
+    inflight: u32,
+    iterations: usize,
+    skip_standard: bool,
+    no_merge: bool,
+    json: Option<PathBuf>,
+}
+
+fn bytes_arg(what: &str, s: &str) -> AnyResult<u64> {
+    parse_byte_size(s.trim()).map_err(|e| format!("--{what} {s:?}: {e}"))
+}
+
+fn vram_bench(gpu: &Arc<CudaGpu>, device: usize, a: &VramArgs) -> AnyResult<()> {
+    let total = bytes_arg("total", &a.total)?;
+    let block = bytes_arg("block", &a.block)?;
+    let arena = bytes_arg("arena", &a.arena)?;
+    let mut configs = Vec::new();
+    for c in a.chunks.split(',').filter(|c| !c.trim().is_empty()) {
+        let chunk = bytes_arg("chunks", c)?;
+        let cfg = BounceConfig {
+            enabled: true,
+            arena_size_bytes: ByteSize(arena),
+            max_chunk_size_bytes: ByteSize(chunk),
+            max_inflight_chunks_per_request: a.inflight,
+            disable_scatter_run_merging: a.no_merge,
+            ..BounceConfig::default()
+        };
+        cfg.validate().map_err(|e| format!("chunk {c}: {e}"))?;
+        configs.push(cfg);
+    }
+    if configs.is_empty() {
+        return Err("--chunks names no size".into());
+    }
+    let mut p2p = None;
+    if a.peer_device != device {
+        let (mut can, mut back) = (0, 0);
+        // SAFETY: out-pointers to locals; ordinals are device handles
+        // (CUdevice is the ordinal).
+        unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, device as i32, a.peer_device as i32);
+            sys::cuDeviceCanAccessPeer(&mut back, a.peer_device as i32, device as i32);
+        }
+        println!(
+            "peer access GPU {device} -> GPU {}: {}, back: {}",
+            a.peer_device,
+            can != 0,
+            back != 0
+        );
+        p2p = Some(can != 0 && back != 0);
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // UCX prints the transports it picks at info level and its protocol
+    // choices with PROTO_INFO; the tap reads them back (before any NIXL
+    // agent exists, so UCX reads these settings).
+    for (k, v) in [("UCX_LOG_LEVEL", "info"), ("UCX_PROTO_INFO", "y")] {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
+    let tap = match tap::OutputTap::start() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("warning: no transport report ({e})");
+            None
+        }
+    };
+    let opts = VramOptions {
+        total_bytes: total,
+        block_bytes: block,
+        iterations: a.iterations,
+        configs,
+        device,
+        peer_device: a.peer_device,
+        copy: CudaCopyConfig::default(),
+        skip_standard: a.skip_standard,
+    };
+    let out = vram::run(&exe, gpu, &opts);
+    let report_tp = tap.map(tap::OutputTap::finish);
+    let report = out?;
+    println!("{}", report.table());
+    if let Some(t) = &report_tp {
+        println!("{}", t.summary());
+    }
+    if let Some(p) = &a.json {
+        let j = json!({
+            "bench": "vram-bench",
+            "report": report,
+            "peer_access": p2p,
+            "transport": report_tp,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&j).unwrap_or_default())
+            .map_err(|e| format!("writing {}: {e}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Reads the process's own stdout/stderr back (and forwards it), to find
+/// which UCX transports carried the transfers: the silent-fallback guard.
+mod tap {
+    use std::fs::File;
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::fd::FromRawFd;
+    use std::sync::{Arc, Mutex};
+    use std::thread::JoinHandle;
+    use std::time::Duration;
+
+    /// What the tap saw: UCX's endpoint configurations (info log) and its
+    /// protocol selections (`UCX_PROTO_INFO`), split into the data path
+    /// (operations from GPU memory, what the transfers use) and the rest.
+    #[derive(Clone, Debug, Default, serde::Serialize)]
+    pub struct TransportReport {
+        /// Protocol selections for operations from GPU memory:
+        /// "operation: range description config" (deduplicated).
+        pub data_path: Vec<String>,
+        /// UCX endpoint configuration lines (`… cfg#N rma(…) am(…)`), first 20.
+        pub endpoint_configs: Vec<String>,
+        /// A GPU-sourced operation used `cuda_ipc`.
+        pub cuda_ipc: bool,
+        /// A GPU-sourced operation used software emulation (silent fallback).
+        pub software_emulation: bool,
+        /// A GPU-sourced operation used TCP.
+        pub tcp: bool,
+        /// Selections with software emulation for other operations (host
+        /// memory sources, e.g. put from host to GPU: not used here).
+        pub other_emulation: usize,
+        /// Lines read in all.
+        pub lines_seen: usize,
+        /// The table header being read, per UCX line tag (`[host:pid:thread]`):
+        /// tables of several processes and threads interleave in the pipe.
+        #[serde(skip)]
+        current: std::collections::HashMap<String, String>,
+    }
+
+    impl TransportReport {
+        /// A short human summary with warnings.
+        pub fn summary(&self) -> String {
+            let mut s = format!(
+                "transport report (GPU-sourced data path): cuda_ipc={} software_emulation={} tcp={}; other ops with software emulation: {}",
+                self.cuda_ipc, self.software_emulation, self.tcp, self.other_emulation
+            );
+            for d in &self.data_path {
+                s += &format!("\n  {d}");
+            }
+            if self.data_path.is_empty() {
+                s += "\nWARNING: UCX reported no protocol for writes from GPU memory (set UCX_PROTO_INFO=y)";
+            }
+            if self.software_emulation {
+                s += "\nWARNING: GPU writes used UCX software emulation (silent fallback)";
+            }
+            if self.tcp {
+                s += "\nWARNING: GPU writes used TCP";
+            }
+            if !self.data_path.is_empty() && !self.cuda_ipc {
+                s += "\nWARNING: GPU writes did not use cuda_ipc";
+            }
+            s
+        }
+
+        fn scan(&mut self, line: &str) {
+            self.lines_seen += 1;
+            let l = line.to_ascii_lowercase();
+            if l.contains("ucx  info") && l.contains("cfg#") {
+                if self.endpoint_configs.len() < 20 {
+                    let at = line.find("UCX").unwrap_or(0);
+                    self.endpoint_configs
+                        .push(line[at..].trim_end().to_string());
+                }
+                return;
+            }
+            let Some(bar) = line.find('|') else {
+                return;
+            };
+            let cells: Vec<&str> = line[bar..]
+                .split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect();
+            // `[timestamp] [host:pid :thread]   | … |`: the second bracket.
+            let tag = line[..bar]
+                .split(']')
+                .nth(1)
+                .map(|t| t.trim().to_string())
+                .unwrap_or_default();
+            if cells.len() == 1 && cells[0].contains(" by ucp_") {
+                self.current.insert(tag, cells[0].to_string());
+                return;
+            }
+            let Some(op) = self.current.get(&tag) else {
+                return;
+            };
+            if cells.len() != 3 || !cells[0].contains("..") && cells[0].parse::<u64>().is_err() {
+                return;
+            }
+            let (desc, cfg) = (cells[1].to_ascii_lowercase(), cells[2].to_ascii_lowercase());
+            let emulation = desc.contains("emulation");
+            if !op.contains("from cuda") {
+                self.other_emulation += usize::from(emulation);
+                return;
+            }
+            self.cuda_ipc |= cfg.contains("cuda_ipc");
+            self.software_emulation |= emulation;
+            self.tcp |= cfg.contains("tcp");
+            let entry = format!("{op}: {} {} {}", cells[0], cells[1], cells[2]);
+            if !self.data_path.contains(&entry) {
+                self.data_path.push(entry);
+            }
+        }
+    }
+
+    /// fds 1 and 2 redirected into a pipe; a thread forwards every line to
+    /// the original stdout and scans it.
+    pub struct OutputTap {
+        orig: i32,
+        report: Arc<Mutex<TransportReport>>,
+        thread: Option<JoinHandle<()>>,
+    }
+
+    impl OutputTap {
+        /// Starts the tap (children spawned later inherit the pipe as
+        /// their stderr).
+        pub fn start() -> Result<Self, String> {
+            let mut fds = [0i32; 2];
+            // SAFETY: plain fd calls on fds this process owns.
+            let orig = unsafe {
+                if libc::pipe(fds.as_mut_ptr()) != 0 {
+                    return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+                }
+                let orig = libc::dup(1);
+                if orig < 0 || libc::dup2(fds[1], 1) < 0 || libc::dup2(fds[1], 2) < 0 {
+                    return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+                }
+                libc::close(fds[1]);
+                orig
+            };
+            // SAFETY: fds[0] is ours and moved into the File; orig stays
+            // open until `finish` (this dup is closed by the File below).
+            let (read, mut out) = unsafe {
+                (
+                    File::from_raw_fd(fds[0]),
+                    File::from_raw_fd(libc::dup(orig)),
+                )
+            };
+            let report = Arc::new(Mutex::new(TransportReport::default()));
+            let r = report.clone();
+            let thread = std::thread::Builder::new()
+                .name("output-tap".into())
+                .spawn(move || {
+                    let mut reader = BufReader::new(read);
+                    let mut buf = Vec::new();
+                    while reader.read_until(b'\n', &mut buf).unwrap_or(0) > 0 {
+                        let _ = out.write_all(&buf);
+                        let line = String::from_utf8_lossy(&buf);
+                        r.lock().unwrap_or_else(|p| p.into_inner()).scan(&line);
+                        buf.clear();
+                    }
+                    let _ = out.flush();
+                })
+                .map_err(|e| e.to_string())?;
+            Ok(Self {
+                orig,
+                report,
+                thread: Some(thread),
+            })
+        }
+
+        /// Restores stdout/stderr, drains the pipe (≤ 2 s) and returns what
+        /// was seen.
+        pub fn finish(mut self) -> TransportReport {
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            // SAFETY: restoring fds 1 and 2 from the saved original closes
+            // this process's write ends of the pipe.
+            unsafe {
+                libc::dup2(self.orig, 1);
+                libc::dup2(self.orig, 2);
+                libc::close(self.orig);
+            }
+            if let Some(t) = self.thread.take() {
+                let deadline = std::time::Instant::now() + Duration::from_secs(2);
+                while !t.is_finished() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if t.is_finished() {
+                    let _ = t.join();
+                }
+            }
+            let r = self
+                .report
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            r
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::TransportReport;
+
+        #[test]
+        fn scan_splits_gpu_data_path_from_other_ops() {
+            // Lines as UCX 1.x printed them on the H200 (vram-bench run).
+            let log = "\
+[1.1] [vm:573  :0]      ucp_worker.c:1997 UCX  INFO    vram-bench-573-0 intra-node cfg#2 rma_am(tcp/lo)  device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)
+[1.2] [vm:573  :0]   +--------+--------------------+-----------------------------------+
+[1.2] [vm:573  :0]   | vram-bench-573-0 intra-node cfg#2                               |
+[1.2] [vm:573  :0]   | remote memory write by ucp_put* from host memory to cuda/dev[2] |
+[1.2] [vm:573  :0]   +--------+--------------------+-----------------------------------+
+[1.2] [vm:573  :0]   | Range  |    Description     |              Config               |
+[1.2] [vm:573  :0]   | 0..inf | software emulation | tcp/lo                            |
+[1.3] [vm:573  :1]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[2] |
+[1.3] [vm:573  :1]   | Range  | Description |                    Config                     |
+[1.3] [vm:584  :0]   | 0..8184 | short       | tcp/lo                                 |
+[1.3] [vm:573  :1]   | 0..inf | zero-copy   | cuda_ipc/cuda                                 |
+";
+            let mut r = TransportReport::default();
+            for l in log.lines() {
+                r.scan(l);
+            }
+            assert_eq!(r.endpoint_configs.len(), 1);
+            assert_eq!(r.other_emulation, 1);
+            assert!(r.cuda_ipc && !r.software_emulation && !r.tcp);
+            assert_eq!(
+                r.data_path,
+                vec!["remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[2]: 0..inf zero-copy cuda_ipc/cuda"]
+            );
+            let mut bad = TransportReport::default();
+            for l in log
+                .replace("zero-copy   | cuda_ipc/cuda", "software emulation | tcp/lo")
+                .lines()
+            {
+                bad.scan(l);
+            }
+            assert!(bad.software_emulation && bad.tcp && !bad.cuda_ipc);
+            assert!(bad
+                .summary()
+                .contains("WARNING: GPU writes used UCX software emulation"));
+        }
+    }
 }

@@ -24,7 +24,9 @@ use cudarc::driver::{result, sys, CudaContext, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
 use kvfabric_core::ScatterRun;
 
-use super::engine::{MemDesc, MemKind};
+use super::engine::{
+    EngineError, MemDesc, MemKind, PreparedList, TransferEngine, XferHandle, XferState,
+};
 use super::exec::{CopyEngine, CopyError, ExecPool};
 
 /// Source of the gather/scatter kernel (`kernels/gather_scatter.cu`),
@@ -479,6 +481,20 @@ impl CudaArena {
         drv("cuMemcpyDtoH", unsafe {
             result::memcpy_dtoh_sync(out, self.ptr + offset as u64)
         })
+    }
+
+    /// Sets every byte to zero (synchronous; tests and benches).
+    pub fn zero(&self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the whole allocation.
+        drv("cuMemsetD8", unsafe {
+            result::memset_d8_sync(self.ptr, 0, self.len)
+        })
+    }
+
+    /// The GPU it lives on.
+    pub fn gpu(&self) -> &Arc<CudaGpu> {
+        &self.gpu
     }
 
     fn range_check(&self, offset: usize, len: usize) -> Result<(), CudaError> {
@@ -1307,6 +1323,106 @@ impl CopyEngine for CudaCopyEngine {
     }
     fn name(&self) -> &'static str {
         "cuda"
+    }
+}
+
+/// A [`TransferEngine`] that makes `gpu`'s context current on the calling
+/// thread before every call of the wrapped engine, so NIXL/UCX find a CUDA
+/// context on whichever thread (IO thread, standard-path poller, caller)
+/// registers VRAM or posts a VRAM write. A failed bind is logged and the
+/// call still goes through (UCX may manage its own context).
+pub struct CudaBoundEngine {
+    inner: Arc<dyn TransferEngine>,
+    gpu: Arc<CudaGpu>,
+}
+
+impl CudaBoundEngine {
+    /// Wraps `inner`, binding `gpu`'s context around each call.
+    pub fn new(inner: Arc<dyn TransferEngine>, gpu: Arc<CudaGpu>) -> Self {
+        Self { inner, gpu }
+    }
+
+    fn bind(&self) {
+        // The error is already logged by `drv`.
+        let _ = self.gpu.bind();
+    }
+}
+
+impl TransferEngine for CudaBoundEngine {
+    fn agent_name(&self) -> &str {
+        self.inner.agent_name()
+    }
+    fn local_metadata(&self) -> Result<Vec<u8>, EngineError> {
+        self.bind();
+        self.inner.local_metadata()
+    }
+    fn load_peer(&self, metadata: &[u8]) -> Result<String, EngineError> {
+        self.bind();
+        self.inner.load_peer(metadata)
+    }
+    fn forget_peer(&self, peer: &str) -> Result<(), EngineError> {
+        self.bind();
+        self.inner.forget_peer(peer)
+    }
+    fn register_region(&self, kind: MemKind, desc: MemDesc) -> Result<(), EngineError> {
+        self.bind();
+        self.inner.register_region(kind, desc)
+    }
+    fn post_write(
+        &self,
+        peer: &str,
+        local_kind: MemKind,
+        local: &[MemDesc],
+        remote_kind: MemKind,
+        remote: &[MemDesc],
+    ) -> Result<XferHandle, EngineError> {
+        self.bind();
+        self.inner
+            .post_write(peer, local_kind, local, remote_kind, remote)
+    }
+    fn prepare_local(&self, kind: MemKind, descs: &[MemDesc]) -> Result<PreparedList, EngineError> {
+        self.bind();
+        self.inner.prepare_local(kind, descs)
+    }
+    fn prepare_remote(
+        &self,
+        peer: &str,
+        kind: MemKind,
+        descs: &[MemDesc],
+    ) -> Result<PreparedList, EngineError> {
+        self.bind();
+        self.inner.prepare_remote(peer, kind, descs)
+    }
+    fn post_indexed(
+        &self,
+        local: PreparedList,
+        local_idx: &[i32],
+        remote: PreparedList,
+        remote_idx: &[i32],
+    ) -> Result<XferHandle, EngineError> {
+        self.bind();
+        self.inner
+            .post_indexed(local, local_idx, remote, remote_idx)
+    }
+    fn release_prepared(&self, list: PreparedList) {
+        self.bind();
+        self.inner.release_prepared(list)
+    }
+    fn poll(&self, handle: XferHandle) -> Result<XferState, EngineError> {
+        self.bind();
+        self.inner.poll(handle)
+    }
+    fn release(&self, handle: XferHandle) {
+        self.bind();
+        self.inner.release(handle)
+    }
+    fn progress(&self) -> Result<Vec<(String, Vec<u8>)>, EngineError> {
+        self.bind();
+        self.inner.progress()
+    }
+    fn send_notification(&self, peer: &str, msg: &[u8]) -> Result<(), EngineError> {
+        self.bind();
+        self.inner.send_notification(peer, msg)
     }
 }
 

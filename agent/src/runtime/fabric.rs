@@ -3,6 +3,18 @@
 //! built (any init failure warns and falls back to the standard path, never
 //! fails construction), the capability handshake per peer, the routing gate
 //! (`should_use_bounce`) and the standard per-descriptor NIXL path.
+//!
+//! The arena is host memory by default ([`ArenaChoice::Host`]); with the
+//! `cuda` feature, [`ArenaChoice::Cuda`] puts it in device memory
+//! (registered with NIXL as VRAM) and gathers/scatters with the CUDA copy
+//! engine. The bounce path serves transfers whose memory kinds equal the
+//! arena's; the standard path uses the kind of the KV regions.
+//!
+//! Remote memory kind: the handshake carries none, so a peer's arena is
+//! assumed to be of the same kind as ours (a VRAM agent bounces to VRAM
+//! agents); the GRANTs carry the peer's device id. A peer's KV memory for
+//! the standard path defaults to our own KV kind and device and can be set
+//! per peer with [`FabricAgent::set_peer_memory`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +31,8 @@ use super::arena::HostArena;
 use super::control::notif::NixlNotifControlChannel;
 use super::control::zmq::{BindAddr, ZmqControlChannel};
 use super::control::ControlChannel;
+#[cfg(feature = "cuda")]
+use super::cuda::{CudaArena, CudaBoundEngine, CudaCopyConfig, CudaCopyEngine, CudaGpu};
 use super::engine::{EngineError, MemDesc, MemKind, NixlTransferEngine, TransferEngine, XferState};
 use super::exec::{CopyEngine, HostCopyEngine};
 use super::transport::{
@@ -85,6 +99,69 @@ pub enum Incompatibility {
 pub struct PeerState {
     /// `Ok(handshake)` when bounce-capable, else why not.
     pub bounce: Result<Handshake, Incompatibility>,
+    /// The peer's KV memory (the standard path's remote kind and device).
+    pub memory: PeerMemory,
+}
+
+/// Kind and device of a peer's KV memory, as the standard path names its
+/// remote descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerMemory {
+    /// NIXL memory kind.
+    pub kind: MemKind,
+    /// Device id (GPU ordinal for VRAM, 0 for DRAM).
+    pub device_id: u64,
+}
+
+/// Where the bounce arena lives.
+#[derive(Clone, Default)]
+pub enum ArenaChoice {
+    /// Host memory (NIXL DRAM) with the host `memcpy` copy engine.
+    #[default]
+    Host,
+    /// Device memory of `gpu` (NIXL VRAM, device id = its ordinal) with the
+    /// CUDA gather/scatter copy engine built from `copy` (its stream count is
+    /// raised to the config's copy stream / scatter worker counts). Every
+    /// NIXL call of the agent runs with the GPU's context current.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// The GPU (kernels compiled).
+        gpu: Arc<CudaGpu>,
+        /// Copy engine settings.
+        copy: CudaCopyConfig,
+    },
+}
+
+impl std::fmt::Debug for ArenaChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ArenaChoice::Host => f.write_str("Host"),
+            #[cfg(feature = "cuda")]
+            ArenaChoice::Cuda { gpu, copy } => f
+                .debug_struct("Cuda")
+                .field("device", &gpu.info().ordinal)
+                .field("copy", copy)
+                .finish(),
+        }
+    }
+}
+
+impl ArenaChoice {
+    /// The memory kind of the arena (and of transfers bounce serves).
+    pub fn kind(&self) -> MemKind {
+        match self {
+            ArenaChoice::Host => MemKind::Dram,
+            #[cfg(feature = "cuda")]
+            ArenaChoice::Cuda { .. } => MemKind::Vram,
+        }
+    }
+}
+
+/// The arena memory the agent owns (kept alive while the transport runs).
+enum ArenaMem {
+    Host(#[allow(dead_code)] HostArena),
+    #[cfg(feature = "cuda")]
+    Cuda(#[allow(dead_code)] CudaArena),
 }
 
 /// Counters of the fabric agent (exported by the agent service).
@@ -135,7 +212,9 @@ pub struct FabricAgent {
     engine: Arc<dyn TransferEngine>,
     config: EffectiveBounceConfig,
     transport: Option<BounceTransport>,
-    _arena: Option<HostArena>,
+    _arena: Option<ArenaMem>,
+    arena_kind: MemKind,
+    kv_memory: PeerMemory,
     handshake: Option<Handshake>,
     peers: Mutex<HashMap<String, PeerState>>,
     stats: Arc<FabricStats>,
@@ -155,7 +234,34 @@ impl FabricAgent {
     /// Only when the NIXL agent itself cannot be created or KV memory cannot
     /// be registered.
     pub fn new(opts: FabricOptions) -> Result<Self, EngineError> {
-        let engine: Arc<dyn TransferEngine> = Arc::new(NixlTransferEngine::new(&opts.name)?);
+        Self::with_arena(opts, ArenaChoice::Host)
+    }
+
+    /// [`FabricAgent::new`] with the arena in `arena` (host or, with the
+    /// `cuda` feature, GPU memory). The standard path uses the kind and
+    /// device of the first KV region (the arena's kind when there is none).
+    ///
+    /// # Errors
+    /// As [`FabricAgent::new`].
+    pub fn with_arena(opts: FabricOptions, arena: ArenaChoice) -> Result<Self, EngineError> {
+        let nixl: Arc<dyn TransferEngine> = Arc::new(NixlTransferEngine::new(&opts.name)?);
+        let engine: Arc<dyn TransferEngine> = match &arena {
+            ArenaChoice::Host => nixl,
+            #[cfg(feature = "cuda")]
+            ArenaChoice::Cuda { gpu, .. } => Arc::new(CudaBoundEngine::new(nixl, gpu.clone())),
+        };
+        let arena_kind = arena.kind();
+        let kv_memory = opts
+            .kv_regions
+            .first()
+            .map(|(kind, d)| PeerMemory {
+                kind: *kind,
+                device_id: d.device_id,
+            })
+            .unwrap_or(PeerMemory {
+                kind: arena_kind,
+                device_id: 0,
+            });
         for (kind, desc) in &opts.kv_regions {
             engine.register_region(*kind, *desc)?;
         }
@@ -166,6 +272,8 @@ impl FabricAgent {
             config: opts.config.clone(),
             transport: None,
             _arena: None,
+            arena_kind,
+            kv_memory,
             handshake: None,
             peers: Mutex::new(HashMap::new()),
             stats: stats.clone(),
@@ -174,7 +282,7 @@ impl FabricAgent {
             bounce_unavailable: None,
         };
         if opts.config.enabled() {
-            match Self::init_bounce(&engine, &opts) {
+            match Self::init_bounce(&engine, &opts, &arena) {
                 Ok((transport, arena, hs)) => {
                     for (_, d) in &opts.kv_regions {
                         transport.allow_scatter_range(d.addr, d.len);
@@ -206,18 +314,62 @@ impl FabricAgent {
         Ok(agent)
     }
 
+    /// Allocates the arena of `choice`, registers it and returns it with
+    /// its spec and the default copy engine for it.
+    fn make_arena(
+        engine: &Arc<dyn TransferEngine>,
+        cfg: &EffectiveBounceConfig,
+        choice: &ArenaChoice,
+    ) -> Result<(ArenaMem, ArenaSpec, Arc<dyn CopyEngine>), String> {
+        match choice {
+            ArenaChoice::Host => {
+                let arena =
+                    HostArena::new(cfg.arena_size_bytes() as usize).map_err(|e| e.to_string())?;
+                let desc = MemDesc::host(arena.base_addr(), arena.len() as u64);
+                engine
+                    .register_region(MemKind::Dram, desc)
+                    .map_err(|e| format!("registering the arena: {e}"))?;
+                let spec = ArenaSpec {
+                    base: desc.addr,
+                    len: desc.len,
+                    kind: MemKind::Dram,
+                    device_id: 0,
+                };
+                Ok((ArenaMem::Host(arena), spec, Arc::new(HostCopyEngine)))
+            }
+            #[cfg(feature = "cuda")]
+            ArenaChoice::Cuda { gpu, copy } => {
+                let arena = CudaArena::new(gpu, cfg.arena_size_bytes() as usize)
+                    .map_err(|e| format!("allocating the GPU arena: {e}"))?;
+                let desc = arena.mem_desc();
+                engine
+                    .register_region(MemKind::Vram, desc)
+                    .map_err(|e| format!("registering the GPU arena as VRAM: {e}"))?;
+                let mut copy = *copy;
+                copy.streams = copy
+                    .streams
+                    .max(cfg.copy_stream_count() as usize)
+                    .max(cfg.scatter_worker_count() as usize);
+                let engine = CudaCopyEngine::new(gpu, copy)
+                    .map_err(|e| format!("building the CUDA copy engine: {e}"))?;
+                let spec = ArenaSpec {
+                    base: desc.addr,
+                    len: desc.len,
+                    kind: MemKind::Vram,
+                    device_id: desc.device_id,
+                };
+                Ok((ArenaMem::Cuda(arena), spec, Arc::new(engine)))
+            }
+        }
+    }
+
     fn init_bounce(
         engine: &Arc<dyn TransferEngine>,
         opts: &FabricOptions,
-    ) -> Result<(BounceTransport, HostArena, Handshake), String> {
+        choice: &ArenaChoice,
+    ) -> Result<(BounceTransport, ArenaMem, Handshake), String> {
         let cfg = &opts.config;
-        let arena = HostArena::new(cfg.arena_size_bytes() as usize).map_err(|e| e.to_string())?;
-        engine
-            .register_region(
-                MemKind::Dram,
-                MemDesc::host(arena.base_addr(), arena.len() as u64),
-            )
-            .map_err(|e| format!("registering the arena: {e}"))?;
+        let (arena, spec, default_copy) = Self::make_arena(engine, cfg, choice)?;
         let channel: Box<dyn ControlChannel> = match cfg.control_kind() {
             ControlKind::Zmq => Box::new(
                 ZmqControlChannel::bind(&opts.name, opts.bind.clone())
@@ -235,16 +387,7 @@ impl FabricAgent {
             eager_gather: cfg.config().enable_eager_gather,
             merge_runs: !cfg.config().disable_scatter_run_merging,
         };
-        let copy = opts
-            .copy
-            .clone()
-            .unwrap_or_else(|| Arc::new(HostCopyEngine) as Arc<dyn CopyEngine>);
-        let spec = ArenaSpec {
-            base: arena.base_addr(),
-            len: arena.len() as u64,
-            kind: MemKind::Dram,
-            device_id: 0,
-        };
+        let copy = opts.copy.clone().unwrap_or(default_copy);
         let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;
         let hs = Handshake {
             wire_version: WIRE_VERSION,
@@ -270,6 +413,38 @@ impl FabricAgent {
     /// The bounce transport, when running.
     pub fn transport(&self) -> Option<&BounceTransport> {
         self.transport.as_ref()
+    }
+
+    /// The memory kind of the bounce arena (bounce serves only transfers
+    /// whose source and destination are of this kind).
+    pub fn arena_kind(&self) -> MemKind {
+        self.arena_kind
+    }
+
+    /// Kind and device of our KV memory (the standard path's local side).
+    pub fn kv_memory(&self) -> PeerMemory {
+        self.kv_memory
+    }
+
+    /// Sets the kind and device of `peer`'s KV memory for the standard path
+    /// (default: the same as ours). Returns false when `peer` is not loaded.
+    pub fn set_peer_memory(&self, peer: &str, memory: PeerMemory) -> bool {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        match peers.get_mut(peer) {
+            Some(p) => {
+                p.memory = memory;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn peer_memory(&self, peer: &str) -> PeerMemory {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .map_or(self.kv_memory, |p| p.memory)
     }
 
     /// Counters.
@@ -322,7 +497,10 @@ impl FabricAgent {
         if let Err(why) = &bounce {
             tracing::info!(agent = %self.name, peer = %peer.name, reason = ?why, "peer is not bounce-capable; standard path");
         }
-        let state = PeerState { bounce };
+        let state = PeerState {
+            bounce,
+            memory: self.kv_memory,
+        };
         self.peers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -361,7 +539,9 @@ impl FabricAgent {
             });
         }
         transport
-            .add_peer(peer, &hs.endpoint, MemKind::Dram)
+            // The handshake carries no memory kind: the peer's arena is
+            // assumed to be of our arena's kind (see the module docs).
+            .add_peer(peer, &hs.endpoint, self.arena_kind)
             .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
         Ok(hs)
     }
@@ -422,7 +602,7 @@ impl FabricAgent {
         if self.transport.is_none() || !self.has_peer_handshake(peer) {
             return false;
         }
-        if src_kind != MemKind::Dram || dst_kind != MemKind::Dram {
+        if src_kind != self.arena_kind || dst_kind != self.arena_kind {
             return false;
         }
         let n = descs.len() as u64;
@@ -437,7 +617,8 @@ impl FabricAgent {
     /// path the gate picks. Never blocks; the handle always resolves.
     pub fn submit_write(&self, peer: &str, descs: Vec<Descriptor>) -> (PathKind, TransferHandle) {
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
-        if self.should_use_bounce(peer, &descs, MemKind::Dram, MemKind::Dram) {
+        let remote = self.peer_memory(peer);
+        if self.should_use_bounce(peer, &descs, self.kv_memory.kind, remote.kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
             let t = self.transport.as_ref().expect("checked by the gate");
@@ -467,13 +648,28 @@ impl FabricAgent {
             // Shut down: no poller would ever resolve the handle.
             return fail("standard path: agent shut down".into());
         }
-        let local: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.src, d.len)).collect();
-        let remote: Vec<MemDesc> = descs.iter().map(|d| MemDesc::host(d.dst, d.len)).collect();
-        let l = match self.engine.prepare_local(MemKind::Dram, &local) {
+        let (lm, rm) = (self.kv_memory, self.peer_memory(peer));
+        let local: Vec<MemDesc> = descs
+            .iter()
+            .map(|d| MemDesc {
+                addr: d.src,
+                len: d.len,
+                device_id: lm.device_id,
+            })
+            .collect();
+        let remote: Vec<MemDesc> = descs
+            .iter()
+            .map(|d| MemDesc {
+                addr: d.dst,
+                len: d.len,
+                device_id: rm.device_id,
+            })
+            .collect();
+        let l = match self.engine.prepare_local(lm.kind, &local) {
             Ok(l) => l,
             Err(e) => return fail(format!("standard path: {e}")),
         };
-        let r = match self.engine.prepare_remote(peer, MemKind::Dram, &remote) {
+        let r = match self.engine.prepare_remote(peer, rm.kind, &remote) {
             Ok(r) => r,
             Err(e) => {
                 self.engine.release_prepared(l);
