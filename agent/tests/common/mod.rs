@@ -101,18 +101,8 @@ pub fn pattern(seed: u64, i: u64) -> u8 {
     (x ^ (x >> 29)) as u8
 }
 
-/// A permutation of `n` slots (xorshift, deterministic per seed).
-pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    let mut s = seed | 1;
-    for i in (1..n).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v
-}
+/// A permutation of `n` slots (the bench's, deterministic per seed).
+pub use kvfabric_agent::bench::pattern::permutation;
 
 /// `count` blocks of `block` bytes: src slot `src_base + i` → dst slot
 /// `perm[i]` (both in block units, random scatter on the receiver).
