@@ -359,6 +359,7 @@ impl BounceTransport {
             grant_index: HashMap::new(),
             scatter_queue: VecDeque::new(),
             orphan_writes: Vec::new(),
+            deferred_cancels: HashMap::new(),
             allowed: Vec::new(),
             faults: FaultPlan::default(),
             parked: false,
@@ -585,6 +586,17 @@ enum JobRef {
     },
 }
 
+/// A write of a failed request still in flight (send-side orphan, seed §9):
+/// its staging region is freed, and the request's cancel sent, only once
+/// the write is terminal — otherwise the receiver could re-grant the target
+/// region while our write still lands in it.
+struct OrphanWrite {
+    handle: XferHandle,
+    local: u64,
+    rid: u64,
+    since: Instant,
+}
+
 struct RecvRegion {
     flow: FlowKey,
     len: u64,
@@ -627,7 +639,10 @@ struct Io {
     scatter_queue: VecDeque<PendingScatter>,
     /// Send-side orphans: writes of failed requests still in flight
     /// (handle, local staging offset).
-    orphan_writes: Vec<(XferHandle, u64)>,
+    orphan_writes: Vec<OrphanWrite>,
+    /// Cancels held back until the failed request's writes are terminal:
+    /// rid → (peer, orphan writes outstanding).
+    deferred_cancels: HashMap<u64, (String, usize)>,
     /// Ranges scatters may write to.
     allowed: Vec<(u64, u64)>,
     faults: FaultPlan,
@@ -1156,10 +1171,18 @@ impl Io {
         };
         tracing::warn!(agent = %self.name, peer = %req.peer, rid, reason = %why, "bounce request failed");
         self.stats.failed.fetch_add(1, Ordering::Relaxed);
-        let cancel = wire::encode_cancel(rid, &self.endpoint);
-        if self.channel.has_peer(&req.peer) {
-            let _ = self.channel.send_to(&req.peer, &cancel);
+        let in_flight = req
+            .state
+            .iter()
+            .filter(|c| matches!(c.state, ChunkState::Writing(_)))
+            .count();
+        if in_flight == 0 {
+            self.send_cancel(&req.peer, rid);
+        } else {
+            self.deferred_cancels
+                .insert(rid, (req.peer.clone(), in_flight));
         }
+        let now = Instant::now();
         for (i, c) in req.state.iter().enumerate() {
             match c.state {
                 ChunkState::Gathering => {
@@ -1173,7 +1196,12 @@ impl Io {
                     }
                 }
                 ChunkState::Writing(h) => {
-                    self.orphan_writes.push((h, c.local.expect("staged")));
+                    self.orphan_writes.push(OrphanWrite {
+                        handle: h,
+                        local: c.local.expect("staged"),
+                        rid,
+                        since: now,
+                    });
                 }
                 ChunkState::Gathered | ChunkState::DataSent => {
                     if let Some(local) = c.local {
@@ -1189,17 +1217,57 @@ impl Io {
         self.schedule_and_send();
     }
 
+    /// Sends the empty WANT that lets the receiver reclaim flow `rid`.
+    fn send_cancel(&mut self, peer: &str, rid: u64) {
+        if self.channel.has_peer(peer) {
+            let cancel = wire::encode_cancel(rid, &self.endpoint);
+            if let Err(e) = self.channel.send_to(peer, &cancel) {
+                if matches!(e, ControlError::Dropped(_)) {
+                    self.stats.control_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(agent = %self.name, peer, rid, error = %e, "cancel not sent");
+            }
+        }
+    }
+
+    /// One orphan write of `rid` is terminal (or overdue): send the deferred
+    /// cancel once none is left.
+    fn orphan_write_settled(&mut self, rid: u64) {
+        if let Some((peer, left)) = self.deferred_cancels.get_mut(&rid) {
+            *left -= 1;
+            if *left == 0 {
+                let peer = peer.clone();
+                self.deferred_cancels.remove(&rid);
+                self.send_cancel(&peer, rid);
+            }
+        }
+    }
+
     fn drain_orphan_writes(&mut self) {
         let mut freed = false;
         let mut k = 0;
+        let overdue = self.settings.request_timeout;
         while k < self.orphan_writes.len() {
-            let (h, local) = self.orphan_writes[k];
+            let o = &self.orphan_writes[k];
+            let (h, local, rid) = (o.handle, o.local, o.rid);
             match self.engine.poll(h) {
-                Ok(XferState::InProgress) => k += 1,
+                Ok(XferState::InProgress) => {
+                    // A write that never finishes must not hold the receiver's
+                    // flow forever: cancel after the request timeout (staging
+                    // stays held while the NIC may still read it).
+                    if o.since.elapsed() > overdue && self.deferred_cancels.contains_key(&rid) {
+                        tracing::warn!(agent = %self.name, rid, "orphaned write still in flight after the request timeout; cancelling anyway");
+                        if let Some((peer, _)) = self.deferred_cancels.remove(&rid) {
+                            self.send_cancel(&peer, rid);
+                        }
+                    }
+                    k += 1;
+                }
                 _ => {
                     self.engine.release(h);
                     let _ = self.scheduler.release_local(local);
                     self.orphan_writes.swap_remove(k);
+                    self.orphan_write_settled(rid);
                     self.parked = true;
                     freed = true;
                 }
@@ -1276,8 +1344,19 @@ impl Io {
         let sched = &self.scheduler;
         self.regions
             .retain(|off, r| !pred(&r.flow) || sched.held_by_flow(&r.flow, *off));
-        self.scatter_queue
-            .retain(|s| !pred(&s.flow) || sched.held_by_flow(&s.flow, s.offset));
+        // A queued (not yet started) scatter of a reclaimed flow will never
+        // run: its region is an orphan now, free it here or it leaks.
+        let mut dropped = Vec::new();
+        self.scatter_queue.retain(|s| {
+            let keep = !pred(&s.flow) || sched.held_by_flow(&s.flow, s.offset);
+            if !keep {
+                dropped.push(s.offset);
+            }
+            keep
+        });
+        for offset in dropped {
+            let _ = self.scheduler.scatter_done(offset);
+        }
     }
 
     fn schedule_and_send(&mut self) {
@@ -1514,12 +1593,8 @@ impl Io {
     // ---------------- lifecycle ----------------
 
     fn forget_peer(&mut self, peer: &str) {
-        self.channel.remove_peer(peer);
-        self.peers.remove(peer);
-        let _ = self.engine.forget_peer(peer);
-        self.scheduler.reclaim_by_prefix(peer);
-        self.forget_regions(|f| f.peer == peer);
-        self.grant_index.retain(|f, _| f.peer != peer);
+        // Fail our requests first, while the route still exists, so their
+        // cancels reach a receiver that is alive (it never forgets us).
         let rids: Vec<u64> = self
             .requests
             .iter()
@@ -1529,6 +1604,12 @@ impl Io {
         for rid in rids {
             self.fail_request(rid, format!("peer {peer:?} was forgotten"));
         }
+        self.channel.remove_peer(peer);
+        self.peers.remove(peer);
+        let _ = self.engine.forget_peer(peer);
+        self.scheduler.reclaim_by_prefix(peer);
+        self.forget_regions(|f| f.peer == peer);
+        self.grant_index.retain(|f, _| f.peer != peer);
         self.schedule_and_send();
     }
 
@@ -1550,13 +1631,15 @@ impl Io {
             self.drain_orphan_writes();
         }
         // Anything left is released unconditionally.
-        for (h, _) in self.orphan_writes.drain(..) {
-            self.engine.release(h);
+        for o in std::mem::take(&mut self.orphan_writes) {
+            self.engine.release(o.handle);
+            self.orphan_write_settled(o.rid);
         }
         // Resolve commands that raced with shutdown.
         while let Ok(cmd) = self.cmd_rx.try_recv() {
             match cmd {
                 Command::Submit { completion, .. } => {
+                    self.stats.failed.fetch_add(1, Ordering::Relaxed);
                     completion.resolve(TransferOutcome::Failure("transport shut down".into()))
                 }
                 Command::ForgetPeer { reply, .. } => {
