@@ -644,3 +644,60 @@ fn late_data_after_cancel_is_dropped() {
     assert!(dst.buf[65536..131072].iter().all(|&b| b == 0));
     assert_eq!(get(&rs.data_rejected), 3);
 }
+
+/// A sender that vanishes after its WANT was granted (no DATA, no cancel —
+/// the receiver is never told to forget it): the receiver reclaims the
+/// silent flow after twice its request timeout, and its arena is whole again.
+#[test]
+fn silent_flow_of_a_vanished_sender_is_reclaimed() {
+    let cfg = config_with(
+        "4MiB",
+        "256KiB",
+        4,
+        &[("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "500")],
+    );
+    let src = Pool::new(64 * BLOCK);
+    let dst = Pool::new(64 * BLOCK);
+    let Some(tx) = agent("silent-tx", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("silent-rx", &cfg, &[&dst]) else {
+        return;
+    };
+    tx.load_peer(&rx.local_descriptor().unwrap()).unwrap();
+    let t = tx.transport().unwrap();
+    // A raw WANT: no request behind it on the sender, so nothing will ever
+    // write, send DATA or cancel.
+    t.send_raw(
+        rx.name(),
+        Message::Want(Want {
+            request_id: 4242,
+            chunk_bytes: vec![65536, 65536],
+            endpoint: t.local_endpoint().to_vec(),
+        })
+        .encode(),
+    );
+    let rs = tstats(&rx);
+    assert!(
+        wait_for(Duration::from_secs(5), || get(&rs.grants) == 2),
+        "the WANT was not granted"
+    );
+    let held = snap(&rx);
+    assert_eq!(held.flows, 1, "{held:?}");
+    assert!(held.held_bytes > 0, "{held:?}");
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            let s = snap(&rx);
+            s.flows == 0 && s.free_bytes == s.capacity
+        }),
+        "silent flow not reclaimed: {:?}",
+        snap(&rx)
+    );
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500),
+        "reclaimed before the timeout: {waited:?}"
+    );
+    assert_eq!(snap(&rx).conservation, Ok(()));
+}

@@ -357,6 +357,7 @@ impl BounceTransport {
             next_token: 1,
             regions: HashMap::new(),
             grant_index: HashMap::new(),
+            flow_seen: HashMap::new(),
             scatter_queue: VecDeque::new(),
             orphan_writes: Vec::new(),
             deferred_cancels: HashMap::new(),
@@ -636,6 +637,11 @@ struct Io {
     regions: HashMap<u64, RecvRegion>,
     /// Next chunk index to grant per flow.
     grant_index: HashMap<FlowKey, u32>,
+    /// Receiver side: last WANT / DATA / scatter of each live flow. A flow
+    /// silent for twice the request timeout is reclaimed (its sender
+    /// vanished or its cancel was lost; the reverse-path bootstrap means we
+    /// may never be told to forget that sender).
+    flow_seen: HashMap<FlowKey, Instant>,
     scatter_queue: VecDeque<PendingScatter>,
     /// Send-side orphans: writes of failed requests still in flight
     /// (handle, local staging offset).
@@ -1295,6 +1301,20 @@ impl Io {
                 format!("no progress within the request timeout of {timeout:?}"),
             );
         }
+        // Receiver side: drop records of finished flows, reclaim silent ones.
+        let sched = &self.scheduler;
+        self.flow_seen.retain(|f, _| sched.contains_flow(f));
+        let silent: Vec<FlowKey> = self
+            .flow_seen
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) > 2 * timeout)
+            .map(|(f, _)| f.clone())
+            .collect();
+        for flow in silent {
+            tracing::warn!(agent = %self.name, flow = %flow, "flow silent for twice the request timeout; reclaiming its regions");
+            self.flow_seen.remove(&flow);
+            self.reclaim_flow(&flow);
+        }
     }
 
     // ---------------- receiver role ----------------
@@ -1323,6 +1343,7 @@ impl Io {
             self.reclaim_flow(&flow);
             return;
         }
+        self.flow_seen.insert(flow.clone(), Instant::now());
         if let Err(e) = self.scheduler.on_want(flow, &w.chunk_bytes) {
             tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
             self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
@@ -1472,6 +1493,7 @@ impl Io {
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        self.flow_seen.insert(flow.clone(), Instant::now());
         self.scatter_queue.push_back(PendingScatter {
             flow,
             offset: d.region_handle,
