@@ -369,17 +369,7 @@ fn run_embedded(
     if let Err(why) = st.bounce {
         return Err(format!("decode agent is not bounce-capable: {why:?}"));
     }
-    eprintln!(
-        "replaying {} requests of {} ({} tokens max) with {} TP{} block {}: {} B descriptors, pool {} blocks/side",
-        trace.len(),
-        trace_path.display(),
-        trace.iter().map(|r| r.input_length).max().unwrap_or(0),
-        layout.model.name,
-        layout.tp,
-        layout.block_tokens,
-        layout.descriptor_bytes(),
-        pool_blocks
-    );
+    print_replay_banner(trace, trace_path, &layout, pool_blocks);
     replay(
         &prefill,
         &decode,
@@ -461,17 +451,7 @@ fn run_distributed(
     let pool_blocks = (pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
     let ppool = BlockPool::new(&layout, pool_blocks, prefill.pool.addr, 1);
     let dpool = BlockPool::new(&layout, pool_blocks, decode.pool.addr, 2);
-    eprintln!(
-        "replaying {} requests of {} ({} tokens max) with {} TP{} block {}: {} B descriptors, pool {} blocks/side",
-        trace.len(),
-        trace_path.display(),
-        trace.iter().map(|r| r.input_length).max().unwrap_or(0),
-        layout.model.name,
-        layout.tp,
-        layout.block_tokens,
-        layout.descriptor_bytes(),
-        pool_blocks
-    );
+    print_replay_banner(trace, trace_path, &layout, pool_blocks);
     replay_with(
         &RemoteHandOff { prefill, decode },
         &ppool,
@@ -486,6 +466,26 @@ fn run_distributed(
             progress: !a.quiet,
         },
     )
+}
+
+/// The one-line summary printed before a replay (embedded or distributed).
+fn print_replay_banner(
+    trace: &[kvfabric_agent::core::model::TraceRecord],
+    trace_path: &std::path::Path,
+    layout: &kvfabric_agent::core::model::KvLayout,
+    pool_blocks: u32,
+) {
+    eprintln!(
+        "replaying {} requests of {} ({} tokens max) with {} TP{} block {}: {} B descriptors, pool {} blocks/side",
+        trace.len(),
+        trace_path.display(),
+        trace.iter().map(|r| r.input_length).max().unwrap_or(0),
+        layout.model.name,
+        layout.tp,
+        layout.block_tokens,
+        layout.descriptor_bytes(),
+        pool_blocks
+    );
 }
 
 fn byte_size(s: &str) -> Result<u64, String> {
