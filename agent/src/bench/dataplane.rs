@@ -215,7 +215,7 @@ pub fn run_peer(dir: &Path, pool_bytes: u64) -> Result<(), String> {
         eprintln!("peer: {w}");
     }
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let pool = HostArena::new(pool_bytes as usize).map_err(|e| e.to_string())?;
+    let pool = HostArena::new_base_pages(pool_bytes as usize).map_err(|e| e.to_string())?;
     let name = format!("peer-{}", std::process::id());
     let agent = FabricAgent::new(FabricOptions {
         name,
@@ -417,7 +417,7 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
     if rlen < total {
         return Err("receiver pool too small".into());
     }
-    let pool = HostArena::new(total as usize).map_err(|e| e.to_string())?;
+    let pool = HostArena::new_base_pages(total as usize).map_err(|e| e.to_string())?;
     let agent = FabricAgent::new(FabricOptions {
         name: format!("bench-{}", std::process::id()),
         config: eff,

@@ -69,7 +69,7 @@ impl KvPool {
     /// When the host allocation fails.
     pub fn new(layout: &KvLayout, num_blocks: u32, seed: u64) -> Result<Self, String> {
         let bytes = BlockPool::bytes_for(layout, num_blocks);
-        let mem = HostArena::new(bytes as usize).map_err(|e| e.to_string())?;
+        let mem = HostArena::new_base_pages(bytes as usize).map_err(|e| e.to_string())?;
         let blocks = BlockPool::new(layout, num_blocks, mem.base_addr(), seed);
         Ok(Self { mem, blocks })
     }

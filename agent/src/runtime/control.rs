@@ -4,7 +4,10 @@
 //! [`notif::NixlNotifControlChannel`] (messages ride NIXL notifications).
 //! A channel is owned by one IO thread (`Send`, not `Sync`).
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use super::waker::Waker;
 
 pub mod notif;
 pub mod zmq;
@@ -61,8 +64,13 @@ pub trait ControlChannel: Send {
     /// [`ControlError::UnknownPeer`], [`ControlError::Dropped`] on a full
     /// queue, [`ControlError::Transport`].
     fn send_to(&mut self, peer: &str, msg: &[u8]) -> Result<(), ControlError>;
-    /// Receives one message, waiting at most `timeout` (0 = poll).
+    /// Receives one message, waiting at most `timeout` (0 = poll). With a
+    /// waker set ([`ControlChannel::set_waker`]) the wait also ends, with
+    /// `Ok(None)`, as soon as the waker is signalled (the signal is cleared).
     fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError>;
+    /// Gives the channel the IO thread's [`Waker`], so a blocking `recv`
+    /// wakes early for copy completions and commands.
+    fn set_waker(&mut self, waker: Arc<Waker>);
     /// Whether `recv` itself progresses the transfer engine (and owns its
     /// notifications). When false, the reactor calls
     /// `TransferEngine::progress` every tick.

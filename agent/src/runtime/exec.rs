@@ -9,6 +9,8 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::ScatterRun;
 
+use super::waker::Waker;
+
 /// A pool of `copyStreamCount` execution contexts (seed §4 `ExecPool`):
 /// [`ExecPool::try_acquire`] never blocks and returns `None` when all are
 /// borrowed; [`ExecPool::release`] returns one. Thread-safe.
@@ -154,12 +156,14 @@ pub struct CopyWorkers {
 
 impl CopyWorkers {
     /// Starts `count` workers (at least 1) over `engine`, reporting to
-    /// `done`. Threads are named `{name}-copy-{i}`.
+    /// `done` and then signalling `waker` (when given) so a waiting IO
+    /// thread wakes at once. Threads are named `{name}-copy-{i}`.
     pub fn start(
         name: &str,
         count: usize,
         engine: Arc<dyn CopyEngine>,
         done: Sender<CopyDone>,
+        waker: Option<Arc<Waker>>,
     ) -> std::io::Result<Self> {
         let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
         let mut threads = Vec::new();
@@ -167,6 +171,7 @@ impl CopyWorkers {
             let rx = rx.clone();
             let done = done.clone();
             let engine = engine.clone();
+            let waker = waker.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("{name}-copy-{i}"))
@@ -188,6 +193,9 @@ impl CopyWorkers {
                                 .is_err()
                             {
                                 break;
+                            }
+                            if let Some(w) = &waker {
+                                w.wake();
                             }
                         }
                     })?,

@@ -9,3 +9,4 @@ pub mod exec;
 pub mod fabric;
 pub mod nixl_runtime;
 pub mod transport;
+pub mod waker;

@@ -8,8 +8,11 @@
 //! completions (gather ready → post write; scatter done → ACK + free +
 //! reschedule); poll in-flight writes (SUCCESS → DATA); retry parked work;
 //! drain send-side orphans; check no-progress timeouts. Polling is adaptive:
-//! 0 ms receive timeout while work is in flight, 1 ms when idle, and a
-//! 50 µs back-off after a long busy spin so no idle core is burned.
+//! while writes are in flight the thread polls the engine (spinning briefly,
+//! then yielding); otherwise it blocks in the control channel's receive for
+//! at most 1 ms, and a control message, a copy completion (workers signal
+//! the IO thread's [`Waker`]) or a command wakes it at once — so waiting on
+//! copies or peers never burns a core the copy workers need.
 //!
 //! Deviation from the seed, on purpose: `submit()` hands the request to the
 //! IO thread, which performs the eager gather staging itself, so the
@@ -31,6 +34,7 @@ use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
 use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyWorkers, ExecPool};
+use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
 /// uses, already validated).
@@ -284,15 +288,21 @@ pub struct BounceTransport {
     name: String,
     endpoint: Vec<u8>,
     cmd: Sender<Command>,
+    /// Signalled after every command, so a waiting IO thread wakes at once.
+    waker: Arc<Waker>,
     io: Mutex<Option<JoinHandle<()>>>,
     next_rid: AtomicU64,
     stats: Arc<TransportStats>,
 }
 
-/// Busy ticks without any event before the IO thread starts sleeping.
+/// Ticks without any event, while writes are in flight, before the IO
+/// thread yields between engine polls.
 const SPIN_BEFORE_BACKOFF: u32 = 64;
-/// Sleep per idle busy tick after the spin budget (seed §7: ~50 µs).
-const BACKOFF: Duration = Duration::from_micros(50);
+/// Longest blocking wait of an IO thread with no write in flight (bytes
+/// never wait on it: messages, copy completions and commands wake the
+/// thread at once; it bounds timeout checks and engine progress for
+/// targets of AM-emulated RMA).
+const IDLE_WAIT: Duration = Duration::from_millis(1);
 
 /// Bound on synchronous commands (add/forget peer, snapshot).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
@@ -306,7 +316,7 @@ impl BounceTransport {
     /// failure.
     pub fn start(
         engine: Arc<dyn TransferEngine>,
-        channel: Box<dyn ControlChannel>,
+        mut channel: Box<dyn ControlChannel>,
         copy: Arc<dyn CopyEngine>,
         arena: ArenaSpec,
         settings: TransportSettings,
@@ -332,10 +342,18 @@ impl BounceTransport {
             .block_size(settings.max_chunk_size_bytes)
             .filter(|&b| scheduler.capacity() >= 2 * b);
         let endpoint = channel.local_endpoint();
+        let waker = Arc::new(Waker::new().map_err(|e| format!("IO thread waker (eventfd): {e}"))?);
+        channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let workers = CopyWorkers::start(&name, settings.copy_workers, copy, done_tx)
-            .map_err(|e| format!("spawning copy workers: {e}"))?;
+        let workers = CopyWorkers::start(
+            &name,
+            settings.copy_workers,
+            copy,
+            done_tx,
+            Some(waker.clone()),
+        )
+        .map_err(|e| format!("spawning copy workers: {e}"))?;
         let stats = Arc::new(TransportStats::default());
         let mut io = Io {
             name: name.clone(),
@@ -374,10 +392,18 @@ impl BounceTransport {
             name,
             endpoint,
             cmd: cmd_tx,
+            waker,
             io: Mutex::new(Some(handle)),
             next_rid: AtomicU64::new(1),
             stats,
         })
+    }
+
+    /// Queues `cmd` for the IO thread and wakes it.
+    fn send_cmd(&self, cmd: Command) -> Result<(), crossbeam_channel::SendError<Command>> {
+        let r = self.cmd.send(cmd);
+        self.waker.wake();
+        r
     }
 
     /// This agent's name.
@@ -403,14 +429,13 @@ impl BounceTransport {
     /// [`ControlError::Transport`] if the IO thread is gone or slow.
     pub fn add_peer(&self, peer: &str, endpoint: &[u8], kind: MemKind) -> Result<(), ControlError> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.cmd
-            .send(Command::AddPeer {
-                peer: peer.to_string(),
-                endpoint: endpoint.to_vec(),
-                kind,
-                reply: tx,
-            })
-            .map_err(|_| ControlError::Transport("transport is shut down".into()))?;
+        self.send_cmd(Command::AddPeer {
+            peer: peer.to_string(),
+            endpoint: endpoint.to_vec(),
+            kind,
+            reply: tx,
+        })
+        .map_err(|_| ControlError::Transport("transport is shut down".into()))?;
         rx.recv_timeout(SYNC_TIMEOUT)
             .map_err(|_| ControlError::Transport("IO thread did not answer add_peer".into()))?
     }
@@ -422,8 +447,7 @@ impl BounceTransport {
     pub fn forget_peer(&self, peer: &str) {
         let (tx, rx) = crossbeam_channel::bounded(1);
         if self
-            .cmd
-            .send(Command::ForgetPeer {
+            .send_cmd(Command::ForgetPeer {
                 peer: peer.to_string(),
                 reply: tx,
             })
@@ -437,7 +461,7 @@ impl BounceTransport {
     /// Scatter runs from a peer outside every allowed range are rejected
     /// (seed §9 "scatter input validation").
     pub fn allow_scatter_range(&self, addr: u64, len: u64) {
-        let _ = self.cmd.send(Command::AllowScatter { addr, len });
+        let _ = self.send_cmd(Command::AllowScatter { addr, len });
     }
 
     /// Submits a WRITE of `descs` to `peer` through bounce. Never blocks;
@@ -452,8 +476,7 @@ impl BounceTransport {
         };
         self.stats.submitted.fetch_add(1, Ordering::Relaxed);
         if self
-            .cmd
-            .send(Command::Submit {
+            .send_cmd(Command::Submit {
                 rid,
                 peer: peer.to_string(),
                 descs,
@@ -472,18 +495,18 @@ impl BounceTransport {
     /// Arena accounting as seen by the IO thread (at most 5 s wait).
     pub fn snapshot(&self) -> Option<ArenaSnapshot> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.cmd.send(Command::Snapshot { reply: tx }).ok()?;
+        self.send_cmd(Command::Snapshot { reply: tx }).ok()?;
         rx.recv_timeout(SYNC_TIMEOUT).ok()
     }
 
     /// Test hook: inject failures.
     pub fn set_faults(&self, faults: FaultPlan) {
-        let _ = self.cmd.send(Command::Faults(faults));
+        let _ = self.send_cmd(Command::Faults(faults));
     }
 
     /// Test hook: send raw control bytes to a peer from the IO thread.
     pub fn send_raw(&self, peer: &str, bytes: Vec<u8>) {
-        let _ = self.cmd.send(Command::SendRaw {
+        let _ = self.send_cmd(Command::SendRaw {
             peer: peer.to_string(),
             bytes,
         });
@@ -493,7 +516,7 @@ impl BounceTransport {
     /// ("shutdown"), copy workers are joined, orphaned writes are drained
     /// (bounded). Idempotent.
     pub fn shutdown(&self) {
-        let _ = self.cmd.send(Command::Shutdown);
+        let _ = self.send_cmd(Command::Shutdown);
         let handle = self.io.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             let _ = h.join();
@@ -681,12 +704,13 @@ impl Io {
             if shutdown {
                 break;
             }
-            let busy = !self.writes.is_empty()
-                || !self.jobs.is_empty()
-                || !self.orphan_writes.is_empty()
-                || !self.scatter_queue.is_empty()
-                || !self.regions.is_empty()
-                || self.parked;
+            // Posted writes (ours, or orphans) need engine polls to
+            // complete: the only state that polls without an event.
+            // Everything else — control messages, copy completions,
+            // commands — wakes the blocking receive (the channel waits on
+            // the IO thread's waker too), so waiting never takes CPU from
+            // the copy workers.
+            let must_poll = !self.writes.is_empty() || !self.orphan_writes.is_empty();
             // Progress the engine (with the notification channel, its recv
             // does that and owns the notifications).
             if !self.channel.progresses_engine() {
@@ -694,11 +718,13 @@ impl Io {
                     tracing::warn!(agent = %self.name, error = %e, "engine progress failed");
                 }
             }
-            // Control messages: up to a batch per tick.
-            let timeout = if busy {
+            // Control messages: up to a batch per tick. Block (bounded:
+            // timeouts are checked at least every IDLE_WAIT) only after a
+            // tick without events.
+            let timeout = if must_poll || idle_spins == 0 || self.parked {
                 Duration::ZERO
             } else {
-                Duration::from_millis(1)
+                IDLE_WAIT
             };
             let mut got = 0;
             for i in 0..64 {
@@ -730,20 +756,14 @@ impl Io {
             self.drain_orphan_writes();
             self.check_timeouts();
             self.update_gauges();
-            if got == 0 && done == 0 && polled == 0 && busy {
-                // Adaptive poll (seed §7): spin briefly for latency, then back
-                // off so waiting on a copy or a peer never burns a core.
-                idle_spins += 1;
-                // While a write we posted, or one into a region we granted,
-                // may be moving, the engine needs progress calls (with UCX's
-                // AM-emulated RMA the target side copies): yield, don't sleep.
-                let data_moving = !self.writes.is_empty() || !self.regions.is_empty();
-                if idle_spins > SPIN_BEFORE_BACKOFF {
-                    if data_moving {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(BACKOFF);
-                    }
+            if got == 0 && done == 0 && polled == 0 {
+                // Adaptive poll (seed §7): with writes in flight spin
+                // briefly for latency, then yield (the engine needs progress
+                // calls for them to complete); otherwise the next tick
+                // blocks in the channel's receive until an event.
+                idle_spins = idle_spins.saturating_add(1);
+                if must_poll && idle_spins > SPIN_BEFORE_BACKOFF {
+                    std::thread::yield_now();
                 }
             } else {
                 idle_spins = 0;

@@ -644,7 +644,9 @@ pub fn run(
     let incarnation = Incarnation::generate();
     let name = incarnation_name(&cfg.logical_id, incarnation);
     let pool_len = cfg.pool_size_bytes.get();
-    let pool = Arc::new(HostArena::new(pool_len as usize).map_err(|e| format!("KV pool: {e}"))?);
+    let pool = Arc::new(
+        HostArena::new_base_pages(pool_len as usize).map_err(|e| format!("KV pool: {e}"))?,
+    );
     let pool_addr = pool.base_addr();
     let agent = Arc::new(
         FabricAgent::new(FabricOptions {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::{ControlChannel, ControlError, Inbound};
 use crate::runtime::engine::TransferEngine;
+use crate::runtime::waker::Waker;
 
 /// Sleep between [`TransferEngine::progress`] calls while
 /// [`ControlChannel::recv`] waits (50 µs): short enough to add little
@@ -32,6 +33,7 @@ pub struct NixlNotifControlChannel {
     /// Peer name → the metadata it was added with.
     peers: HashMap<String, Vec<u8>>,
     inbox: VecDeque<Inbound>,
+    waker: Option<Arc<Waker>>,
 }
 
 impl std::fmt::Debug for NixlNotifControlChannel {
@@ -51,6 +53,7 @@ impl NixlNotifControlChannel {
             engine,
             peers: HashMap::new(),
             inbox: VecDeque::new(),
+            waker: None,
         }
     }
 
@@ -175,6 +178,10 @@ impl ControlChannel for NixlNotifControlChannel {
     ///
     /// # Errors
     /// [`ControlError::Transport`] when progressing the engine fails.
+    fn set_waker(&mut self, waker: Arc<Waker>) {
+        self.waker = Some(waker);
+    }
+
     fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError> {
         if let Some(m) = self.inbox.pop_front() {
             return Ok(Some(m));
@@ -189,7 +196,13 @@ impl ControlChannel for NixlNotifControlChannel {
             if now >= deadline {
                 return Ok(None);
             }
-            std::thread::sleep(RECV_POLL_INTERVAL.min(deadline - now));
+            let slice = RECV_POLL_INTERVAL.min(deadline - now);
+            match &self.waker {
+                // Woken: return so the IO thread handles its completion.
+                Some(w) if w.wait(slice) => return Ok(None),
+                Some(_) => {}
+                None => std::thread::sleep(slice),
+            }
         }
     }
 }

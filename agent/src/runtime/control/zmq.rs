@@ -27,9 +27,11 @@
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ControlChannel, ControlError, Inbound};
+use crate::runtime::waker::Waker;
 
 /// Send high-water mark per peer DEALER, in messages (seed §4 `kSendHwm`).
 /// Beyond it [`ControlChannel::send_to`] drops the message.
@@ -394,6 +396,7 @@ pub struct ZmqControlChannel {
     routes: HashMap<String, Route>,
     endpoint: String,
     dropped: u64,
+    waker: Option<Arc<Waker>>,
     ctx: ::zmq::Context,
 }
 
@@ -455,6 +458,7 @@ impl ZmqControlChannel {
             routes: HashMap::new(),
             endpoint,
             dropped: 0,
+            waker: None,
             ctx,
         })
     }
@@ -574,12 +578,35 @@ impl ControlChannel for ZmqControlChannel {
     /// milliseconds; 0 = poll once) and returns one message as (sender's
     /// routing id, lossy UTF-8, payload). Frames that are not
     /// `[routing id, payload]` are discarded with a warning.
+    fn set_waker(&mut self, waker: Arc<Waker>) {
+        self.waker = Some(waker);
+    }
+
     fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let ms = left.as_micros().div_ceil(1000).min(i64::MAX as u128) as i64;
-            match self.router.poll(::zmq::POLLIN, ms) {
+            let polled = match &self.waker {
+                Some(w) => {
+                    let mut items = [
+                        self.router.as_poll_item(::zmq::POLLIN),
+                        ::zmq::PollItem::from_fd(w.fd(), ::zmq::POLLIN),
+                    ];
+                    let r = ::zmq::poll(&mut items, ms);
+                    let (msg, woken) = (items[0].is_readable(), items[1].is_readable());
+                    if woken {
+                        w.drain();
+                    }
+                    match r {
+                        Ok(_) if msg => Ok(1),
+                        Ok(_) => Ok(0),
+                        Err(e) => Err(e),
+                    }
+                }
+                None => self.router.poll(::zmq::POLLIN, ms),
+            };
+            match polled {
                 Ok(0) => return Ok(None),
                 Ok(_) => {}
                 Err(::zmq::Error::EINTR) => continue,
