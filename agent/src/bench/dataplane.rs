@@ -41,6 +41,8 @@ pub struct DataplaneOptions {
     pub block_sizes: Vec<u64>,
     /// Timed iterations per path and size (the median is reported).
     pub iterations: usize,
+    /// Untimed warm-up iterations before them (verified like the rest).
+    pub warmup: usize,
     /// Bounce config for both processes (also passed to the child via
     /// `KVFABRIC_BOUNCE_*`).
     pub config: BounceConfig,
@@ -59,6 +61,10 @@ pub struct DataplaneRow {
     pub path: String,
     /// Median wall time per transfer (ms).
     pub median_ms: f64,
+    /// Fastest iteration (ms).
+    pub min_ms: f64,
+    /// Slowest iteration (ms).
+    pub max_ms: f64,
     /// GB/s (1e9 bytes/s) at the median.
     pub gbps: f64,
     /// Every iteration verified byte-exact.
@@ -89,17 +95,19 @@ impl DataplaneReport {
     /// A plain-text table with ratios.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{:>9} {:>7} {:>15} {:>10} {:>8}\n",
-            "desc", "count", "path", "median ms", "GB/s"
+            "{:>9} {:>7} {:>15} {:>10} {:>8} {:>17}\n",
+            "desc", "count", "path", "median ms", "GB/s", "min..max ms"
         );
         for r in &self.rows {
             s += &format!(
-                "{:>8}K {:>7} {:>15} {:>10.2} {:>8.3}\n",
+                "{:>8}K {:>7} {:>15} {:>10.2} {:>8.3} {:>8.2}..{:<8.2}\n",
                 r.block_bytes / 1024,
                 r.descriptors,
                 r.path,
                 r.median_ms,
-                r.gbps
+                r.gbps,
+                r.min_ms,
+                r.max_ms
             );
         }
         let mut blocks: Vec<u64> = self.rows.iter().map(|r| r.block_bytes).collect();
@@ -449,7 +457,8 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
         paths.push(("one-descriptor", &one));
         for (path, ds) in paths {
             let mut times = Vec::new();
-            for _ in 0..opts.iterations.max(1) {
+            let runs = opts.warmup + opts.iterations.max(1);
+            for it in 0..runs {
                 seed += 1;
                 for (k, d) in ds.iter().enumerate() {
                     // SAFETY: every src lies inside our pool.
@@ -469,7 +478,9 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                     Some(TransferOutcome::Success) => {}
                     other => return Err(format!("{path} {block}B transfer: {other:?}")),
                 }
-                times.push(t0.elapsed().as_secs_f64());
+                if it >= opts.warmup {
+                    times.push(t0.elapsed().as_secs_f64());
+                }
                 peer.command(&format!("VERIFY {seed} {}", descs_file.display()))
                     .map_err(|e| format!("{path} {block}B verification: {e}"))?;
             }
@@ -480,6 +491,8 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                 descriptors: ds.len(),
                 path: path.to_string(),
                 median_ms: med * 1e3,
+                min_ms: times[0] * 1e3,
+                max_ms: times[times.len() - 1] * 1e3,
                 gbps: total as f64 / med / 1e9,
                 verified: true,
             });

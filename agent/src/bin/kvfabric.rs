@@ -48,6 +48,9 @@ enum Cmd {
         /// Timed iterations per path and size (median reported).
         #[arg(long, default_value_t = 5)]
         iterations: usize,
+        /// Untimed (still verified) warm-up iterations per path and size.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
         /// Bounce chunk size.
         #[arg(long, default_value = "4MiB", value_parser = byte_size)]
         chunk: u64,
@@ -514,13 +517,19 @@ fn main() -> ExitCode {
             total,
             sizes,
             iterations,
+            warmup,
             chunk,
             inflight,
             arena,
             skip_standard,
             json,
         } => (|| {
-            let mut config = BounceConfig::default();
+            // Other settings come from KVFABRIC_BOUNCE_* (e.g.
+            // SCATTER_WORKER_COUNT); the flags win.
+            let (mut config, warnings) = BounceConfig::from_env();
+            for w in warnings {
+                eprintln!("warning: {w}");
+            }
             for w in config.apply_env_vars([
                 ("KVFABRIC_BOUNCE_ENABLE", "1".to_string()),
                 ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", arena.to_string()),
@@ -540,6 +549,7 @@ fn main() -> ExitCode {
                     total_bytes: total,
                     block_sizes: sizes,
                     iterations,
+                    warmup,
                     config,
                     skip_standard,
                 },
