@@ -415,6 +415,15 @@ fn http_api_reports_live_values_over_real_transfers() {
             > 0.0
     );
     assert!(metric(&m1a, "kvfabric_chunks_written_total", &[("agent", an)]).unwrap() > 0.0);
+    // /v1/peers now carries the transport report of the first chunk writes
+    // (absent before any traffic; 3 × 2 MiB in 1 MiB chunks is enough).
+    assert_eq!(peers[0]["transport"], Value::Null);
+    let (_, p1) = get_json(sa.addr, "/v1/peers");
+    let tr = &p1["peers"][0]["transport"];
+    assert_eq!(tr["chunks"], 4, "{p1}");
+    assert_eq!(tr["local_kind"], "Dram");
+    assert_eq!(tr["suspect_fallback"], false);
+    assert!(tr["best_chunk_mbps"].as_u64().unwrap() > 0);
 
     // Verify rejects ranges outside the decode agent's pool.
     let end = dst.addr() + dst.buf.len() as u64;

@@ -62,6 +62,31 @@ fn one_transfer_lands_byte_exact() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+    // Transport report: made once PROBE_CHUNKS chunk writes to the peer
+    // landed (4 MiB in 1 MiB chunks = 4 writes); host → host is never
+    // flagged as a GPU fallback.
+    let r = tx
+        .transport()
+        .unwrap()
+        .transport_report(rx.name())
+        .expect("transport report after 4 chunk writes");
+    assert_eq!(r.chunks, kvfabric_agent::runtime::transport::PROBE_CHUNKS);
+    let total: u64 = descs.iter().map(|d| d.len).sum();
+    assert_eq!(r.bytes, total);
+    assert!(r.best_chunk_mbps > 0 && r.best_chunk_bytes > 0);
+    assert_eq!(
+        (r.local_kind.as_str(), r.remote_kind.as_str()),
+        ("Dram", "Dram")
+    );
+    assert!(!r.suspect_fallback);
+    assert!(tx.transport().unwrap().transport_report("nobody").is_none());
+    // Forgetting the peer drops its report (a new incarnation gets its own).
+    tx.forget_peer(rx.name());
+    assert!(tx
+        .transport()
+        .unwrap()
+        .transport_report(rx.name())
+        .is_none());
 }
 
 #[test]

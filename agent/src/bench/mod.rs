@@ -2,6 +2,8 @@
 //! side-by-side bench (two processes) and its helpers.
 
 pub mod dataplane;
+#[cfg(feature = "cuda")]
+pub mod gpu_trace;
 pub mod pattern;
 pub mod remote;
 pub mod trace;

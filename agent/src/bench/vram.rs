@@ -12,7 +12,11 @@
 //!
 //! The protocol with the child is the data-plane bench's
 //! ([`super::dataplane::PeerProcess`]): `READY <file>`, then `ZERO`,
-//! `VERIFY <seed> <descs file>`, `EXIT`; answers `OK` / `ERR …`. The child
+//! `VERIFY <seed> <descs file>` (download and check on the host),
+//! `CHECK <seed> <descs file>` (check on the device with the pattern
+//! kernels: descriptor `k` of the file against `kernels/pattern.cu`'s
+//! pattern of `seed` and `k`; used by the GPU trace replay), `EXIT`;
+//! answers `OK` / `ERR …`. The child
 //! moves its own stdout to stderr so a library printing to stdout cannot
 //! corrupt the protocol.
 
@@ -32,6 +36,7 @@ use serde::Serialize;
 use super::dataplane::{read_descriptor, read_descs, write_descriptor, write_descs, PeerProcess};
 use super::pattern::{check_fast, fill_fast, random_slots};
 use crate::runtime::control::zmq::BindAddr;
+use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
 use crate::runtime::engine::MemKind;
 use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PathKind, PeerMemory};
@@ -213,8 +218,9 @@ pub fn run_peer(
     write_descriptor(&path, &desc, pool.base_addr(), pool_bytes).map_err(|e| e.to_string())?;
     writeln!(out, "READY {}", path.display()).map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
-    let mut host = vec![0u8; pool_bytes as usize];
+    let mut host: Vec<u8> = Vec::new();
     let base = pool.base_addr();
+    let mut pattern: Option<PatternKernels> = None;
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| e.to_string())?;
         let mut parts = line.split_whitespace();
@@ -223,9 +229,56 @@ pub fn run_peer(
                 Ok(()) => "OK".to_string(),
                 Err(e) => format!("ERR {e}"),
             },
+            Some("CHECK") => {
+                let seed: u64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+                let file = PathBuf::from(parts.next().unwrap_or(""));
+                if pattern.is_none() {
+                    match PatternKernels::new(gpu) {
+                        Ok(p) => pattern = Some(p),
+                        Err(e) => {
+                            writeln!(out, "ERR pattern kernels: {e}").map_err(|e| e.to_string())?;
+                            out.flush().map_err(|e| e.to_string())?;
+                            continue;
+                        }
+                    }
+                }
+                let kernels = pattern.as_ref().expect("set above");
+                match read_descs(&file) {
+                    Err(e) => format!("ERR {e}"),
+                    Ok(descs) => {
+                        let table: Result<Vec<PatDesc>, String> = descs
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &(dst, len))| {
+                                if dst < base || dst.saturating_add(len) > base + pool_bytes {
+                                    Err(format!("descriptor {k} outside the pool"))
+                                } else {
+                                    Ok(PatDesc {
+                                        addr: dst,
+                                        len,
+                                        k: k as u64,
+                                    })
+                                }
+                            })
+                            .collect();
+                        match table.map(|t| kernels.check(&t, seed)) {
+                            Err(e) => format!("ERR {e}"),
+                            Ok(Err(e)) => format!("ERR pattern check: {e}"),
+                            Ok(Ok(None)) => "OK".to_string(),
+                            Ok(Ok(Some(m))) => format!(
+                                "ERR {} words differ, first at descriptor {} byte {}",
+                                m.count, m.descriptor, m.offset
+                            ),
+                        }
+                    }
+                }
+            }
             Some("VERIFY") => {
                 let seed: u64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
                 let file = PathBuf::from(parts.next().unwrap_or(""));
+                if host.len() != pool_bytes as usize {
+                    host = vec![0u8; pool_bytes as usize];
+                }
                 match (read_descs(&file), pool.download(0, &mut host)) {
                     (Err(e), _) => format!("ERR {e}"),
                     (_, Err(e)) => format!("ERR {e}"),

@@ -20,6 +20,11 @@
 //!   byte-exact, plus a UCX transport report (which transports the
 //!   transfers used; a warning on software emulation or TCP).
 //!
+//! * `kvfabric-gpu bench` — the trace replay of `kvfabric bench` with both
+//!   KV pools and arenas in GPU memory: a prefill agent on `--device`, a
+//!   decode agent on `--peer-device`, bounce and standard path, every byte
+//!   checked on the device, p50/p90/p99/max per path.
+//!
 //! Where there is no CUDA driver, device or NVRTC every subcommand prints
 //! `SKIP: <reason>` and exits 0.
 
@@ -129,6 +134,43 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Trace replay prefill (GPU --device) → decode (GPU --peer-device) with
+    /// VRAM pools and arenas: bounce vs standard path, p50/p90/p99/max.
+    Bench {
+        /// JSONL trace (Mooncake format).
+        #[arg(long)]
+        trace: PathBuf,
+        /// First trace line (0-based).
+        #[arg(long, default_value_t = 0)]
+        start: usize,
+        /// Requests to replay.
+        #[arg(long, default_value_t = 500)]
+        requests: usize,
+        /// Requests in flight.
+        #[arg(long, default_value_t = 128)]
+        concurrency: usize,
+        /// Model preset (Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b).
+        #[arg(long, default_value = "Llama-3.1-8B")]
+        model: String,
+        /// Tensor-parallel degree (KV heads per rank = heads / tp).
+        #[arg(long, default_value_t = 4)]
+        tp: u32,
+        /// Tokens per KV block.
+        #[arg(long, default_value_t = 16)]
+        block: u32,
+        /// Bytes of each KV pool (suffixes accepted).
+        #[arg(long, default_value = "32GiB")]
+        pool: String,
+        /// The decode agent's GPU (default: --device).
+        #[arg(long)]
+        peer_device: Option<usize>,
+        /// Paths, comma-separated (bounce, standard).
+        #[arg(long, default_value = "bounce,standard", value_delimiter = ',')]
+        paths: Vec<String>,
+        /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The receiver process of `vram-bench` (internal).
     #[command(hide = true)]
     VramPeer {
@@ -214,6 +256,35 @@ fn main() -> ExitCode {
             };
             vram_bench(&gpu, cli.device, &args)
         }
+        Cmd::Bench {
+            trace,
+            start,
+            requests,
+            concurrency,
+            model,
+            tp,
+            block,
+            pool,
+            peer_device,
+            paths,
+            json,
+        } => {
+            drop(gpu);
+            gpu_bench(GpuBenchArgs {
+                trace,
+                start,
+                requests,
+                concurrency,
+                model,
+                tp,
+                block,
+                pool,
+                device: cli.device,
+                peer_device: peer_device.unwrap_or(cli.device),
+                paths,
+                json,
+            })
+        }
         Cmd::VramPeer { dir, pool_bytes } => {
             vram::run_peer(&gpu, &dir, pool_bytes, CudaCopyConfig::default())
         }
@@ -227,37 +298,117 @@ fn main() -> ExitCode {
     }
 }
 
+struct GpuBenchArgs {
+    trace: PathBuf,
+    start: usize,
+    requests: usize,
+    concurrency: usize,
+    model: String,
+    tp: u32,
+    block: u32,
+    pool: String,
+    device: usize,
+    peer_device: usize,
+    paths: Vec<String>,
+    json: Option<PathBuf>,
+}
+
+fn gpu_bench(a: GpuBenchArgs) -> Result<(), String> {
+    use kvfabric_agent::bench::gpu_trace::{self, GpuReplayOptions};
+    use kvfabric_agent::bench::trace::BenchPath;
+    use kvfabric_agent::core::model::{parse_trace, preset, KvLayout};
+
+    let layout = KvLayout::new(preset(&a.model)?, a.block, a.tp, true)?;
+    let pool_bytes = parse_byte_size(&a.pool).map_err(|e| format!("--pool: {e}"))?;
+    let paths = a
+        .paths
+        .iter()
+        .map(|p| match p.trim() {
+            "bounce" => Ok(BenchPath::Bounce),
+            "standard" => Ok(BenchPath::Standard),
+            other => Err(format!(
+                "--paths: expected bounce and/or standard, got {other:?}"
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let text = std::fs::read_to_string(&a.trace)
+        .map_err(|e| format!("--trace {}: {e}", a.trace.display()))?;
+    let trace = parse_trace(&text, a.start, a.requests)?;
+    if trace.is_empty() {
+        return Err(format!(
+            "--trace {}: no requests at line {}",
+            a.trace.display(),
+            a.start
+        ));
+    }
+    let (config, warnings) = BounceConfig::from_env();
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let report = gpu_trace::run(
+        &exe,
+        &trace,
+        &GpuReplayOptions {
+            layout,
+            concurrency: a.concurrency.max(1),
+            pool_bytes,
+            device: a.device,
+            peer_device: a.peer_device,
+            config,
+            copy: CudaCopyConfig::default(),
+            paths,
+            progress: false,
+        },
+    )?;
+    print!("{}", report.table());
+    if let Some(p) = &a.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    if report.failures() > 0 {
+        return Err(format!(
+            "{} requests failed or did not verify",
+            report.failures()
+        ));
+    }
+    Ok(())
+}
+
 fn compile(arch: i32, out: Option<&PathBuf>) -> ExitCode {
     if let Err(why) = cuda::probe_nvrtc() {
         println!("SKIP: {why}");
         return ExitCode::SUCCESS;
     }
-    let t0 = Instant::now();
-    match cuda::compile_cubin(
-        cuda::GATHER_SCATTER_SRC,
-        "gather_scatter.cu",
-        (arch / 10, arch % 10),
-    ) {
-        Ok(cubin) => {
-            println!(
-                "compiled kernels/gather_scatter.cu for sm_{arch}: {} byte cubin in {:.1} ms (NVRTC {:?})",
-                cubin.len(),
-                t0.elapsed().as_secs_f64() * 1e3,
-                cuda::nvrtc_version().ok()
-            );
-            if let Some(p) = out {
-                if let Err(e) = std::fs::write(p, &cubin) {
-                    eprintln!("error: writing {}: {e}", p.display());
-                    return ExitCode::FAILURE;
+    let sources = [
+        ("kernels/gather_scatter.cu", cuda::GATHER_SCATTER_SRC),
+        ("kernels/pattern.cu", cuda::pattern::PATTERN_SRC),
+    ];
+    for (i, (name, src)) in sources.into_iter().enumerate() {
+        let t0 = Instant::now();
+        match cuda::compile_cubin(src, name, (arch / 10, arch % 10)) {
+            Ok(cubin) => {
+                println!(
+                    "compiled {name} for sm_{arch}: {} byte cubin in {:.1} ms (NVRTC {:?})",
+                    cubin.len(),
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    cuda::nvrtc_version().ok()
+                );
+                // --out is the gather/scatter cubin (the one agents load).
+                if let (0, Some(p)) = (i, out) {
+                    if let Err(e) = std::fs::write(p, &cubin) {
+                        eprintln!("error: writing {}: {e}", p.display());
+                        return ExitCode::FAILURE;
+                    }
                 }
             }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+            Err(e) => {
+                eprintln!("error: {name}: {e}");
+                return ExitCode::FAILURE;
+            }
         }
     }
+    ExitCode::SUCCESS
 }
 
 // ---------------------------------------------------------------- helpers

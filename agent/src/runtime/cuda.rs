@@ -29,6 +29,8 @@ use super::engine::{
 };
 use super::exec::{CopyEngine, CopyError, ExecPool};
 
+pub mod pattern;
+
 /// Source of the gather/scatter kernel (`kernels/gather_scatter.cu`),
 /// embedded at build time and compiled by NVRTC at start-up.
 pub const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/gather_scatter.cu");

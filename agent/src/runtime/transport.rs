@@ -215,6 +215,54 @@ pub struct TransportStats {
     pub arena_bytes_in_use: AtomicU64,
     /// 1 while the scheduler is in drain mode (gauge).
     pub drain_mode: AtomicU64,
+    /// Transport report per peer, once [`PROBE_CHUNKS`] chunk writes to it
+    /// landed (see [`TransportReport`]).
+    pub transport_reports: Mutex<HashMap<String, TransportReport>>,
+}
+
+/// What the first chunk writes to a peer showed about the transport UCX
+/// picked, logged once per peer (seed 004, "silent fallback": UCX may
+/// quietly move GPU data by software emulation or TCP, ~2000x slower than
+/// `cuda_ipc` or RDMA, and nothing else reports it). The fastest of the
+/// first [`PROBE_CHUNKS`] writes is judged, so a cold first write (memory
+/// handle opening) or writes queued behind each other under load do not
+/// raise a false alarm.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportReport {
+    /// Chunk writes measured.
+    pub chunks: u32,
+    /// Their payload bytes.
+    pub bytes: u64,
+    /// Fastest single chunk write, post to engine SUCCESS, in MB/s (1e6 B/s).
+    pub best_chunk_mbps: u64,
+    /// Bytes of that fastest chunk.
+    pub best_chunk_bytes: u64,
+    /// This agent's arena memory (`Dram` / `Vram`).
+    pub local_kind: String,
+    /// The peer's arena memory.
+    pub remote_kind: String,
+    /// GPU to GPU and even the fastest write of at least
+    /// [`SLOW_GPU_MIN_BYTES`] ran below [`SLOW_GPU_GBPS`]: the writes most
+    /// likely did not use `cuda_ipc`/RDMA (a warning is logged).
+    pub suspect_fallback: bool,
+}
+
+/// Chunk writes to a peer measured before its [`TransportReport`] is made.
+pub const PROBE_CHUNKS: u32 = 4;
+/// GPU to GPU chunk writes below this rate (GB/s) are reported as a likely
+/// silent transport fallback: `cuda_ipc` over NVLink/PCIe and GPUDirect RDMA
+/// move tens to hundreds of GB/s, UCX software emulation and TCP at most a
+/// few (measured on the H200: 0.1-0.3 GB/s with emulation, 250 GB/s with
+/// `cuda_ipc` between two GPUs).
+pub const SLOW_GPU_GBPS: f64 = 5.0;
+/// Only a fastest chunk of at least this many bytes is judged (smaller
+/// writes are latency-bound).
+pub const SLOW_GPU_MIN_BYTES: u64 = 1 << 20;
+
+/// The transport report's verdict: GPU to GPU (`gpu`), a fastest chunk of
+/// at least [`SLOW_GPU_MIN_BYTES`] and still below [`SLOW_GPU_GBPS`].
+pub fn suspect_fallback(gpu: bool, best_chunk_bytes: u64, best_chunk_mbps: u64) -> bool {
+    gpu && best_chunk_bytes >= SLOW_GPU_MIN_BYTES && (best_chunk_mbps as f64) < SLOW_GPU_GBPS * 1e3
 }
 
 /// A snapshot of the arena accounting (for tests and `/v1` endpoints).
@@ -295,8 +343,8 @@ pub struct BounceTransport {
     stats: Arc<TransportStats>,
 }
 
-/// Ticks without any event, while writes are in flight, before the IO
-/// thread yields between engine polls.
+/// Ticks without any event before the IO thread yields between engine
+/// polls (writes in flight) or blocks in the channel's receive (otherwise).
 const SPIN_BEFORE_BACKOFF: u32 = 64;
 /// Longest blocking wait of an IO thread with no write in flight (bytes
 /// never wait on it: messages, copy completions and commands wake the
@@ -369,6 +417,7 @@ impl BounceTransport {
             cmd_rx,
             stats: stats.clone(),
             peers: HashMap::new(),
+            probes: HashMap::new(),
             requests: HashMap::new(),
             writes: Vec::new(),
             jobs: HashMap::new(),
@@ -419,6 +468,17 @@ impl BounceTransport {
     /// Counters.
     pub fn stats(&self) -> &TransportStats {
         &self.stats
+    }
+
+    /// The transport report for `peer`, once [`PROBE_CHUNKS`] chunk writes
+    /// to it landed.
+    pub fn transport_report(&self, peer: &str) -> Option<TransportReport> {
+        self.stats
+            .transport_reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .cloned()
     }
 
     /// Registers a receiver peer: its control endpoint and the memory kind
@@ -557,6 +617,17 @@ struct SendChunk {
     /// Still counted against the eager budget.
     eager: bool,
     credit: Option<Credit>,
+    /// When its write was posted (transport probe).
+    posted_at: Option<Instant>,
+}
+
+/// A peer's transport probe in progress (see [`TransportReport`]).
+#[derive(Default)]
+struct WriteProbe {
+    chunks: u32,
+    bytes: u64,
+    best_mbps: u64,
+    best_bytes: u64,
 }
 
 struct SendRequest {
@@ -651,6 +722,8 @@ struct Io {
     cmd_rx: Receiver<Command>,
     stats: Arc<TransportStats>,
     peers: HashMap<String, PeerRoute>,
+    /// Transport probes of peers whose report is not made yet.
+    probes: HashMap<String, WriteProbe>,
     requests: HashMap<u64, SendRequest>,
     /// In-flight writes: (rid, chunk).
     writes: Vec<(u64, usize)>,
@@ -720,8 +793,9 @@ impl Io {
             }
             // Control messages: up to a batch per tick. Block (bounded:
             // timeouts are checked at least every IDLE_WAIT) only after a
-            // tick without events.
-            let timeout = if must_poll || idle_spins == 0 || self.parked {
+            // short spin without events (a GPU chunk completes in tens of
+            // µs; a wake-up from poll(2) costs about as much).
+            let timeout = if must_poll || idle_spins <= SPIN_BEFORE_BACKOFF || self.parked {
                 Duration::ZERO
             } else {
                 IDLE_WAIT
@@ -804,6 +878,12 @@ impl Io {
             }
             Command::ForgetPeer { peer, reply } => {
                 self.forget_peer(&peer);
+                self.probes.remove(&peer);
+                self.stats
+                    .transport_reports
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&peer);
                 let _ = reply.send(());
             }
             Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
@@ -911,6 +991,7 @@ impl Io {
                 local: None,
                 eager: false,
                 credit: None,
+                posted_at: None,
             })
             .collect();
         self.requests.insert(
@@ -1067,6 +1148,7 @@ impl Io {
             )
             .map_err(|e| format!("posting write of chunk {i}: {e}"))?;
         req.state[i].state = ChunkState::Writing(h);
+        req.state[i].posted_at = Some(Instant::now());
         self.writes.push((rid, i));
         Ok(())
     }
@@ -1100,6 +1182,15 @@ impl Io {
                     let req = self.requests.get_mut(&rid).expect("checked");
                     req.state[i].state = ChunkState::DataSent;
                     req.last_progress = Instant::now();
+                    if let Some(t) = req.state[i].posted_at.take() {
+                        let (peer, kind, bytes) = (
+                            req.peer.clone(),
+                            req.remote_kind,
+                            req.chunks[i].payload_bytes,
+                        );
+                        self.probe_write(&peer, kind, bytes, t.elapsed());
+                    }
+                    let req = self.requests.get_mut(&rid).expect("checked");
                     let credit = req.state[i].credit.expect("credited");
                     let data = Message::Data(Data {
                         request_id: rid,
@@ -1186,6 +1277,56 @@ impl Io {
             self.pump(rid);
         }
         self.schedule_and_send();
+    }
+
+    /// Feeds one landed chunk write to `peer`'s transport probe; after
+    /// [`PROBE_CHUNKS`] writes, records and logs its [`TransportReport`]
+    /// (once per peer) and warns on a likely silent fallback.
+    fn probe_write(&mut self, peer: &str, remote_kind: MemKind, bytes: u64, took: Duration) {
+        let p = self.probes.entry(peer.to_string()).or_default();
+        if p.chunks >= PROBE_CHUNKS {
+            return;
+        }
+        let mbps = (bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6) as u64;
+        p.chunks += 1;
+        p.bytes += bytes;
+        if mbps > p.best_mbps {
+            p.best_mbps = mbps;
+            p.best_bytes = bytes;
+        }
+        if p.chunks < PROBE_CHUNKS {
+            return;
+        }
+        let gpu = self.arena.kind == MemKind::Vram && remote_kind == MemKind::Vram;
+        let r = TransportReport {
+            chunks: p.chunks,
+            bytes: p.bytes,
+            best_chunk_mbps: p.best_mbps,
+            best_chunk_bytes: p.best_bytes,
+            local_kind: format!("{:?}", self.arena.kind),
+            remote_kind: format!("{remote_kind:?}"),
+            suspect_fallback: suspect_fallback(gpu, p.best_bytes, p.best_mbps),
+        };
+        let gbps = r.best_chunk_mbps as f64 / 1e3;
+        if r.suspect_fallback {
+            tracing::warn!(
+                agent = %self.name, peer, chunks = r.chunks, best_chunk_bytes = r.best_chunk_bytes,
+                "GPU→GPU bounce writes to this peer ran at {gbps:.2} GB/s at best: UCX is most \
+                 likely using software emulation or TCP instead of cuda_ipc/RDMA (check UCX_TLS; \
+                 two agents in one process need UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y)"
+            );
+        } else {
+            tracing::info!(
+                agent = %self.name, peer, chunks = r.chunks, best_chunk_bytes = r.best_chunk_bytes,
+                local = %r.local_kind, remote = %r.remote_kind,
+                "transport report: fastest of the first chunk writes {gbps:.2} GB/s"
+            );
+        }
+        self.stats
+            .transport_reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer.to_string(), r);
     }
 
     /// Resolves `rid` FAILURE now and cleans up: cancel (empty WANT) to the
@@ -1693,5 +1834,25 @@ impl Io {
                 _ => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_verdict_flags_only_slow_large_gpu_writes() {
+        let mib = 1 << 20;
+        // Emulation-like rates between GPUs (H200: 0.1–0.3 GB/s) are flagged.
+        assert!(suspect_fallback(true, 32 * mib, 150));
+        assert!(suspect_fallback(true, mib, 4_999));
+        // cuda_ipc / RDMA rates are not; nor is the threshold itself.
+        assert!(!suspect_fallback(true, 32 * mib, 250_000));
+        assert!(!suspect_fallback(true, 32 * mib, 5_000));
+        // Small writes are latency-bound: not judged.
+        assert!(!suspect_fallback(true, mib - 1, 10));
+        // Host memory is never judged (2 GB/s loopback is normal).
+        assert!(!suspect_fallback(false, 32 * mib, 10));
     }
 }

@@ -296,6 +296,11 @@ pub struct PeerInfo {
     pub path: String,
     /// Buffers the peer published.
     pub buffers: Vec<BufferRegion>,
+    /// Transport report of the first bounce chunk writes to the peer
+    /// (fastest write in MB/s, memory kinds, `suspect_fallback`), once
+    /// there were enough.
+    #[serde(default)]
+    pub transport: Option<crate::runtime::transport::TransportReport>,
 }
 
 /// A `/v1/debug/verify` descriptor: `len` bytes at `dst` in this agent's
@@ -459,6 +464,7 @@ fn peer_infos(s: &ServiceState) -> Vec<PeerInfo> {
                 reason,
                 path: if compatible { "bounce" } else { "standard" }.into(),
                 buffers: rec.map(|r| r.buffers.clone()).unwrap_or_default(),
+                transport: s.agent.transport().and_then(|t| t.transport_report(&name)),
                 name,
             }
         })

@@ -1,0 +1,262 @@
+//! GPU trace replay (feature `cuda`; GPU issue: "the trace replay at 128
+//! concurrent on two GPUs, p50/p99 per path"): the host replay of
+//! [`super::trace`] with both KV pools and both bounce arenas in device
+//! memory. The prefill agent runs in this process on `device`; the decode
+//! agent is a `kvfabric-gpu vram-peer` child process on `peer_device` (two
+//! processes, as in production: UCX moves GPU data between processes with
+//! `cuda_ipc`; two agents in one process fell back to software emulation on
+//! the H200 even with `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` — the transport
+//! report caught it at 0.1–0.15 GB/s). Each request's blocks come from
+//! paged pools with shuffled free lists, as in the host replay; its source
+//! blocks are filled on the prefill GPU and every destination byte is
+//! checked on the decode GPU by the pattern kernels (`kernels/pattern.cu`,
+//! the child's `CHECK` command), outside the timed window.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvfabric_core::config::BounceConfig;
+use kvfabric_core::model::{KvLayout, TraceRecord};
+use kvfabric_core::Descriptor;
+
+use super::dataplane::{read_descriptor, write_descs, PeerProcess};
+use super::trace::{replay_with, BenchPath, BlockPool, HandOff, ReplayOptions, ReplayReport};
+use crate::runtime::control::zmq::BindAddr;
+use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
+use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
+use crate::runtime::engine::MemKind;
+use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PeerMemory};
+use crate::runtime::transport::TransferOutcome;
+
+/// Bound on one transfer.
+const XFER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Options of a GPU replay.
+#[derive(Clone, Debug)]
+pub struct GpuReplayOptions {
+    /// KV layout (model, block tokens, TP, K/V split).
+    pub layout: KvLayout,
+    /// Requests in flight.
+    pub concurrency: usize,
+    /// Bytes of each KV pool (rounded down to whole blocks).
+    pub pool_bytes: u64,
+    /// The prefill agent's GPU.
+    pub device: usize,
+    /// The decode agent's GPU (its own process).
+    pub peer_device: usize,
+    /// Bounce config of both agents (enabled is forced on).
+    pub config: BounceConfig,
+    /// CUDA copy-engine settings of the prefill agent (the child uses the
+    /// defaults).
+    pub copy: CudaCopyConfig,
+    /// Paths in order.
+    pub paths: Vec<BenchPath>,
+    /// Progress bar on stderr.
+    pub progress: bool,
+}
+
+/// [`HandOff`] from a prefill agent on a GPU to a decode agent in a child
+/// process: fill on the prefill GPU, transfer, `CHECK` on the decode GPU.
+pub struct GpuHandOff<'a> {
+    /// Sender.
+    pub prefill: &'a FabricAgent,
+    /// The decode agent's NIXL name (loaded as a peer by `prefill`).
+    pub decode_name: String,
+    /// Pattern kernels on the prefill GPU.
+    pub fill: &'a PatternKernels,
+    /// The decode process (commands serialise).
+    pub decode: &'a Mutex<PeerProcess>,
+    /// Directory for the per-request destination tables.
+    pub dir: PathBuf,
+}
+
+impl HandOff for GpuHandOff<'_> {
+    fn check_path(&self, path: BenchPath) -> Result<(), String> {
+        if path == BenchPath::Bounce && self.prefill.transport().is_none() {
+            return Err(format!(
+                "bounce is not running on the prefill agent: {}",
+                self.prefill.bounce_unavailable.clone().unwrap_or_default()
+            ));
+        }
+        Ok(())
+    }
+
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
+        let table: Vec<PatDesc> = descs
+            .iter()
+            .enumerate()
+            .map(|(k, d)| PatDesc {
+                addr: d.src,
+                len: d.len,
+                k: k as u64,
+            })
+            .collect();
+        self.fill
+            .fill(&table, seed)
+            .map_err(|e| format!("filling the source blocks: {e}"))?;
+        let t0 = Instant::now();
+        let handle = match path {
+            BenchPath::Bounce => self
+                .prefill
+                .transport()
+                .ok_or("bounce is not running on the prefill agent")?
+                .submit(&self.decode_name, descs.clone()),
+            BenchPath::Standard => self
+                .prefill
+                .submit_standard(&self.decode_name, descs.clone()),
+        };
+        let outcome = handle.wait(XFER_TIMEOUT);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        match outcome {
+            Some(TransferOutcome::Success) => {}
+            None => {
+                return Err(format!(
+                    "transfer not resolved within {} s",
+                    XFER_TIMEOUT.as_secs()
+                ))
+            }
+            other => return Err(format!("transfer failed: {other:?}")),
+        }
+        let file = self.dir.join(format!("check-{seed}.bin"));
+        write_descs(&file, &descs).map_err(|e| format!("{}: {e}", file.display()))?;
+        let r = self
+            .decode
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .command(&format!("CHECK {seed} {}", file.display()));
+        let _ = std::fs::remove_file(&file);
+        r.map_err(|e| format!("verification on the decode GPU: {e}"))?;
+        Ok(ms)
+    }
+}
+
+/// Replays `trace` prefill (this process, GPU `device`) → decode (a
+/// `vram-peer` child of `exe`, GPU `peer_device`), once per path, every
+/// byte checked on the decode GPU.
+///
+/// # Errors
+/// Setup failures (no GPU, pools that do not fit, an agent or the child
+/// that cannot start, bounce unavailable). Transfer failures and mismatches
+/// are counted in the report.
+pub fn run(
+    exe: &Path,
+    trace: &[TraceRecord],
+    opts: &GpuReplayOptions,
+) -> Result<ReplayReport, String> {
+    let layout = &opts.layout;
+    let gpu = CudaGpu::open(opts.device).map_err(|e| format!("GPU {}: {e}", opts.device))?;
+    let pool_blocks = (opts.pool_bytes / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    if pool_blocks == 0 {
+        return Err(format!(
+            "--pool {} bytes holds no block of {} bytes",
+            opts.pool_bytes,
+            layout.bytes_per_block()
+        ));
+    }
+    let bytes = BlockPool::bytes_for(layout, pool_blocks);
+    let mut config = opts.config.clone();
+    config.enabled = true;
+    let eff = config.validate().map_err(|e| e.to_string())?;
+    let dir = std::env::temp_dir().join(format!("kvfabric-gpu-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let args: Vec<OsString> = vec![
+        "--device".into(),
+        opts.peer_device.to_string().into(),
+        "vram-peer".into(),
+        "--dir".into(),
+        dir.as_os_str().to_owned(),
+        "--pool-bytes".into(),
+        bytes.to_string().into(),
+    ];
+    let peer = PeerProcess::spawn_args(exe, &args, &config.to_env_vars())?;
+    let (rdesc, rpool, rlen) = read_descriptor(&peer.descriptor)?;
+    if rlen < bytes {
+        return Err(format!("decode pool is {rlen} bytes, expected {bytes}"));
+    }
+    let ppool =
+        CudaArena::new(&gpu, bytes as usize).map_err(|e| format!("prefill KV pool: {e}"))?;
+    let pblocks = BlockPool::new(layout, pool_blocks, ppool.base_addr(), 1);
+    let dblocks = BlockPool::new(layout, pool_blocks, rpool, 2);
+    let prefill = FabricAgent::with_arena(
+        FabricOptions {
+            name: format!("prefill-gpu{}-{}", opts.device, std::process::id()),
+            config: eff,
+            kv_regions: vec![(MemKind::Vram, ppool.mem_desc())],
+            bind: BindAddr::Loopback,
+            copy: None,
+        },
+        ArenaChoice::Cuda {
+            gpu: gpu.clone(),
+            copy: opts.copy,
+        },
+    )
+    .map_err(|e| format!("prefill agent: {e}"))?;
+    if let Some(w) = &prefill.bounce_unavailable {
+        return Err(format!("prefill agent: bounce unavailable: {w}"));
+    }
+    let st = prefill.load_peer(&rdesc).map_err(|e| e.to_string())?;
+    if let Err(why) = st.bounce {
+        return Err(format!("decode agent is not bounce-capable: {why:?}"));
+    }
+    prefill.set_peer_memory(
+        &rdesc.name,
+        PeerMemory {
+            kind: MemKind::Vram,
+            device_id: opts.peer_device as u64,
+        },
+    );
+    let fill = PatternKernels::new(&gpu).map_err(|e| format!("pattern kernels: {e}"))?;
+    eprintln!(
+        "GPU replay: {} requests, prefill GPU {} → decode GPU {} (own process), {} B descriptors, \
+         {pool_blocks} blocks ({:.1} GiB) per pool, concurrency {}",
+        trace.len(),
+        opts.device,
+        opts.peer_device,
+        layout.descriptor_bytes(),
+        bytes as f64 / (1u64 << 30) as f64,
+        opts.concurrency
+    );
+    let decode = Mutex::new(peer);
+    let report = replay_with(
+        &GpuHandOff {
+            prefill: &prefill,
+            decode_name: rdesc.name.clone(),
+            fill: &fill,
+            decode: &decode,
+            dir: dir.clone(),
+        },
+        &pblocks,
+        &dblocks,
+        trace,
+        &ReplayOptions {
+            layout: layout.clone(),
+            concurrency: opts.concurrency,
+            speed: None,
+            pool_blocks,
+            paths: opts.paths.clone(),
+            progress: opts.progress,
+        },
+    );
+    if let Some(r) = prefill
+        .transport()
+        .and_then(|t| t.transport_report(&rdesc.name))
+    {
+        eprintln!(
+            "transport report: fastest of the first {} chunk writes {:.2} GB/s ({} bytes){}",
+            r.chunks,
+            r.best_chunk_mbps as f64 / 1e3,
+            r.best_chunk_bytes,
+            if r.suspect_fallback {
+                " — SUSPECT: software emulation or TCP"
+            } else {
+                ""
+            }
+        );
+    }
+    drop(prefill);
+    drop(decode);
+    let _ = std::fs::remove_dir_all(&dir);
+    report
+}
