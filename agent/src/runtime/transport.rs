@@ -197,7 +197,7 @@ pub struct TransportStats {
     pub bytes_sent: AtomicU64,
     /// Chunks written (RDMA writes that reached SUCCESS).
     pub chunks_written: AtomicU64,
-    /// Credits granted by this agent's receiver role.
+    /// Credits granted by this agent's receiver role (GRANTs actually sent).
     pub grants: AtomicU64,
     /// Chunks scattered and ACKed by the receiver role.
     pub chunks_scattered: AtomicU64,
@@ -1558,9 +1558,6 @@ impl Io {
         if grants.is_empty() {
             return;
         }
-        self.stats
-            .grants
-            .fetch_add(grants.len() as u64, Ordering::Relaxed);
         // Group per flow, preserving grant order.
         let mut batches: Vec<(FlowKey, Vec<Credit>)> = Vec::new();
         for g in grants {
@@ -1586,11 +1583,17 @@ impl Io {
             }
         }
         for (flow, credits) in batches {
+            let n = credits.len() as u64;
             let msg = Message::Grant(Grant {
                 request_id: flow.rid,
                 credits,
             });
-            self.send(&flow.peer, &msg);
+            // Count only credits that left: a GRANT dropped on a full queue
+            // (or to a vanished route) is reclaimed with its flow by the
+            // silence timeout, it was never granted to the sender.
+            if self.send(&flow.peer, &msg) {
+                self.stats.grants.fetch_add(n, Ordering::Relaxed);
+            }
         }
     }
 

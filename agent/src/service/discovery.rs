@@ -661,15 +661,19 @@ pub struct PeerSyncStats {
     pub reloaded: AtomicU64,
     /// Peers forgotten (removed, expired or superseded).
     pub forgotten: AtomicU64,
-    /// Loads that failed (the peer stays unloaded until its next update).
+    /// Loads that failed (each attempt, retries included).
     pub load_failed: AtomicU64,
+    /// Retries of failed loads (bounded backoff, [`LOAD_RETRIES`] per record).
+    pub load_retries: AtomicU64,
 }
 
 /// Applies a subscription's [`PeerEvent`]s to a [`PeerSink`] on its own
 /// thread: `Upsert` → load (skipping the local agent and, when given, other
 /// incarnations of the local logical id; a republish with an unchanged
 /// endpoint is a no-op; a changed endpoint under the same name is forgotten
-/// then reloaded); `Removed` → forget.
+/// then reloaded; a failed load is retried with jittered exponential
+/// backoff, 100 ms to 10 s, at most [`LOAD_RETRIES`] times, and a newer
+/// record or a removal cancels the retries); `Removed` → forget.
 pub struct PeerSync {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -735,6 +739,30 @@ impl Drop for PeerSync {
     }
 }
 
+/// Retry schedule of a failed peer load: 100 ms doubling to 10 s, jittered,
+/// at most [`LOAD_RETRIES`] retries (then the peer waits for its next
+/// update, as before). A transient failure (the peer's listener not up yet,
+/// NIXL busy) must not leave a live peer unloaded until it republishes.
+fn load_retry_schedule() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder as _;
+    backon::ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(10))
+        .with_max_times(LOAD_RETRIES)
+        .with_jitter()
+        .build()
+}
+
+/// Retries of a failed peer load before giving up until its next update.
+pub const LOAD_RETRIES: usize = 8;
+
+/// A failed load waiting for its next attempt.
+struct PendingLoad {
+    rec: AgentRecord,
+    at: std::time::Instant,
+    schedule: backon::ExponentialBackoff,
+}
+
 fn sync_loop<S: PeerSink + ?Sized>(
     sink: &S,
     events: &Receiver<PeerEvent>,
@@ -744,65 +772,37 @@ fn sync_loop<S: PeerSink + ?Sized>(
     loaded: &Mutex<BTreeMap<String, AgentRecord>>,
 ) {
     let me = sink.local_name().to_string();
+    let mut retry: HashMap<String, PendingLoad> = HashMap::new();
     while !stop.load(Ordering::SeqCst) {
-        let ev = match events.recv_timeout(SYNC_POLL) {
-            Ok(ev) => ev,
-            Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        match ev {
-            PeerEvent::Upsert(rec) => {
+        let now = std::time::Instant::now();
+        let wait = retry
+            .values()
+            .map(|p| p.at.saturating_duration_since(now))
+            .min()
+            .map_or(SYNC_POLL, |d| d.min(SYNC_POLL));
+        match events.recv_timeout(wait) {
+            Ok(PeerEvent::Upsert(rec)) => {
                 if rec.name == me || local_logical_id.as_deref() == Some(rec.logical_id.as_str()) {
                     continue;
                 }
-                let prev = loaded
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&rec.name)
-                    .cloned();
-                let reload = match &prev {
-                    Some(p) if p.same_endpoint(&rec) => {
-                        loaded
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(rec.name.clone(), rec);
-                        continue;
-                    }
-                    Some(_) => {
-                        sink.forget(&rec.name);
-                        true
-                    }
-                    None => false,
-                };
-                match sink.load(&rec.descriptor()) {
-                    Ok(()) => {
-                        tracing::info!(agent = %me, peer = %rec.name, logical = %rec.logical_id, reload, "peer loaded");
-                        let c = if reload {
-                            &stats.reloaded
-                        } else {
-                            &stats.loaded
-                        };
-                        c.fetch_add(1, Ordering::Relaxed);
-                        loaded
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(rec.name.clone(), rec);
-                    }
-                    Err(e) => {
-                        tracing::warn!(agent = %me, peer = %rec.name, error = %e, "loading peer failed");
-                        stats.load_failed.fetch_add(1, Ordering::Relaxed);
-                        if loaded
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&rec.name)
-                            .is_some()
-                        {
-                            stats.forgotten.fetch_add(1, Ordering::Relaxed);
-                        }
+                // A new record supersedes any retry of the old one.
+                retry.remove(&rec.name);
+                if !upsert(sink, &me, stats, loaded, &rec) {
+                    let mut schedule = load_retry_schedule();
+                    if let Some(d) = schedule.next() {
+                        retry.insert(
+                            rec.name.clone(),
+                            PendingLoad {
+                                rec,
+                                at: std::time::Instant::now() + d,
+                                schedule,
+                            },
+                        );
                     }
                 }
             }
-            PeerEvent::Removed { name } => {
+            Ok(PeerEvent::Removed { name }) => {
+                retry.remove(&name);
                 let known = loaded
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -814,6 +814,94 @@ fn sync_loop<S: PeerSink + ?Sized>(
                     tracing::info!(agent = %me, peer = %name, "peer forgotten");
                 }
             }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        // Retries that are due.
+        let now = std::time::Instant::now();
+        let due: Vec<String> = retry
+            .iter()
+            .filter(|(_, p)| p.at <= now)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in due {
+            let Some(mut p) = retry.remove(&name) else {
+                continue;
+            };
+            stats.load_retries.fetch_add(1, Ordering::Relaxed);
+            if upsert(sink, &me, stats, loaded, &p.rec) {
+                continue;
+            }
+            match p.schedule.next() {
+                Some(d) => {
+                    p.at = std::time::Instant::now() + d;
+                    retry.insert(name, p);
+                }
+                None => tracing::warn!(
+                    agent = %me, peer = %name, retries = LOAD_RETRIES,
+                    "giving up loading peer until its record changes"
+                ),
+            }
+        }
+    }
+}
+
+/// Applies one `Upsert`: load, reload on a changed endpoint, or no-op on an
+/// unchanged one. Returns false when the load failed (the peer is then not
+/// loaded).
+fn upsert<S: PeerSink + ?Sized>(
+    sink: &S,
+    me: &str,
+    stats: &PeerSyncStats,
+    loaded: &Mutex<BTreeMap<String, AgentRecord>>,
+    rec: &AgentRecord,
+) -> bool {
+    let prev = loaded
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&rec.name)
+        .cloned();
+    let reload = match &prev {
+        Some(p) if p.same_endpoint(rec) => {
+            loaded
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name.clone(), rec.clone());
+            return true;
+        }
+        Some(_) => {
+            sink.forget(&rec.name);
+            true
+        }
+        None => false,
+    };
+    match sink.load(&rec.descriptor()) {
+        Ok(()) => {
+            tracing::info!(agent = %me, peer = %rec.name, logical = %rec.logical_id, reload, "peer loaded");
+            let c = if reload {
+                &stats.reloaded
+            } else {
+                &stats.loaded
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+            loaded
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(rec.name.clone(), rec.clone());
+            true
+        }
+        Err(e) => {
+            tracing::warn!(agent = %me, peer = %rec.name, error = %e, "loading peer failed");
+            stats.load_failed.fetch_add(1, Ordering::Relaxed);
+            if loaded
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&rec.name)
+                .is_some()
+            {
+                stats.forgotten.fetch_add(1, Ordering::Relaxed);
+            }
+            false
         }
     }
 }
@@ -937,6 +1025,24 @@ mod tests {
 
     struct FakeSink {
         log: Mutex<Vec<String>>,
+        /// Loads that fail before one succeeds (u64::MAX: all fail).
+        fail_first: AtomicU64,
+    }
+    impl FakeSink {
+        fn new(fail_first: u64) -> Arc<Self> {
+            Arc::new(Self {
+                log: Mutex::new(Vec::new()),
+                fail_first: AtomicU64::new(fail_first),
+            })
+        }
+        fn loads(&self) -> usize {
+            self.log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.starts_with("load"))
+                .count()
+        }
     }
     impl PeerSink for FakeSink {
         fn local_name(&self) -> &str {
@@ -944,6 +1050,13 @@ mod tests {
         }
         fn load(&self, peer: &PeerDescriptor) -> Result<(), String> {
             self.log.lock().unwrap().push(format!("load {}", peer.name));
+            let left = self.fail_first.load(Ordering::SeqCst);
+            if left > 0 {
+                if left != u64::MAX {
+                    self.fail_first.store(left - 1, Ordering::SeqCst);
+                }
+                return Err("listener not up yet".into());
+            }
             Ok(())
         }
         fn forget(&self, name: &str) {
@@ -953,9 +1066,7 @@ mod tests {
 
     #[test]
     fn peer_sync_applies_events() {
-        let sink = Arc::new(FakeSink {
-            log: Mutex::new(Vec::new()),
-        });
+        let sink = FakeSink::new(0);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut sync = PeerSync::spawn(sink.clone(), rx, Some("me".into()));
         tx.send(PeerEvent::Upsert(rec("me-1", "me", 1))).unwrap();
@@ -981,5 +1092,48 @@ mod tests {
         );
         assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 1);
         assert!(sync.loaded().is_empty());
+    }
+
+    #[test]
+    fn failed_load_is_retried_until_it_succeeds() {
+        let sink = FakeSink::new(2);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut sync = PeerSync::spawn(sink.clone(), rx, None);
+        tx.send(PeerEvent::Upsert(rec("p-1", "p", 1))).unwrap();
+        // Two failures, then the retries (≈100 ms, ≈200 ms, jittered) load it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while sync.stats().loaded.load(Ordering::SeqCst) < 1 {
+            assert!(std::time::Instant::now() < deadline, "never loaded");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(sink.loads(), 3);
+        assert_eq!(sync.stats().load_failed.load(Ordering::SeqCst), 2);
+        assert_eq!(sync.stats().load_retries.load(Ordering::SeqCst), 2);
+        assert_eq!(sync.loaded(), vec!["p-1".to_string()]);
+        // Loaded: no further attempts.
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(sink.loads(), 3);
+        sync.stop();
+    }
+
+    #[test]
+    fn removal_cancels_the_retries_of_a_failing_peer() {
+        let sink = FakeSink::new(u64::MAX);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut sync = PeerSync::spawn(sink.clone(), rx, None);
+        tx.send(PeerEvent::Upsert(rec("p-1", "p", 1))).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while sync.stats().load_retries.load(Ordering::SeqCst) < 1 {
+            assert!(std::time::Instant::now() < deadline, "no retry");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        tx.send(PeerEvent::Removed { name: "p-1".into() }).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let n = sink.loads();
+        // The next retries would have come within ≈1.5 s.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(sink.loads(), n, "retried after removal");
+        assert!(sync.loaded().is_empty());
+        sync.stop();
     }
 }
