@@ -217,6 +217,11 @@ fn shutdown_with_transfers_in_flight_resolves_every_request() {
         shutdown_took < Duration::from_secs(6),
         "shutdown took {shutdown_took:?}"
     );
+    // No write was stuck: the arena is released normally, not leaked.
+    assert!(!tstats(&tx)
+        .arena_in_doubt
+        .load(std::sync::atomic::Ordering::SeqCst));
+    assert!(tx.owns_arena());
     assert!(
         outcomes.iter().any(is_failure),
         "32 MiB cannot all have landed before shutdown: {outcomes:?}"
@@ -700,4 +705,49 @@ fn silent_flow_of_a_vanished_sender_is_reclaimed() {
         "reclaimed before the timeout: {waited:?}"
     );
     assert_eq!(snap(&rx).conservation, Ok(()));
+}
+
+#[test]
+fn shutdown_with_a_write_stuck_in_flight_leaks_the_arena_instead_of_freeing_it() {
+    const BLOCKS: usize = 512; // 2 MiB
+    let cfg = test_config("2MiB", "128KiB", 2);
+    let mut src = Pool::new(BLOCKS * BLOCK);
+    let dst = Pool::new(BLOCKS * BLOCK);
+    let Some(mut tx) = agent("stuck-tx", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("stuck-rx", &cfg, &[&dst]) else {
+        return;
+    };
+    connect(&tx, &rx);
+    assert!(tx.owns_arena());
+    // The NIC never reports the writes complete.
+    set_faults(
+        &tx,
+        FaultPlan {
+            hang_writes: true,
+            ..FaultPlan::default()
+        },
+    );
+    let descs = block_descs(&src, 0, &dst, &permutation(BLOCKS, 3), BLOCK);
+    fill(&mut src, &descs, 5);
+    let (_, h) = tx.submit_write(rx.name(), descs);
+    assert!(
+        wait_for(Duration::from_secs(10), || get(&tstats(&rx).grants) >= 1),
+        "no grants"
+    );
+    // Let the granted chunks be gathered and posted.
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    tx.shutdown();
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(8), "shutdown took {took:?}");
+    assert!(is_failure(&h.wait(Duration::from_secs(1))));
+    // Writes were still "in flight" at the bound: the arena is not freed.
+    assert!(tstats(&tx)
+        .arena_in_doubt
+        .load(std::sync::atomic::Ordering::SeqCst));
+    assert!(!tx.owns_arena(), "the arena was kept for freeing");
+    // And the receiver, which never got DATA, is unaffected.
+    assert!(rx.owns_arena());
 }

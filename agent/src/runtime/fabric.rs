@@ -697,11 +697,30 @@ impl FabricAgent {
         handle
     }
 
+    /// Whether the agent still owns its bounce arena memory (false without
+    /// bounce, or after a shutdown that had to leak it).
+    pub fn owns_arena(&self) -> bool {
+        self._arena.is_some()
+    }
+
     /// Stops the transport (all bounce requests resolve) and the standard
-    /// poller. Idempotent.
+    /// poller. Idempotent. When writes were still in flight at the
+    /// transport's 5 s shutdown bound the bounce arena is leaked, not freed
+    /// (the NIC may still read it; [`FabricAgent::owns_arena`] turns false).
     pub fn shutdown(&mut self) {
         if let Some(t) = &self.transport {
             t.shutdown();
+            if t.stats().arena_in_doubt.load(Ordering::SeqCst) {
+                if let Some(arena) = self._arena.take() {
+                    // Freeing memory a NIC may still read (or a peer's
+                    // write may still land in) is worse than leaking it.
+                    tracing::error!(
+                        agent = %self.name(),
+                        "leaking the bounce arena: writes were still in flight at shutdown"
+                    );
+                    std::mem::forget(arena);
+                }
+            }
         }
         self.std_tx.take();
         if let Some(h) = self.std_thread.take() {

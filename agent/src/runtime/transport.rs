@@ -215,6 +215,11 @@ pub struct TransportStats {
     pub arena_bytes_in_use: AtomicU64,
     /// 1 while the scheduler is in drain mode (gauge).
     pub drain_mode: AtomicU64,
+    /// Set at shutdown when writes that read the arena were still in flight
+    /// at its 5 s bound: the arena's owner must not free or reuse the
+    /// memory (the NIC may still read it). [`crate::runtime::fabric::FabricAgent`]
+    /// then leaks it.
+    pub arena_in_doubt: std::sync::atomic::AtomicBool,
     /// Transport report per peer, once [`PROBE_CHUNKS`] chunk writes to it
     /// landed (see [`TransportReport`]).
     pub transport_reports: Mutex<HashMap<String, TransportReport>>,
@@ -295,6 +300,9 @@ pub struct FaultPlan {
     pub fail_writes: bool,
     /// Never answer WANTs (a receiver that never GRANTs).
     pub ignore_wants: bool,
+    /// Report every write as still in flight forever (a NIC that never
+    /// completes).
+    pub hang_writes: bool,
 }
 
 enum Command {
@@ -1168,6 +1176,8 @@ impl Io {
             };
             let polled = if self.faults.fail_writes {
                 Err("injected engine failure".to_string())
+            } else if self.faults.hang_writes {
+                Ok(XferState::InProgress)
             } else {
                 self.engine.poll(h).map_err(|e| e.to_string())
             };
@@ -1417,7 +1427,12 @@ impl Io {
         while k < self.orphan_writes.len() {
             let o = &self.orphan_writes[k];
             let (h, local, rid) = (o.handle, o.local, o.rid);
-            match self.engine.poll(h) {
+            let polled = if self.faults.hang_writes {
+                Ok(XferState::InProgress)
+            } else {
+                self.engine.poll(h)
+            };
+            match polled {
                 Ok(XferState::InProgress) => {
                     // A write that never finishes must not hold the receiver's
                     // flow forever: cancel after the request timeout (staging
@@ -1816,7 +1831,15 @@ impl Io {
             let _ = self.engine.progress();
             self.drain_orphan_writes();
         }
-        // Anything left is released unconditionally.
+        // Anything left may still read the arena: release the handles, but
+        // tell the arena's owner not to free or reuse the memory.
+        if !self.orphan_writes.is_empty() {
+            tracing::error!(
+                agent = %self.name, writes = self.orphan_writes.len(),
+                "writes still in flight at shutdown after 5 s; the arena must not be freed"
+            );
+            self.stats.arena_in_doubt.store(true, Ordering::SeqCst);
+        }
         for o in std::mem::take(&mut self.orphan_writes) {
             self.engine.release(o.handle);
             self.orphan_write_settled(o.rid);
