@@ -177,6 +177,7 @@ impl CopyWorkers {
                     .name(format!("{name}-copy-{i}"))
                     .spawn(move || {
                         for job in rx.iter() {
+                            tracing::trace!(token = job.token, kind = ?job.kind, runs = job.runs.len(), "copy start");
                             let result = match job.kind {
                                 CopyKind::Gather => engine.gather(job.region_addr, &job.runs),
                                 CopyKind::Scatter => engine.scatter(job.region_addr, &job.runs),
@@ -184,6 +185,7 @@ impl CopyWorkers {
                             if let Err(e) = &result {
                                 tracing::warn!(token = job.token, kind = ?job.kind, error = %e, "copy job failed");
                             }
+                            tracing::trace!(token = job.token, "copy end");
                             if done
                                 .send(CopyDone {
                                     token: job.token,

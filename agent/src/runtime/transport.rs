@@ -955,6 +955,7 @@ impl Io {
         descs: Vec<Descriptor>,
         completion: Arc<Completion>,
     ) {
+        tracing::trace!(rid, descriptors = descs.len(), "submit");
         let fail = |c: &Arc<Completion>, stats: &TransportStats, why: String| {
             stats.failed.fetch_add(1, Ordering::Relaxed);
             c.resolve(TransferOutcome::Failure(why));
@@ -967,6 +968,7 @@ impl Io {
             );
         };
         let remote_kind = route.kind;
+        let t_plan = Instant::now();
         let plan = match TransferPlan::build(
             &descs,
             self.settings.max_chunk_size_bytes,
@@ -977,6 +979,12 @@ impl Io {
         };
         let total_bytes = plan.total_bytes;
         let chunks = plan.into_chunks();
+        tracing::trace!(
+            rid,
+            chunks = chunks.len(),
+            plan_us = t_plan.elapsed().as_micros() as u64,
+            "planned"
+        );
         if chunks.is_empty() {
             self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
             completion.resolve(TransferOutcome::Success);
@@ -1230,6 +1238,7 @@ impl Io {
     }
 
     fn on_grant(&mut self, peer: &str, g: Grant) {
+        tracing::trace!(rid = g.request_id, credits = g.credits.len(), "grant");
         let Some(req) = self.requests.get_mut(&g.request_id) else {
             tracing::debug!(agent = %self.name, peer, rid = g.request_id, "GRANT for unknown request (late); ignored");
             return;
@@ -1650,6 +1659,12 @@ impl Io {
     }
 
     fn on_data(&mut self, peer: &str, d: Data) {
+        tracing::trace!(
+            rid = d.request_id,
+            chunk = d.chunk_index,
+            runs = d.runs.len(),
+            "data"
+        );
         let flow = FlowKey::new(peer, d.request_id);
         if !self.scheduler.held_by_flow(&flow, d.region_handle) {
             // Late DATA after a cancel / forget: never scatter (seed §9).
@@ -1754,6 +1769,7 @@ impl Io {
                     }
                     match (live, done.result) {
                         (true, Ok(())) => {
+                            tracing::trace!(rid = flow.rid, chunk, "scattered");
                             self.stats.chunks_scattered.fetch_add(1, Ordering::Relaxed);
                             let ack = Message::Ack(Ack {
                                 request_id: flow.rid,
@@ -1777,6 +1793,7 @@ impl Io {
     }
 
     fn on_message(&mut self, peer: &str, bytes: &[u8]) {
+        tracing::trace!(bytes = bytes.len(), "message in");
         match Message::decode(bytes) {
             Ok(Message::Want(w)) => self.on_want(peer, w),
             Ok(Message::Grant(g)) => self.on_grant(peer, g),
