@@ -145,6 +145,19 @@ pub fn run(
     trace: &[TraceRecord],
     opts: &GpuReplayOptions,
 ) -> Result<ReplayReport, String> {
+    let dir = std::env::temp_dir().join(format!("kvfabric-gpu-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let out = run_in(exe, &dir, trace, opts);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+fn run_in(
+    exe: &Path,
+    dir: &Path,
+    trace: &[TraceRecord],
+    opts: &GpuReplayOptions,
+) -> Result<ReplayReport, String> {
     let layout = &opts.layout;
     let gpu = CudaGpu::open(opts.device).map_err(|e| format!("GPU {}: {e}", opts.device))?;
     let pool_blocks = (opts.pool_bytes / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
@@ -159,8 +172,6 @@ pub fn run(
     let mut config = opts.config.clone();
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let dir = std::env::temp_dir().join(format!("kvfabric-gpu-trace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let args: Vec<OsString> = vec![
         "--device".into(),
         opts.peer_device.to_string().into(),
@@ -225,7 +236,7 @@ pub fn run(
             decode_name: rdesc.name.clone(),
             fill: &fill,
             decode: &decode,
-            dir: dir.clone(),
+            dir: dir.to_path_buf(),
         },
         &pblocks,
         &dblocks,
@@ -257,6 +268,5 @@ pub fn run(
     }
     drop(prefill);
     drop(decode);
-    let _ = std::fs::remove_dir_all(&dir);
     report
 }

@@ -115,6 +115,13 @@ impl HostArena {
                 libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE);
             }
         }
+        if !huge {
+            // Base pages even where THP is `always` (best effort).
+            // SAFETY: [start, start + len) lies inside the mapping.
+            unsafe {
+                libc::madvise(ptr.cast(), len, libc::MADV_NOHUGEPAGE);
+            }
+        }
         if huge {
             // Pre-fault the arena: one write per page, so the request path
             // never takes its page faults. (KV pools fault lazily: they

@@ -236,7 +236,7 @@ pub struct TransportStats {
 pub struct TransportReport {
     /// Chunk writes measured.
     pub chunks: u32,
-    /// Their payload bytes.
+    /// Bytes they moved (packed region sizes, padding included).
     pub bytes: u64,
     /// Fastest single chunk write, post to engine SUCCESS, in MB/s (1e6 B/s).
     pub best_chunk_mbps: u64,
@@ -777,6 +777,8 @@ impl Io {
             // Commands.
             let mut shutdown = false;
             while let Ok(cmd) = self.cmd_rx.try_recv() {
+                // A command is an event: spin briefly again before blocking.
+                idle_spins = 0;
                 if self.handle_command(cmd) {
                     shutdown = true;
                     break;
@@ -803,7 +805,11 @@ impl Io {
             // timeouts are checked at least every IDLE_WAIT) only after a
             // short spin without events (a GPU chunk completes in tens of
             // µs; a wake-up from poll(2) costs about as much).
-            let timeout = if must_poll || idle_spins <= SPIN_BEFORE_BACKOFF || self.parked {
+            // A parked request is retried every tick while spinning; after
+            // that only events (which wake the receive) or the 1 ms bound
+            // retry it, so a request waiting for arena space or a copy slot
+            // never spins a core the copies need.
+            let timeout = if must_poll || idle_spins <= SPIN_BEFORE_BACKOFF {
                 Duration::ZERO
             } else {
                 IDLE_WAIT
@@ -880,6 +886,14 @@ impl Io {
             } => {
                 let r = self.channel.add_peer(&peer, &endpoint);
                 if r.is_ok() {
+                    // A (re)added peer may sit behind another transport now:
+                    // probe it afresh.
+                    self.probes.remove(&peer);
+                    self.stats
+                        .transport_reports
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&peer);
                     self.peers.insert(peer, PeerRoute { kind });
                 }
                 let _ = reply.send(r);
@@ -1145,6 +1159,8 @@ impl Io {
                 credit.len
             ));
         }
+        // Timed from before the post: an engine may copy inside it.
+        let posted_at = Instant::now();
         let h = self
             .engine
             .post_write(
@@ -1164,7 +1180,7 @@ impl Io {
             )
             .map_err(|e| format!("posting write of chunk {i}: {e}"))?;
         req.state[i].state = ChunkState::Writing(h);
-        req.state[i].posted_at = Some(Instant::now());
+        req.state[i].posted_at = Some(posted_at);
         self.writes.push((rid, i));
         Ok(())
     }
@@ -1844,9 +1860,15 @@ impl Io {
             }
         }
         self.workers.take();
-        while !self.orphan_writes.is_empty() && Instant::now() < deadline {
+        // Orphaned writes get their own bound, and at least one poll.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
             let _ = self.engine.progress();
             self.drain_orphan_writes();
+            if self.orphan_writes.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
         // Anything left may still read the arena: release the handles, but
         // tell the arena's owner not to free or reuse the memory.

@@ -672,7 +672,8 @@ pub struct PeerSyncStats {
 /// incarnations of the local logical id; a republish with an unchanged
 /// endpoint is a no-op; a changed endpoint under the same name is forgotten
 /// then reloaded; a failed load is retried with jittered exponential
-/// backoff, 100 ms to 10 s, at most [`LOAD_RETRIES`] times, and a newer
+/// backoff, 100 ms to 10 s (up to twice that with jitter), at most
+/// [`LOAD_RETRIES`] times, and a newer
 /// record or a removal cancels the retries); `Removed` → forget.
 pub struct PeerSync {
     stop: Arc<AtomicBool>,
@@ -739,8 +740,8 @@ impl Drop for PeerSync {
     }
 }
 
-/// Retry schedule of a failed peer load: 100 ms doubling to 10 s, jittered,
-/// at most [`LOAD_RETRIES`] retries (then the peer waits for its next
+/// Retry schedule of a failed peer load: 100 ms doubling to 10 s, plus up
+/// to as much again of jitter, at most [`LOAD_RETRIES`] retries (then the peer waits for its next
 /// update, as before). A transient failure (the peer's listener not up yet,
 /// NIXL busy) must not leave a live peer unloaded until it republishes.
 fn load_retry_schedule() -> backon::ExponentialBackoff {
@@ -825,6 +826,11 @@ fn sync_loop<S: PeerSink + ?Sized>(
             .map(|(n, _)| n.clone())
             .collect();
         for name in due {
+            // A load can block (bounded, 5 s): stop between retries, and let
+            // newer events (a removal) come first.
+            if stop.load(Ordering::SeqCst) || !events.is_empty() {
+                break;
+            }
             let Some(mut p) = retry.remove(&name) else {
                 continue;
             };

@@ -153,15 +153,21 @@ impl PatternKernels {
         }
         // SAFETY: PatDesc is repr(C) plain data; the slice covers `bytes`.
         let raw = unsafe { std::slice::from_raw_parts(descs.as_ptr().cast::<u8>(), bytes) };
-        // SAFETY: table holds at least `bytes`.
-        drv("cuMemcpyHtoD", unsafe {
-            result::memcpy_htod_sync(st.table, raw)
+        // Uploads are ordered on our own stream, before the kernel: a
+        // synchronous cuMemcpyHtoD from pageable memory runs on the legacy
+        // stream and may return before the data reached the device, which a
+        // non-blocking stream would not wait for. `raw` and `init` outlive
+        // the stream sync below.
+        let init: [u64; 2] = [0, u64::MAX];
+        // SAFETY: table holds at least `bytes`; the source stays alive until
+        // the stream is synchronised.
+        drv("cuMemcpyHtoDAsync", unsafe {
+            result::memcpy_htod_async(st.table, raw, st.stream)
         })?;
         if check {
-            let init: [u64; 2] = [0, u64::MAX];
-            // SAFETY: bad holds 16 bytes.
-            drv("cuMemcpyHtoD", unsafe {
-                result::memcpy_htod_sync(st.bad, &init[..])
+            // SAFETY: bad holds 16 bytes; `init` lives until the sync.
+            drv("cuMemcpyHtoDAsync", unsafe {
+                result::memcpy_htod_async(st.bad, &init[..], st.stream)
             })?;
         }
         let k = if check { &self.check } else { &self.fill };
@@ -199,7 +205,8 @@ impl PatternKernels {
             return Ok(None);
         }
         let mut out = [0u64; 2];
-        // SAFETY: bad holds 16 bytes; the kernel finished.
+        // SAFETY: bad holds 16 bytes; the kernel finished (stream synced);
+        // device → pageable host copies return once the data is there.
         drv("cuMemcpyDtoH", unsafe {
             result::memcpy_dtoh_sync(&mut out[..], st.bad)
         })?;
