@@ -294,6 +294,123 @@ impl OpenChunk {
     }
 }
 
+fn check_chunk_size(max: u64) -> Result<(), PlanError> {
+    if max < ALIGN {
+        return Err(PlanError::ChunkSizeTooSmall {
+            max_chunk_size_bytes: max,
+        });
+    }
+    if max % ALIGN != 0 {
+        return Err(PlanError::ChunkSizeMisaligned {
+            max_chunk_size_bytes: max,
+        });
+    }
+    Ok(())
+}
+
+/// Validation pass: overflow checks and a lower bound on the chunk count,
+/// before any allocation proportional to the output. Returns the payload
+/// total.
+fn validate(descs: &[Descriptor], max: u64) -> Result<u64, PlanError> {
+    let mut total: u64 = 0;
+    for (index, d) in descs.iter().enumerate() {
+        if d.len == 0 {
+            continue;
+        }
+        if d.src.checked_add(d.len).is_none() || d.dst.checked_add(d.len).is_none() {
+            return Err(PlanError::AddressOverflow {
+                index,
+                descriptor: *d,
+            });
+        }
+        total = total
+            .checked_add(d.len)
+            .ok_or(PlanError::TotalBytesOverflow { index })?;
+    }
+    let min_chunks = total.div_ceil(max);
+    if min_chunks > MAX_CHUNKS {
+        return Err(PlanError::TooManyChunks {
+            needed: min_chunks,
+            max_chunk_size_bytes: max,
+        });
+    }
+    Ok(total)
+}
+
+/// Receives the packer's decisions.
+trait PackSink {
+    /// A piece of `len` bytes at region offset `off` (from `src`, to `dst`).
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64);
+    /// The current chunk is complete; `packed` is one past its last byte.
+    fn close(&mut self, packed: u64) -> Result<(), PlanError>;
+}
+
+/// The packing rule, shared by [`TransferPlan::build`] and
+/// [`TransferPlan::chunk_sizes`] so the two can never disagree: pieces at
+/// 32-byte aligned offsets; a descriptor that fits a fresh chunk is never
+/// split; a larger one is split at chunk boundaries; zero-length ones are
+/// skipped.
+fn pack(descs: &[Descriptor], max: u64, sink: &mut impl PackSink) -> Result<(), PlanError> {
+    let mut cursor: u64 = 0;
+    let mut pieces: u64 = 0;
+    for d in descs {
+        if d.len == 0 {
+            continue;
+        }
+        let mut done: u64 = 0;
+        while done < d.len {
+            let remaining = d.len - done;
+            let mut off = align_up(cursor);
+            if off >= max {
+                sink.close(cursor)?;
+                (pieces, off) = (0, 0);
+            }
+            let space = max - off;
+            if remaining > space && remaining <= max && off > 0 {
+                // Fits whole in a fresh chunk: do not split it.
+                sink.close(cursor)?;
+                (pieces, off) = (0, 0);
+            }
+            let take = remaining.min(max - off);
+            sink.piece(off, d.src + done, d.dst + done, take);
+            cursor = off + take;
+            pieces += 1;
+            done += take;
+        }
+    }
+    if pieces > 0 {
+        sink.close(cursor)?;
+    }
+    Ok(())
+}
+
+struct BuildSink {
+    chunks: Vec<Chunk>,
+    cur: OpenChunk,
+    merge: bool,
+    max: u64,
+}
+
+impl PackSink for BuildSink {
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
+        self.cur.place(off, src, dst, len);
+    }
+    fn close(&mut self, packed: u64) -> Result<(), PlanError> {
+        debug_assert_eq!(packed, self.cur.cursor);
+        TransferPlan::close(&mut self.chunks, &mut self.cur, self.merge, self.max)
+    }
+}
+
+struct SizeSink(Vec<u64>);
+
+impl PackSink for SizeSink {
+    fn piece(&mut self, _off: u64, _src: u64, _dst: u64, _len: u64) {}
+    fn close(&mut self, packed: u64) -> Result<(), PlanError> {
+        self.0.push(packed);
+        Ok(())
+    }
+}
+
 const fn align_up(x: u64) -> u64 {
     // Callers guarantee x <= max_chunk (a multiple of ALIGN), so no overflow.
     (x + (ALIGN - 1)) & !(ALIGN - 1)
@@ -326,79 +443,45 @@ impl TransferPlan {
         merge_runs: bool,
     ) -> Result<TransferPlan, PlanError> {
         let max = max_chunk_size_bytes;
-        if max < ALIGN {
-            return Err(PlanError::ChunkSizeTooSmall {
-                max_chunk_size_bytes: max,
-            });
-        }
-        if max % ALIGN != 0 {
-            return Err(PlanError::ChunkSizeMisaligned {
-                max_chunk_size_bytes: max,
-            });
-        }
+        check_chunk_size(max)?;
 
-        // Validation pass: overflow checks and a lower bound on the chunk
-        // count, before any allocation proportional to the output.
-        let mut total: u64 = 0;
-        for (index, d) in descs.iter().enumerate() {
-            if d.len == 0 {
-                continue;
-            }
-            if d.src.checked_add(d.len).is_none() || d.dst.checked_add(d.len).is_none() {
-                return Err(PlanError::AddressOverflow {
-                    index,
-                    descriptor: *d,
-                });
-            }
-            total = total
-                .checked_add(d.len)
-                .ok_or(PlanError::TotalBytesOverflow { index })?;
-        }
+        let total = validate(descs, max)?;
         let min_chunks = total.div_ceil(max);
-        if min_chunks > MAX_CHUNKS {
-            return Err(PlanError::TooManyChunks {
-                needed: min_chunks,
-                max_chunk_size_bytes: max,
-            });
-        }
-
         // Capacity hint: the lower bound, capped so a huge-but-legal request
         // does not pre-allocate absurdly.
-        let mut chunks: Vec<Chunk> = Vec::with_capacity(min_chunks.min(1 << 16) as usize);
-        let mut cur = OpenChunk::new(merge_runs);
-
-        for d in descs {
-            if d.len == 0 {
-                continue;
-            }
-            let mut done: u64 = 0;
-            while done < d.len {
-                let remaining = d.len - done;
-                let mut off = align_up(cur.cursor);
-                if off >= max {
-                    Self::close(&mut chunks, &mut cur, merge_runs, max)?;
-                    off = 0;
-                }
-                let space = max - off;
-                if remaining > space && remaining <= max && off > 0 {
-                    // Fits whole in a fresh chunk: do not split it.
-                    Self::close(&mut chunks, &mut cur, merge_runs, max)?;
-                    off = 0;
-                }
-                let take = remaining.min(max - off);
-                cur.place(off, d.src + done, d.dst + done, take);
-                done += take;
-            }
-        }
-        if cur.pieces > 0 {
-            Self::close(&mut chunks, &mut cur, merge_runs, max)?;
-        }
+        let mut sink = BuildSink {
+            chunks: Vec::with_capacity(min_chunks.min(1 << 16) as usize),
+            cur: OpenChunk::new(merge_runs),
+            merge: merge_runs,
+            max,
+        };
+        pack(descs, max, &mut sink)?;
         Ok(TransferPlan {
-            chunks,
+            chunks: sink.chunks,
             total_bytes: total,
             max_chunk_size_bytes: max,
             merged: merge_runs,
         })
+    }
+
+    /// The packed region size of every chunk [`TransferPlan::build`] would
+    /// make for `descs` (exactly its [`TransferPlan::chunk_bytes`], i.e. the
+    /// WANT's `chunk_bytes`), without building any run: packing depends on
+    /// descriptor lengths only. Lets a sender send its WANT before it spends
+    /// time on the runs. Cost: one pass, no allocation but the result.
+    ///
+    /// # Errors
+    /// As [`TransferPlan::build`], except [`PlanError::TooManyRuns`].
+    pub fn chunk_sizes(
+        descs: &[Descriptor],
+        max_chunk_size_bytes: u64,
+    ) -> Result<Vec<u64>, PlanError> {
+        let max = max_chunk_size_bytes;
+        check_chunk_size(max)?;
+        let total = validate(descs, max)?;
+        let mut sink = SizeSink(Vec::with_capacity(total.div_ceil(max).min(1 << 16) as usize));
+        pack(descs, max, &mut sink)?;
+        Ok(sink.0)
     }
 
     fn close(
@@ -475,6 +558,31 @@ mod tests {
 
     fn segs(runs: &[ScatterRun]) -> Vec<(u64, u64, u64)> {
         expand(runs).collect()
+    }
+
+    #[test]
+    fn chunk_sizes_validate_like_build() {
+        assert!(matches!(
+            TransferPlan::chunk_sizes(&dense(4, 64), 16),
+            Err(PlanError::ChunkSizeTooSmall { .. })
+        ));
+        assert!(matches!(
+            TransferPlan::chunk_sizes(&dense(4, 64), 100),
+            Err(PlanError::ChunkSizeMisaligned { .. })
+        ));
+        assert!(matches!(
+            TransferPlan::chunk_sizes(&[Descriptor::new(u64::MAX, 0, 2)], 4096),
+            Err(PlanError::AddressOverflow { index: 0, .. })
+        ));
+        assert_eq!(
+            TransferPlan::chunk_sizes(&[], 4096).unwrap(),
+            Vec::<u64>::new()
+        );
+        // 3 × 4 KiB into 8 KiB chunks: two whole descriptors, then one.
+        assert_eq!(
+            TransferPlan::chunk_sizes(&dense(3, 4 * KIB), 8 * KIB).unwrap(),
+            vec![8 * KIB, 4 * KIB]
+        );
     }
 
     #[test]

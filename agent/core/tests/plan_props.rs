@@ -221,6 +221,15 @@ proptest! {
     fn plan_round_trip(case in case()) {
         check(&case)?;
     }
+
+    /// The sizing pass a sender uses to send its WANT early gives exactly
+    /// the chunk sizes of the full plan (same packing rule).
+    #[test]
+    fn chunk_sizes_equal_the_plans(case in case()) {
+        let sizes = TransferPlan::chunk_sizes(&case.descs, case.max).expect("valid case");
+        let plan = TransferPlan::build(&case.descs, case.max, true).expect("valid case");
+        prop_assert_eq!(sizes, plan.chunk_bytes());
+    }
 }
 
 proptest! {

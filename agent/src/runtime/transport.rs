@@ -983,32 +983,49 @@ impl Io {
         };
         let remote_kind = route.kind;
         let t_plan = Instant::now();
-        let plan = match TransferPlan::build(
-            &descs,
-            self.settings.max_chunk_size_bytes,
-            self.settings.merge_runs,
-        ) {
-            Ok(p) => p,
+        // WANT first, from the cheap sizing pass (same packing rule as the
+        // plan): the receiver grants while we build the runs.
+        let sizes = match TransferPlan::chunk_sizes(&descs, self.settings.max_chunk_size_bytes) {
+            Ok(s) => s,
             Err(e) => return fail(&completion, &self.stats, format!("planning: {e}")),
         };
-        let total_bytes = plan.total_bytes;
-        let chunks = plan.into_chunks();
-        tracing::trace!(
-            rid,
-            chunks = chunks.len(),
-            plan_us = t_plan.elapsed().as_micros() as u64,
-            "planned"
-        );
-        if chunks.is_empty() {
+        if sizes.is_empty() {
             self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
             completion.resolve(TransferOutcome::Success);
             return;
         }
         let want = Message::Want(Want {
             request_id: rid,
-            chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
+            chunk_bytes: sizes,
             endpoint: self.endpoint.clone(),
         });
+        if !self.send(&peer, &want) {
+            return fail(&completion, &self.stats, "could not send WANT".into());
+        }
+        let plan = match TransferPlan::build(
+            &descs,
+            self.settings.max_chunk_size_bytes,
+            self.settings.merge_runs,
+        ) {
+            Ok(p) => p,
+            Err(e) => {
+                self.send_cancel(&peer, rid);
+                return fail(&completion, &self.stats, format!("planning: {e}"));
+            }
+        };
+        let total_bytes = plan.total_bytes;
+        let chunks = plan.into_chunks();
+        debug_assert!(
+            matches!(&want, Message::Want(w) if w.chunk_bytes.len() == chunks.len()
+                && w.chunk_bytes.iter().zip(&chunks).all(|(b, c)| *b == c.packed_bytes)),
+            "sizing pass and plan disagree"
+        );
+        tracing::trace!(
+            rid,
+            chunks = chunks.len(),
+            plan_us = t_plan.elapsed().as_micros() as u64,
+            "planned"
+        );
         let now = Instant::now();
         let gather_runs = chunks
             .iter()
@@ -1037,16 +1054,12 @@ impl Io {
                 next_stage: 0,
                 acked: 0,
                 total_bytes,
-                submitted_at: now,
+                submitted_at: t_plan,
                 first_grant: false,
                 last_progress: now,
                 completion,
             },
         );
-        if !self.send(&peer, &want) {
-            self.fail_request(rid, "could not send WANT".into());
-            return;
-        }
         self.pump(rid);
     }
 
