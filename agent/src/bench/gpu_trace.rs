@@ -22,7 +22,9 @@ use kvfabric_core::model::{KvLayout, TraceRecord};
 use kvfabric_core::Descriptor;
 
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
-use super::trace::{replay_with, BenchPath, BlockPool, HandOff, ReplayOptions, ReplayReport};
+use super::trace::{
+    check_prefill_path, replay_with, BenchPath, BlockPool, HandOff, ReplayOptions, ReplayReport,
+};
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
@@ -74,13 +76,7 @@ pub struct GpuHandOff<'a> {
 
 impl HandOff for GpuHandOff<'_> {
     fn check_path(&self, path: BenchPath) -> Result<(), String> {
-        if path == BenchPath::Bounce && self.prefill.transport().is_none() {
-            return Err(format!(
-                "bounce is not running on the prefill agent: {}",
-                self.prefill.bounce_unavailable.clone().unwrap_or_default()
-            ));
-        }
-        Ok(())
+        check_prefill_path(self.prefill, path)
     }
 
     fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {

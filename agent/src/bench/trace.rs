@@ -199,6 +199,35 @@ pub enum BenchPath {
     Standard,
 }
 
+impl std::str::FromStr for BenchPath {
+    type Err = String;
+
+    /// `bounce` or `standard` (surrounding spaces ignored).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "bounce" => Ok(Self::Bounce),
+            "standard" => Ok(Self::Standard),
+            other => Err(format!(
+                "--paths: expected bounce and/or standard, got {other:?}"
+            )),
+        }
+    }
+}
+
+/// Checks that `path` can run from `prefill` (bounce needs its transport).
+///
+/// # Errors
+/// Why bounce is not running on the prefill agent.
+pub fn check_prefill_path(prefill: &FabricAgent, path: BenchPath) -> Result<(), String> {
+    if path == BenchPath::Bounce && prefill.transport().is_none() {
+        return Err(format!(
+            "bounce is not running on the prefill agent: {}",
+            prefill.bounce_unavailable.clone().unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
 /// Options of a replay.
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
@@ -327,13 +356,7 @@ pub struct LocalHandOff<'a> {
 
 impl HandOff for LocalHandOff<'_> {
     fn check_path(&self, path: BenchPath) -> Result<(), String> {
-        if path == BenchPath::Bounce && self.prefill.transport().is_none() {
-            return Err(format!(
-                "bounce is not running on the prefill agent: {}",
-                self.prefill.bounce_unavailable.clone().unwrap_or_default()
-            ));
-        }
-        Ok(())
+        check_prefill_path(self.prefill, path)
     }
 
     fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
@@ -626,3 +649,16 @@ impl ReplayReport {
 
 /// Shared handle type for the CLI.
 pub type SharedPool = Arc<KvPool>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_paths_parse_by_name() {
+        assert_eq!(" bounce".parse::<BenchPath>(), Ok(BenchPath::Bounce));
+        assert_eq!("standard".parse::<BenchPath>(), Ok(BenchPath::Standard));
+        let e = "both".parse::<BenchPath>().unwrap_err();
+        assert!(e.contains("--paths") && e.contains("\"both\""), "{e}");
+    }
+}

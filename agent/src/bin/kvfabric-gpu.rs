@@ -323,13 +323,7 @@ fn gpu_bench(a: GpuBenchArgs) -> Result<(), String> {
     let paths = a
         .paths
         .iter()
-        .map(|p| match p.trim() {
-            "bounce" => Ok(BenchPath::Bounce),
-            "standard" => Ok(BenchPath::Standard),
-            other => Err(format!(
-                "--paths: expected bounce and/or standard, got {other:?}"
-            )),
-        })
+        .map(|p| p.parse::<BenchPath>())
         .collect::<Result<Vec<_>, _>>()?;
     let text = std::fs::read_to_string(&a.trace)
         .map_err(|e| format!("--trace {}: {e}", a.trace.display()))?;

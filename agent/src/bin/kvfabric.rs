@@ -272,13 +272,7 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     let paths = a
         .paths
         .iter()
-        .map(|p| match p.trim() {
-            "bounce" => Ok(BenchPath::Bounce),
-            "standard" => Ok(BenchPath::Standard),
-            other => Err(format!(
-                "--paths: expected bounce and/or standard, got {other:?}"
-            )),
-        })
+        .map(|p| p.parse::<BenchPath>())
         .collect::<Result<Vec<_>, _>>()?;
     let trace_path = a.trace.clone().unwrap_or_else(default_trace);
     let text = std::fs::read_to_string(&trace_path)

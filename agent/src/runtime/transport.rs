@@ -888,24 +888,14 @@ impl Io {
                 if r.is_ok() {
                     // A (re)added peer may sit behind another transport now:
                     // probe it afresh.
-                    self.probes.remove(&peer);
-                    self.stats
-                        .transport_reports
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&peer);
+                    self.drop_transport_report(&peer);
                     self.peers.insert(peer, PeerRoute { kind });
                 }
                 let _ = reply.send(r);
             }
             Command::ForgetPeer { peer, reply } => {
                 self.forget_peer(&peer);
-                self.probes.remove(&peer);
-                self.stats
-                    .transport_reports
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&peer);
+                self.drop_transport_report(&peer);
                 let _ = reply.send(());
             }
             Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
@@ -1325,6 +1315,16 @@ impl Io {
             self.pump(rid);
         }
         self.schedule_and_send();
+    }
+
+    /// Forgets `peer`'s transport probe and report.
+    fn drop_transport_report(&mut self, peer: &str) {
+        self.probes.remove(peer);
+        self.stats
+            .transport_reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(peer);
     }
 
     /// Feeds one landed chunk write to `peer`'s transport probe; after
