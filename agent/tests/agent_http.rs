@@ -602,7 +602,7 @@ fn agent_binary_becomes_ready_and_exits_zero_on_sigterm() {
             let status = child.wait().unwrap();
             let err = err_thread.join().unwrap();
             if err.contains("NIXL runtime") {
-                eprintln!("SKIP: NIXL runtime not available: {err}");
+                common::skip(&format!("NIXL runtime not available: {err}"));
                 return;
             }
             panic!("agent never announced its address ({status}); stderr:\n{err}");

@@ -2,6 +2,8 @@
 //! message can't be sent"): ZMQ over 127.0.0.1 and NIXL notifications
 //! between two in-process agents.
 
+mod common;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -348,7 +350,7 @@ fn engine(tag: &str) -> Option<Arc<dyn TransferEngine>> {
     match NixlTransferEngine::new(&unique(tag)) {
         Ok(e) => Some(Arc::new(e)),
         Err(EngineError::Runtime(e)) => {
-            eprintln!("SKIP NIXL control channel test: {e}");
+            common::skip(&format!("NIXL control channel test: {e}"));
             None
         }
         Err(e) => panic!("NIXL engine: {e}"),

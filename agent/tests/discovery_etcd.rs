@@ -7,18 +7,16 @@
 //!
 //! Set `KVFABRIC_ETCD_BIN` to pick the etcd binary (default: `etcd` on the
 //! PATH, then /usr/bin/etcd). Without one every test prints
-//! "SKIP: etcd not installed" and passes.
+//! "SKIP: etcd not installed" and passes (fails instead under `.ci/run`,
+//! which installs etcd and sets `KVFABRIC_REQUIRE_SERVICES`).
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::etcd::Etcd;
 use common::*;
 use crossbeam_channel::Receiver;
 use kvfabric_agent::runtime::fabric::{FabricAgent, PathKind};
@@ -30,172 +28,6 @@ use kvfabric_agent::service::discovery::{
 
 const BLOCK: usize = 4096;
 const SLOTS: usize = 256;
-
-// ---------------------------------------------------------------- etcd ----
-
-/// A single-member etcd on free loopback ports with its own data dir.
-struct Etcd {
-    bin: PathBuf,
-    dir: PathBuf,
-    client_port: u16,
-    peer_port: u16,
-    child: Option<Child>,
-}
-
-fn etcd_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KVFABRIC_ETCD_BIN") {
-        let p = PathBuf::from(p);
-        return p.is_file().then_some(p);
-    }
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("etcd"))
-            .find(|p| p.is_file())
-    });
-    on_path.or_else(|| {
-        let p = PathBuf::from("/usr/bin/etcd");
-        p.is_file().then_some(p)
-    })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Etcd {
-    /// Starts etcd, or `None` (after printing SKIP) when it is not installed.
-    fn start(test: &str) -> Option<Self> {
-        init_tracing();
-        let Some(bin) = etcd_bin() else {
-            eprintln!("SKIP: etcd not installed");
-            return None;
-        };
-        let dir = std::env::temp_dir().join(format!(
-            "kvfabric-etcd-{test}-{}-{}",
-            std::process::id(),
-            Incarnation::generate()
-        ));
-        let mut e = Self {
-            bin,
-            dir,
-            client_port: free_port(),
-            peer_port: free_port(),
-            child: None,
-        };
-        e.spawn();
-        Some(e)
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// (Re)starts the process on the same ports and data dir; waits (≤ 20 s)
-    /// until `/health` says true.
-    fn spawn(&mut self) {
-        assert!(self.child.is_none());
-        let client = self.endpoint();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(&self.bin)
-            .args(["--name", "t", "--data-dir"])
-            .arg(self.dir.join("data"))
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-                "--initial-cluster",
-                &format!("t={peer}"),
-                "--logger",
-                "zap",
-                "--log-level",
-                "error",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning etcd");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !self.healthy() {
-            assert!(Instant::now() < deadline, "etcd not healthy within 20 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn healthy(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect_timeout(
-            &format!("127.0.0.1:{}", self.client_port).parse().unwrap(),
-            Duration::from_millis(200),
-        ) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .is_err()
-        {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body.contains("\"health\":\"true\"")
-    }
-
-    /// SIGKILL (a crash, no graceful anything) and reap.
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Deletes all of etcd's data (must be stopped).
-    fn wipe(&self) {
-        assert!(self.child.is_none());
-        let _ = std::fs::remove_dir_all(self.dir.join("data"));
-    }
-
-    /// Runs `f` with a plain etcd client (the tests' "external actor").
-    fn with_client<T>(
-        &self,
-        f: impl for<'a> FnOnce(
-            &'a mut etcd_client::Client,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<T, etcd_client::Error>> + 'a>,
-        >,
-    ) -> T {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let ep = self.endpoint();
-        rt.block_on(async move {
-            tokio::time::timeout(Duration::from_secs(10), async move {
-                let mut c = etcd_client::Client::connect([ep], None).await?;
-                f(&mut c).await
-            })
-            .await
-            .expect("etcd client call within 10 s")
-            .expect("etcd client call")
-        })
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 // ------------------------------------------------------------- helpers ----
 

@@ -7,16 +7,20 @@
 //!
 //! Set `KVFABRIC_ETCD_BIN` to pick the etcd binary (default: `etcd` on the
 //! PATH, then /usr/bin/etcd). Without one the test prints
-//! "SKIP: etcd not installed" and passes.
+//! "SKIP: etcd not installed" and passes (fails instead under `.ci/run`,
+//! which installs etcd and sets `KVFABRIC_REQUIRE_SERVICES`).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::etcd::Etcd;
 use kvfabric_agent::bench::remote::{http_json, lookup_agents, RemoteAgent};
 use serde_json::{json, Value};
 
@@ -25,30 +29,6 @@ use serde_json::{json, Value};
 const TRACE_START: usize = 8087;
 const TRACE_LENGTHS: [u64; 6] = [909, 897, 900, 896, 895, 1459];
 const REQUESTS: usize = TRACE_LENGTHS.len();
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn etcd_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KVFABRIC_ETCD_BIN") {
-        let p = PathBuf::from(p);
-        return p.is_file().then_some(p);
-    }
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("etcd"))
-            .find(|p| p.is_file())
-    });
-    on_path.or_else(|| {
-        let p = PathBuf::from("/usr/bin/etcd");
-        p.is_file().then_some(p)
-    })
-}
 
 /// A child process killed (and reaped) on drop unless already waited for.
 struct Proc {
@@ -88,84 +68,6 @@ impl Drop for Proc {
             let _ = c.wait();
         }
     }
-}
-
-/// A single-member etcd on free loopback ports with its own data dir,
-/// healthy (≤ 20 s) once returned.
-struct Etcd {
-    endpoint: String,
-    dir: PathBuf,
-    _proc: Proc,
-}
-
-impl Etcd {
-    fn start(dir: &Path) -> Option<Self> {
-        let Some(bin) = etcd_bin() else {
-            eprintln!("SKIP: etcd not installed");
-            return None;
-        };
-        let (cport, pport) = (free_port(), free_port());
-        let client = format!("http://127.0.0.1:{cport}");
-        let peer = format!("http://127.0.0.1:{pport}");
-        let dir = dir.join("etcd");
-        let child = Command::new(bin)
-            .args(["--name", "t", "--data-dir"])
-            .arg(&dir)
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-                "--initial-cluster",
-                &format!("t={peer}"),
-                "--logger",
-                "zap",
-                "--log-level",
-                "error",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning etcd");
-        let e = Self {
-            endpoint: client,
-            dir,
-            _proc: Proc { child: Some(child) },
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !healthy(cport) {
-            assert!(Instant::now() < deadline, "etcd not healthy within 20 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(e)
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn healthy(port: u16) -> bool {
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body.contains("\"health\":\"true\"")
 }
 
 /// A running `kvfabric agent` with its announced address and stderr.
@@ -297,17 +199,17 @@ fn two_agents_etcd_and_bench_client_move_a_trace_slice_byte_exact() {
     let dir = std::env::temp_dir().join(format!("kvfabric-distributed-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let Some(etcd) = Etcd::start(&dir) else {
+    let Some(etcd) = Etcd::start("dist") else {
         return;
     };
     let fabric = format!("dist-{}", std::process::id());
-    let mut prefill = Agent::spawn(&etcd.endpoint, &fabric, "prefill", "prefill");
-    let mut decode = Agent::spawn(&etcd.endpoint, &fabric, "decode", "decode");
+    let mut prefill = Agent::spawn(&etcd.endpoint(), &fabric, "prefill", "prefill");
+    let mut decode = Agent::spawn(&etcd.endpoint(), &fabric, "decode", "decode");
     for a in [&mut prefill, &mut decode] {
         if a.addr.recv_timeout(Duration::from_secs(30)).is_err() {
             let err = a.kill_and_log();
             if err.contains("NIXL runtime") {
-                eprintln!("SKIP: NIXL runtime not available: {err}");
+                common::skip(&format!("NIXL runtime not available: {err}"));
                 return;
             }
             panic!("agent never announced its address; stderr:\n{err}");
@@ -317,7 +219,7 @@ fn two_agents_etcd_and_bench_client_move_a_trace_slice_byte_exact() {
     let (trace, start) = trace(&dir);
     let json = dir.join("report.json");
     let bench = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-        .args(["bench", "--etcd", &etcd.endpoint, "--fabric", &fabric])
+        .args(["bench", "--etcd", &etcd.endpoint(), "--fabric", &fabric])
         .args(["--prefill", "prefill", "--decode", "decode"])
         .arg("--trace")
         .arg(&trace)
@@ -384,7 +286,7 @@ fn two_agents_etcd_and_bench_client_move_a_trace_slice_byte_exact() {
     );
     assert!(out.contains("bounce / standard"), "{out}");
 
-    debug_transfer_api(&etcd.endpoint, &fabric);
+    debug_transfer_api(&etcd.endpoint(), &fabric);
 
     for (who, a) in [("prefill", &mut prefill), ("decode", &mut decode)] {
         let (status, log) = a.terminate();

@@ -4,13 +4,15 @@
 //! and the child verifies every byte of every transfer (a mismatch makes
 //! the bench exit non-zero).
 
+mod common;
+
 use std::process::Command;
 
 #[test]
 fn bounce_between_two_processes_is_byte_exact() {
     let nixl = kvfabric_agent::runtime::nixl_runtime::ensure_loaded();
     if let Err(e) = nixl {
-        eprintln!("SKIP: NIXL runtime not available: {e}");
+        common::skip(&format!("NIXL runtime not available: {e}"));
         return;
     }
     let json = std::env::temp_dir().join(format!("kvfabric-2p-{}.json", std::process::id()));

@@ -2,6 +2,8 @@
 //! real NIXL (loopback) with host KV pools, pattern fill and verification.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -80,11 +82,25 @@ pub fn agent(label: &str, cfg: &BounceConfig, pools: &[&Pool]) -> Option<FabricA
     }) {
         Ok(a) => Some(a),
         Err(EngineError::Runtime(e)) => {
-            eprintln!("SKIP: NIXL runtime not available: {e}");
+            skip(&format!("NIXL runtime not available: {e}"));
             None
         }
         Err(e) => panic!("creating fabric agent: {e}"),
     }
+}
+
+/// Set by `.ci/run`: a missing service or runtime (etcd, NIXL) fails the
+/// test instead of skipping it — CI installs them, so a skip there would
+/// hide a broken install step.
+pub const REQUIRE_ENV: &str = "KVFABRIC_REQUIRE_SERVICES";
+
+/// Prints `SKIP: why` (the caller then returns), or panics when
+/// [`REQUIRE_ENV`] is set.
+pub fn skip(why: &str) {
+    if std::env::var_os(REQUIRE_ENV).is_some() {
+        panic!("{why} (required here: {REQUIRE_ENV} is set)");
+    }
+    eprintln!("SKIP: {why}");
 }
 
 /// Loads each agent into the other.
@@ -102,6 +118,7 @@ pub fn pattern(seed: u64, i: u64) -> u8 {
 }
 
 /// A permutation of `n` slots (the bench's, deterministic per seed).
+#[allow(unused_imports)] // not every test crate uses it
 pub use kvfabric_agent::bench::pattern::permutation;
 
 /// `count` blocks of `block` bytes: src slot `src_base + i` → dst slot
