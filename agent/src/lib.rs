@@ -18,3 +18,15 @@ pub use kvfabric_core as core;
 pub mod bench;
 pub mod runtime;
 pub mod service;
+
+/// Human-readable logs on stderr for the CLI tools, filtered by
+/// `KVFABRIC_LOG` (tracing `EnvFilter` syntax; default `warn`). Idempotent.
+/// (The agent daemon configures its own structured logs.)
+pub fn init_cli_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

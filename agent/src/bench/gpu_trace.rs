@@ -12,7 +12,6 @@
 //! checked on the decode GPU by the pattern kernels (`kernels/pattern.cu`,
 //! the child's `CHECK` command), outside the timed window.
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -168,15 +167,7 @@ fn run_in(
     let mut config = opts.config.clone();
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let args: Vec<OsString> = vec![
-        "--device".into(),
-        opts.peer_device.to_string().into(),
-        "vram-peer".into(),
-        "--dir".into(),
-        dir.as_os_str().to_owned(),
-        "--pool-bytes".into(),
-        bytes.to_string().into(),
-    ];
+    let args = super::vram::peer_args(opts.peer_device, dir, bytes);
     let peer = PeerProcess::spawn_args(exe, &args, &config.to_env_vars())?;
     let (rdesc, rpool, rlen) = read_descriptor(&peer.descriptor)?;
     if rlen < bytes {

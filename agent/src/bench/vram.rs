@@ -180,6 +180,20 @@ fn copy_choice(gpu: &Arc<CudaGpu>, copy: CudaCopyConfig) -> ArenaChoice {
     }
 }
 
+/// Command-line arguments that start `kvfabric-gpu vram-peer` on GPU
+/// `device` with a `pool_bytes` pool, writing its descriptor into `dir`.
+pub(crate) fn peer_args(device: usize, dir: &Path, pool_bytes: u64) -> Vec<OsString> {
+    vec![
+        "--device".into(),
+        device.to_string().into(),
+        "vram-peer".into(),
+        "--dir".into(),
+        dir.as_os_str().to_owned(),
+        "--pool-bytes".into(),
+        pool_bytes.to_string().into(),
+    ]
+}
+
 /// The receiver process (`kvfabric-gpu vram-peer`): a fabric agent with a
 /// GPU arena and a `pool_bytes` GPU pool on `gpu`, driven over stdin/stdout.
 /// The bounce config comes from `KVFABRIC_BOUNCE_*`.
@@ -354,15 +368,7 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
     for (ci, config) in opts.configs.iter().enumerate() {
         let eff = config.validate().map_err(|e| e.to_string())?;
         let chunk = eff.max_chunk_size_bytes();
-        let args: Vec<OsString> = vec![
-            "--device".into(),
-            opts.peer_device.to_string().into(),
-            "vram-peer".into(),
-            "--dir".into(),
-            dir.as_os_str().to_owned(),
-            "--pool-bytes".into(),
-            total.to_string().into(),
-        ];
+        let args = peer_args(opts.peer_device, &dir, total);
         let mut peer = PeerProcess::spawn_args(exe, &args, &config.to_env_vars())?;
         let (rdesc, rpool, rlen) = read_descriptor(&peer.descriptor)?;
         if rlen < total {

@@ -183,17 +183,8 @@ enum Cmd {
     },
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 fn main() -> ExitCode {
-    init_tracing();
+    kvfabric_agent::init_cli_logs();
     let cli = Cli::parse();
     if let Cmd::Compile { arch, out } = &cli.cmd {
         return compile(*arch, out.as_ref());

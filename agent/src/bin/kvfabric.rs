@@ -489,19 +489,10 @@ fn byte_size(s: &str) -> Result<u64, String> {
     parse_byte_size(s).map_err(|e| format!("{s:?}: {e}"))
 }
 
-fn init_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if !matches!(cli.cmd, Cmd::Agent(_)) {
-        init_logs();
+        kvfabric_agent::init_cli_logs();
     }
     let result = match cli.cmd {
         Cmd::Agent(a) => run_agent(a),
