@@ -93,6 +93,17 @@ pub enum PlanError {
         /// The chunk cap in bytes.
         max_chunk_size_bytes: u64,
     },
+    /// A [`ChunkBound`] given to [`TransferPlan::build_chunk`] does not
+    /// point at a byte of `descs` (it came from another descriptor list).
+    #[error("chunk bound starts at descriptor #{first_desc} + {first_done} bytes, outside the {descriptors} descriptors given")]
+    BoundOutOfRange {
+        /// The bound's first descriptor.
+        first_desc: usize,
+        /// The bound's offset into it.
+        first_done: u64,
+        /// Descriptors given.
+        descriptors: usize,
+    },
     /// One chunk has more runs than a DATA message can count (`u32`).
     #[error("chunk {chunk} has {runs} runs, more than a u32 entry count allows")]
     TooManyRuns {
@@ -172,10 +183,12 @@ struct RunBuilder {
 }
 
 impl RunBuilder {
-    fn new(merge: bool) -> Self {
+    /// `capacity`: runs to reserve up front (an estimate; growing a
+    /// 16,384-run vector by doubling re-copies and re-faults it).
+    fn new(merge: bool, capacity: usize) -> Self {
         Self {
             merge,
-            runs: Vec::new(),
+            runs: Vec::with_capacity(capacity),
             open: None,
         }
     }
@@ -260,6 +273,11 @@ impl RunBuilder {
 
     fn finish(mut self) -> Vec<ScatterRun> {
         self.close_open();
+        // Merged runs can be far fewer than the reserved estimate: give
+        // the excess back (an in-place shrink, not a copy).
+        if self.runs.capacity() > 2 * self.runs.len() + 64 {
+            self.runs.shrink_to_fit();
+        }
         self.runs
     }
 }
@@ -275,13 +293,13 @@ struct OpenChunk {
 }
 
 impl OpenChunk {
-    fn new(merge: bool) -> Self {
+    fn new(merge: bool, capacity: usize) -> Self {
         Self {
             cursor: 0,
             payload: 0,
             pieces: 0,
-            scatter: RunBuilder::new(merge),
-            gather: RunBuilder::new(merge),
+            scatter: RunBuilder::new(merge, capacity),
+            gather: RunBuilder::new(merge, capacity),
         }
     }
 
@@ -339,40 +357,54 @@ fn validate(descs: &[Descriptor], max: u64) -> Result<u64, PlanError> {
 
 /// Receives the packer's decisions.
 trait PackSink {
-    /// A piece of `len` bytes at region offset `off` (from `src`, to `dst`).
-    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64);
+    /// A piece of `len` bytes at region offset `off` (from `src`, to `dst`),
+    /// cut from descriptor `desc` starting `done` bytes into it.
+    fn piece(&mut self, desc: usize, done: u64, off: u64, src: u64, dst: u64, len: u64);
     /// The current chunk is complete; `packed` is one past its last byte.
-    fn close(&mut self, packed: u64) -> Result<(), PlanError>;
+    /// `Ok(false)` stops the packer (a single-chunk build).
+    fn close(&mut self, packed: u64) -> Result<bool, PlanError>;
 }
 
-/// The packing rule, shared by [`TransferPlan::build`] and
-/// [`TransferPlan::chunk_sizes`] so the two can never disagree: pieces at
-/// 32-byte aligned offsets; a descriptor that fits a fresh chunk is never
-/// split; a larger one is split at chunk boundaries; zero-length ones are
-/// skipped.
-fn pack(descs: &[Descriptor], max: u64, sink: &mut impl PackSink) -> Result<(), PlanError> {
+/// The packing rule, shared by [`TransferPlan::build`],
+/// [`TransferPlan::chunk_bounds`] and [`TransferPlan::build_chunk`] so they
+/// can never disagree: pieces at 32-byte aligned offsets; a descriptor that
+/// fits a fresh chunk is never split; a larger one is split at chunk
+/// boundaries; zero-length ones are skipped. Starts a fresh chunk at
+/// descriptor `first_desc`, `first_done` bytes into it.
+fn pack(
+    descs: &[Descriptor],
+    first_desc: usize,
+    first_done: u64,
+    max: u64,
+    sink: &mut impl PackSink,
+) -> Result<(), PlanError> {
     let mut cursor: u64 = 0;
     let mut pieces: u64 = 0;
-    for d in descs {
+    let mut done_first = first_done;
+    for (k, d) in descs.iter().enumerate().skip(first_desc) {
+        let mut done = std::mem::take(&mut done_first);
         if d.len == 0 {
             continue;
         }
-        let mut done: u64 = 0;
         while done < d.len {
             let remaining = d.len - done;
             let mut off = align_up(cursor);
             if off >= max {
-                sink.close(cursor)?;
+                if !sink.close(cursor)? {
+                    return Ok(());
+                }
                 (pieces, off) = (0, 0);
             }
             let space = max - off;
             if remaining > space && remaining <= max && off > 0 {
                 // Fits whole in a fresh chunk: do not split it.
-                sink.close(cursor)?;
+                if !sink.close(cursor)? {
+                    return Ok(());
+                }
                 (pieces, off) = (0, 0);
             }
             let take = remaining.min(max - off);
-            sink.piece(off, d.src + done, d.dst + done, take);
+            sink.piece(k, done, off, d.src + done, d.dst + done, take);
             cursor = off + take;
             pieces += 1;
             done += take;
@@ -384,30 +416,81 @@ fn pack(descs: &[Descriptor], max: u64, sink: &mut impl PackSink) -> Result<(), 
     Ok(())
 }
 
+/// Where one chunk of a plan starts in the descriptor list and what it
+/// holds, from [`TransferPlan::chunk_bounds`] (no runs built). Enough to
+/// size its region and WANT, and to build its runs alone later with
+/// [`TransferPlan::build_chunk`] (e.g. on a copy worker, in parallel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkBound {
+    /// Position of the chunk in the plan (its `chunk_index`).
+    pub index: u32,
+    /// Index of the descriptor holding the chunk's first piece.
+    pub first_desc: usize,
+    /// Bytes into that descriptor where the first piece starts (non-zero
+    /// only when a descriptor larger than a chunk was split).
+    pub first_done: u64,
+    /// As [`Chunk::packed_bytes`].
+    pub packed_bytes: u64,
+    /// As [`Chunk::payload_bytes`].
+    pub payload_bytes: u64,
+    /// As [`Chunk::pieces`].
+    pub pieces: u64,
+}
+
 struct BuildSink {
     chunks: Vec<Chunk>,
     cur: OpenChunk,
     merge: bool,
     max: u64,
+    /// Stop after the first chunk ([`TransferPlan::build_chunk`]).
+    single: bool,
 }
 
 impl PackSink for BuildSink {
-    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
+    fn piece(&mut self, _desc: usize, _done: u64, off: u64, src: u64, dst: u64, len: u64) {
         self.cur.place(off, src, dst, len);
     }
-    fn close(&mut self, packed: u64) -> Result<(), PlanError> {
+    fn close(&mut self, packed: u64) -> Result<bool, PlanError> {
         debug_assert_eq!(packed, self.cur.cursor);
-        TransferPlan::close(&mut self.chunks, &mut self.cur, self.merge, self.max)
+        TransferPlan::close(&mut self.chunks, &mut self.cur, self.merge, self.max)?;
+        Ok(!self.single)
     }
 }
 
-struct SizeSink(Vec<u64>);
+/// Records each chunk's start and totals (no runs).
+struct BoundSink {
+    bounds: Vec<ChunkBound>,
+    /// The open chunk (`packed_bytes` set at close).
+    cur: Option<ChunkBound>,
+    max: u64,
+}
 
-impl PackSink for SizeSink {
-    fn piece(&mut self, _off: u64, _src: u64, _dst: u64, _len: u64) {}
-    fn close(&mut self, packed: u64) -> Result<(), PlanError> {
-        self.0.push(packed);
-        Ok(())
+impl PackSink for BoundSink {
+    fn piece(&mut self, desc: usize, done: u64, _off: u64, _src: u64, _dst: u64, len: u64) {
+        let index = self.bounds.len() as u32;
+        let b = self.cur.get_or_insert(ChunkBound {
+            index,
+            first_desc: desc,
+            first_done: done,
+            packed_bytes: 0,
+            payload_bytes: 0,
+            pieces: 0,
+        });
+        b.payload_bytes += len;
+        b.pieces += 1;
+    }
+    fn close(&mut self, packed: u64) -> Result<bool, PlanError> {
+        if let Some(mut b) = self.cur.take() {
+            if u32::try_from(self.bounds.len()).is_err() {
+                return Err(PlanError::TooManyChunks {
+                    needed: self.bounds.len() as u64 + 1,
+                    max_chunk_size_bytes: self.max,
+                });
+            }
+            b.packed_bytes = packed;
+            self.bounds.push(b);
+        }
+        Ok(true)
     }
 }
 
@@ -449,13 +532,18 @@ impl TransferPlan {
         let min_chunks = total.div_ceil(max);
         // Capacity hint: the lower bound, capped so a huge-but-legal request
         // does not pre-allocate absurdly.
+        // Runs per chunk, estimated from the mean descriptor length (the
+        // next chunks reuse the previous chunk's piece count).
+        let mean_len = (total / descs.len().max(1) as u64).max(1);
+        let first = (max / mean_len + 1).min(descs.len() as u64).min(1 << 20) as usize;
         let mut sink = BuildSink {
             chunks: Vec::with_capacity(min_chunks.min(1 << 16) as usize),
-            cur: OpenChunk::new(merge_runs),
+            cur: OpenChunk::new(merge_runs, first),
             merge: merge_runs,
             max,
+            single: false,
         };
-        pack(descs, max, &mut sink)?;
+        pack(descs, 0, 0, max, &mut sink)?;
         Ok(TransferPlan {
             chunks: sink.chunks,
             total_bytes: total,
@@ -466,9 +554,8 @@ impl TransferPlan {
 
     /// The packed region size of every chunk [`TransferPlan::build`] would
     /// make for `descs` (exactly its [`TransferPlan::chunk_bytes`], i.e. the
-    /// WANT's `chunk_bytes`), without building any run: packing depends on
-    /// descriptor lengths only. Lets a sender send its WANT before it spends
-    /// time on the runs. Cost: one pass, no allocation but the result.
+    /// WANT's `chunk_bytes`), without building any run. See
+    /// [`TransferPlan::chunk_bounds`].
     ///
     /// # Errors
     /// As [`TransferPlan::build`], except [`PlanError::TooManyRuns`].
@@ -476,12 +563,91 @@ impl TransferPlan {
         descs: &[Descriptor],
         max_chunk_size_bytes: u64,
     ) -> Result<Vec<u64>, PlanError> {
+        Ok(Self::chunk_bounds(descs, max_chunk_size_bytes)?
+            .iter()
+            .map(|b| b.packed_bytes)
+            .collect())
+    }
+
+    /// Every chunk [`TransferPlan::build`] would make for `descs`, as
+    /// [`ChunkBound`]s: where it starts in `descs`, its packed region size
+    /// (the WANT's `chunk_bytes`), payload and piece count — without
+    /// building any run (packing depends on descriptor lengths only). Lets
+    /// a sender send its WANT first and build each chunk's runs with
+    /// [`TransferPlan::build_chunk`] where and when it is gathered. Cost:
+    /// one pass over `descs`, no allocation but the result (40 bytes per
+    /// chunk).
+    ///
+    /// # Errors
+    /// As [`TransferPlan::build`], except [`PlanError::TooManyRuns`].
+    pub fn chunk_bounds(
+        descs: &[Descriptor],
+        max_chunk_size_bytes: u64,
+    ) -> Result<Vec<ChunkBound>, PlanError> {
         let max = max_chunk_size_bytes;
         check_chunk_size(max)?;
         let total = validate(descs, max)?;
-        let mut sink = SizeSink(Vec::with_capacity(total.div_ceil(max).min(1 << 16) as usize));
-        pack(descs, max, &mut sink)?;
-        Ok(sink.0)
+        let mut sink = BoundSink {
+            bounds: Vec::with_capacity(total.div_ceil(max).min(1 << 16) as usize),
+            cur: None,
+            max,
+        };
+        pack(descs, 0, 0, max, &mut sink)?;
+        Ok(sink.bounds)
+    }
+
+    /// Builds the one chunk `bound` describes: exactly the chunk
+    /// `TransferPlan::build(descs, max_chunk_size_bytes, merge_runs)` has
+    /// at `bound.index` (property-tested), in time proportional to the
+    /// chunk's pieces. `bound` must come from
+    /// [`TransferPlan::chunk_bounds`] over the same `descs` and cap (the
+    /// input was validated there).
+    ///
+    /// # Errors
+    /// [`PlanError::ChunkSizeTooSmall`] / [`PlanError::ChunkSizeMisaligned`]
+    /// for a bad cap; [`PlanError::TooManyRuns`] as in
+    /// [`TransferPlan::build`]; [`PlanError::BoundOutOfRange`] if `bound`
+    /// does not point into `descs`.
+    pub fn build_chunk(
+        descs: &[Descriptor],
+        bound: &ChunkBound,
+        max_chunk_size_bytes: u64,
+        merge_runs: bool,
+    ) -> Result<Chunk, PlanError> {
+        let max = max_chunk_size_bytes;
+        check_chunk_size(max)?;
+        if descs
+            .get(bound.first_desc)
+            .is_none_or(|d| bound.first_done >= d.len)
+        {
+            return Err(PlanError::BoundOutOfRange {
+                first_desc: bound.first_desc,
+                first_done: bound.first_done,
+                descriptors: descs.len(),
+            });
+        }
+        let capacity = bound.pieces.min(1 << 20) as usize;
+        let mut sink = BuildSink {
+            chunks: Vec::with_capacity(1),
+            cur: OpenChunk::new(merge_runs, capacity),
+            merge: merge_runs,
+            max,
+            single: true,
+        };
+        pack(descs, bound.first_desc, bound.first_done, max, &mut sink).map_err(|e| match e {
+            PlanError::TooManyRuns { runs, .. } => PlanError::TooManyRuns {
+                chunk: bound.index,
+                runs,
+            },
+            other => other,
+        })?;
+        let mut chunk = sink.chunks.pop().ok_or(PlanError::BoundOutOfRange {
+            first_desc: bound.first_desc,
+            first_done: bound.first_done,
+            descriptors: descs.len(),
+        })?;
+        chunk.index = bound.index;
+        Ok(chunk)
     }
 
     fn close(
@@ -490,7 +656,8 @@ impl TransferPlan {
         merge: bool,
         max: u64,
     ) -> Result<(), PlanError> {
-        let open = std::mem::replace(cur, OpenChunk::new(merge));
+        let next_capacity = cur.pieces.min(1 << 20) as usize;
+        let open = std::mem::replace(cur, OpenChunk::new(merge, next_capacity));
         let index = u32::try_from(chunks.len()).map_err(|_| PlanError::TooManyChunks {
             needed: chunks.len() as u64 + 1,
             max_chunk_size_bytes: max,
@@ -582,6 +749,36 @@ mod tests {
         assert_eq!(
             TransferPlan::chunk_sizes(&dense(3, 4 * KIB), 8 * KIB).unwrap(),
             vec![8 * KIB, 4 * KIB]
+        );
+    }
+
+    #[test]
+    fn build_chunk_rejects_a_bound_from_another_list() {
+        let d = dense(8, 4 * KIB);
+        let bounds = TransferPlan::chunk_bounds(&d, 8 * KIB).unwrap();
+        assert_eq!(bounds.len(), 4);
+        assert_eq!((bounds[3].first_desc, bounds[3].first_done), (6, 0));
+        let err = TransferPlan::build_chunk(&d[..4], &bounds[3], 8 * KIB, true).unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::BoundOutOfRange {
+                first_desc: 6,
+                first_done: 0,
+                descriptors: 4
+            }
+        );
+        assert!(err.to_string().contains("outside the 4 descriptors"));
+        // A split descriptor: 20 KiB into 8 KiB chunks starts chunks at
+        // 0, 8 and 16 KiB into it.
+        let big = [Descriptor::new(0x1000, 0x9000, 20 * KIB)];
+        let b = TransferPlan::chunk_bounds(&big, 8 * KIB).unwrap();
+        let starts: Vec<_> = b.iter().map(|b| (b.first_desc, b.first_done)).collect();
+        assert_eq!(starts, vec![(0, 0), (0, 8 * KIB), (0, 16 * KIB)]);
+        let last = TransferPlan::build_chunk(&big, &b[2], 8 * KIB, true).unwrap();
+        assert_eq!(last.index, 2);
+        assert_eq!(
+            segs(&last.gather_runs),
+            vec![(0, 0x1000 + 16 * KIB, 4 * KIB)]
         );
     }
 

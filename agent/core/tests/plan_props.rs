@@ -230,6 +230,25 @@ proptest! {
         let plan = TransferPlan::build(&case.descs, case.max, true).expect("valid case");
         prop_assert_eq!(sizes, plan.chunk_bytes());
     }
+
+    /// Each chunk built alone from its bound (as a copy worker does) is
+    /// exactly the full plan's chunk, merged and unmerged; the bounds carry
+    /// the plan's sizes, payloads and piece counts.
+    #[test]
+    fn chunks_built_alone_equal_the_plans(case in case(), merge in any::<bool>()) {
+        let bounds = TransferPlan::chunk_bounds(&case.descs, case.max).expect("valid case");
+        let plan = TransferPlan::build(&case.descs, case.max, merge).expect("valid case");
+        prop_assert_eq!(bounds.len(), plan.chunk_count());
+        for (b, c) in bounds.iter().zip(plan.chunks()) {
+            prop_assert_eq!(b.index, c.index);
+            prop_assert_eq!(b.packed_bytes, c.packed_bytes);
+            prop_assert_eq!(b.payload_bytes, c.payload_bytes);
+            prop_assert_eq!(b.pieces, c.pieces);
+            let alone = TransferPlan::build_chunk(&case.descs, b, case.max, merge)
+                .expect("bound from the same list");
+            prop_assert_eq!(&alone, c);
+        }
+    }
 }
 
 proptest! {

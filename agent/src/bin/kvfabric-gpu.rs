@@ -184,6 +184,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    kvfabric_agent::tune_allocator();
     kvfabric_agent::init_cli_logs();
     let cli = Cli::parse();
     if let Cmd::Compile { arch, out } = &cli.cmd {

@@ -490,6 +490,7 @@ fn byte_size(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    kvfabric_agent::tune_allocator();
     let cli = Cli::parse();
     if !matches!(cli.cmd, Cmd::Agent(_)) {
         kvfabric_agent::init_cli_logs();

@@ -1294,13 +1294,29 @@ impl CudaCopyEngine {
         region_addr: u64,
         runs: &[ScatterRun],
     ) -> Result<(), CudaError> {
+        let t0 = Instant::now();
         let mut ctx = self.acquire();
+        let t_acquired = t0.elapsed();
+        let mut t_enqueued = Duration::ZERO;
         let out = self
             .gpu
             .bind()
             .and_then(|()| self.enqueue(&mut ctx, dir, region_addr, runs))
-            .and_then(|()| ctx.record_done())
+            .and_then(|()| {
+                t_enqueued = t0.elapsed();
+                ctx.record_done()
+            })
             .and_then(|()| ctx.wait_done());
+        // Host-side cost breakdown for the per-chunk timeline (µs since
+        // the call began).
+        tracing::trace!(
+            ?dir,
+            runs = runs.len(),
+            acquired_us = t_acquired.as_micros() as u64,
+            enqueued_us = t_enqueued.as_micros() as u64,
+            done_us = t0.elapsed().as_micros() as u64,
+            "cuda copy"
+        );
         if out.is_err() {
             // Drain whatever was enqueued before the failure so the plan
             // buffers are free for the next borrower.

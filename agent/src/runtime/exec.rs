@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use kvfabric_core::ScatterRun;
+use kvfabric_core::plan::{ChunkBound, TransferPlan};
+use kvfabric_core::{Descriptor, ScatterRun};
 
 use super::waker::Waker;
 
@@ -123,6 +124,49 @@ pub enum CopyKind {
     Scatter,
 }
 
+/// What a copy job copies.
+#[derive(Debug)]
+pub enum CopyPlan {
+    /// Runs ready to copy (a receiver's scatter: the DATA's runs; moved
+    /// in, never copied — a 16,384-descriptor chunk is 786 KB of runs).
+    Runs(Vec<ScatterRun>),
+    /// A sender's chunk, planned on the worker: build the chunk's runs from
+    /// the request's descriptors ([`TransferPlan::build_chunk`]), gather
+    /// them, and hand the scatter runs back in [`CopyDone::scatter_runs`]
+    /// for the chunk's DATA. The IO thread only runs the sizing pass
+    /// ([`TransferPlan::chunk_bounds`]), so a request's chunks are planned
+    /// in parallel on the workers, each just before its gather, instead of
+    /// the whole plan (≈0.7–0.9 ms for 16,384 descriptors on the H200
+    /// host) serially before the first gather. Only valid with
+    /// [`CopyKind::Gather`].
+    Chunk {
+        /// The request's descriptors (shared by all its chunk jobs).
+        descs: Arc<Vec<Descriptor>>,
+        /// The chunk, from `chunk_bounds` over `descs`.
+        bound: ChunkBound,
+        /// The plan's chunk cap, bytes.
+        max_chunk_size_bytes: u64,
+        /// Merge runs (seed `DISABLE_SCATTER_RUN_MERGING` off).
+        merge_runs: bool,
+    },
+}
+
+impl CopyPlan {
+    /// Runs (for [`CopyPlan::Runs`]) or pieces (for [`CopyPlan::Chunk`]),
+    /// for logs.
+    pub fn len(&self) -> usize {
+        match self {
+            CopyPlan::Runs(r) => r.len(),
+            CopyPlan::Chunk { bound, .. } => bound.pieces as usize,
+        }
+    }
+
+    /// Whether there is nothing to copy.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One copy job for the workers.
 #[derive(Debug)]
 pub struct CopyJob {
@@ -133,7 +177,7 @@ pub struct CopyJob {
     /// Absolute address of the region (arena base + offset).
     pub region_addr: u64,
     /// The plan.
-    pub runs: Arc<[ScatterRun]>,
+    pub plan: CopyPlan,
 }
 
 /// A finished copy job: its token, direction and outcome.
@@ -145,6 +189,61 @@ pub struct CopyDone {
     pub kind: CopyKind,
     /// Outcome.
     pub result: Result<(), CopyError>,
+    /// For a [`CopyPlan::Chunk`] gather that succeeded: the chunk's scatter
+    /// runs (its DATA). Empty otherwise.
+    pub scatter_runs: Vec<ScatterRun>,
+}
+
+/// Runs one job on `engine`: plans it first when it is a
+/// [`CopyPlan::Chunk`]. Returns the outcome and, for a planned chunk, its
+/// scatter runs.
+fn run_job(
+    engine: &dyn CopyEngine,
+    kind: CopyKind,
+    region_addr: u64,
+    plan: CopyPlan,
+) -> (Result<(), CopyError>, Vec<ScatterRun>) {
+    match plan {
+        CopyPlan::Runs(runs) => {
+            let r = match kind {
+                CopyKind::Gather => engine.gather(region_addr, &runs),
+                CopyKind::Scatter => engine.scatter(region_addr, &runs),
+            };
+            (r, Vec::new())
+        }
+        CopyPlan::Chunk {
+            descs,
+            bound,
+            max_chunk_size_bytes,
+            merge_runs,
+        } => {
+            if kind != CopyKind::Gather {
+                return (
+                    Err(CopyError("a chunk plan can only be gathered".into())),
+                    Vec::new(),
+                );
+            }
+            let chunk =
+                match TransferPlan::build_chunk(&descs, &bound, max_chunk_size_bytes, merge_runs) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        return (
+                            Err(CopyError(format!("planning chunk {}: {e}", bound.index))),
+                            Vec::new(),
+                        )
+                    }
+                };
+            tracing::trace!(
+                chunk = bound.index,
+                runs = chunk.gather_runs.len(),
+                "chunk planned"
+            );
+            match engine.gather(region_addr, &chunk.gather_runs) {
+                Ok(()) => (Ok(()), chunk.scatter_runs),
+                Err(e) => (Err(e), Vec::new()),
+            }
+        }
+    }
 }
 
 /// `M` worker threads that run copy jobs and report [`CopyDone`] on a
@@ -177,11 +276,9 @@ impl CopyWorkers {
                     .name(format!("{name}-copy-{i}"))
                     .spawn(move || {
                         for job in rx.iter() {
-                            tracing::trace!(token = job.token, kind = ?job.kind, runs = job.runs.len(), "copy start");
-                            let result = match job.kind {
-                                CopyKind::Gather => engine.gather(job.region_addr, &job.runs),
-                                CopyKind::Scatter => engine.scatter(job.region_addr, &job.runs),
-                            };
+                            tracing::trace!(token = job.token, kind = ?job.kind, runs = job.plan.len(), "copy start");
+                            let (result, scatter_runs) =
+                                run_job(&*engine, job.kind, job.region_addr, job.plan);
                             if let Err(e) = &result {
                                 tracing::warn!(token = job.token, kind = ?job.kind, error = %e, "copy job failed");
                             }
@@ -191,6 +288,7 @@ impl CopyWorkers {
                                     token: job.token,
                                     kind: job.kind,
                                     result,
+                                    scatter_runs,
                                 })
                                 .is_err()
                             {

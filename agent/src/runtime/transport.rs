@@ -26,14 +26,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use kvfabric_core::plan::{Chunk, TransferPlan};
+use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::scheduler::CreditScheduler;
 use kvfabric_core::wire::{self, Ack, Credit, Data, Grant, Message, Want};
 use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
-use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyWorkers, ExecPool};
+use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, ExecPool};
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -440,6 +440,7 @@ impl BounceTransport {
             faults: FaultPlan::default(),
             parked: false,
             reserve_block,
+            tx_buf: Vec::new(),
         };
         let handle = std::thread::Builder::new()
             .name(format!("{name}-io"))
@@ -627,6 +628,9 @@ struct SendChunk {
     credit: Option<Credit>,
     /// When its write was posted (transport probe).
     posted_at: Option<Instant>,
+    /// The chunk's scatter runs, from its gather job (planned on the
+    /// worker); moved into its DATA.
+    scatter_runs: Vec<ScatterRun>,
 }
 
 /// A peer's transport probe in progress (see [`TransportReport`]).
@@ -641,8 +645,11 @@ struct WriteProbe {
 struct SendRequest {
     peer: String,
     remote_kind: MemKind,
-    chunks: Vec<Chunk>,
-    gather_runs: Vec<Arc<[ScatterRun]>>,
+    /// The request's descriptors, shared with its chunks' gather jobs
+    /// (each plans its chunk on the worker).
+    descs: Arc<Vec<Descriptor>>,
+    /// The chunks from the sizing pass (no runs).
+    chunks: Vec<ChunkBound>,
     state: Vec<SendChunk>,
     credits: VecDeque<Credit>,
     next_attach: usize,
@@ -709,7 +716,7 @@ struct PendingScatter {
     flow: FlowKey,
     offset: u64,
     chunk: u32,
-    runs: Arc<[ScatterRun]>,
+    runs: Vec<ScatterRun>,
 }
 
 struct PeerRoute {
@@ -721,6 +728,8 @@ struct Io {
     engine: Arc<dyn TransferEngine>,
     channel: Box<dyn ControlChannel>,
     endpoint: Vec<u8>,
+    /// Reused encode buffer for outgoing control messages.
+    tx_buf: Vec<u8>,
     arena: ArenaSpec,
     exec: ExecPool<()>,
     settings: TransportSettings,
@@ -931,8 +940,13 @@ impl Io {
     }
 
     fn send(&mut self, peer: &str, msg: &Message) -> bool {
-        let bytes = msg.encode();
-        match self.channel.send_to(peer, &bytes) {
+        // One warm encode buffer (a 16,384-run DATA is 786 KB).
+        let mut bytes = std::mem::take(&mut self.tx_buf);
+        bytes.clear();
+        msg.encode_into(&mut bytes);
+        let sent = self.channel.send_to(peer, &bytes);
+        self.tx_buf = bytes;
+        match sent {
             Ok(()) => true,
             Err(e) => {
                 if matches!(e, ControlError::Dropped(_)) {
@@ -973,43 +987,27 @@ impl Io {
         };
         let remote_kind = route.kind;
         let t_plan = Instant::now();
-        // WANT first, from the cheap sizing pass (same packing rule as the
-        // plan): the receiver grants while we build the runs.
-        let sizes = match TransferPlan::chunk_sizes(&descs, self.settings.max_chunk_size_bytes) {
-            Ok(s) => s,
+        // The IO thread runs only the sizing pass (chunk sizes for the WANT
+        // and where each chunk starts); each chunk's runs are built on a
+        // copy worker right before its gather (`CopyPlan::Chunk`).
+        let chunks = match TransferPlan::chunk_bounds(&descs, self.settings.max_chunk_size_bytes) {
+            Ok(b) => b,
             Err(e) => return fail(&completion, &self.stats, format!("planning: {e}")),
         };
-        if sizes.is_empty() {
+        if chunks.is_empty() {
             self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
             completion.resolve(TransferOutcome::Success);
             return;
         }
+        let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
         let want = Message::Want(Want {
             request_id: rid,
-            chunk_bytes: sizes,
+            chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
             endpoint: self.endpoint.clone(),
         });
         if !self.send(&peer, &want) {
             return fail(&completion, &self.stats, "could not send WANT".into());
         }
-        let plan = match TransferPlan::build(
-            &descs,
-            self.settings.max_chunk_size_bytes,
-            self.settings.merge_runs,
-        ) {
-            Ok(p) => p,
-            Err(e) => {
-                self.send_cancel(&peer, rid);
-                return fail(&completion, &self.stats, format!("planning: {e}"));
-            }
-        };
-        let total_bytes = plan.total_bytes;
-        let chunks = plan.into_chunks();
-        debug_assert!(
-            matches!(&want, Message::Want(w) if w.chunk_bytes.len() == chunks.len()
-                && w.chunk_bytes.iter().zip(&chunks).all(|(b, c)| *b == c.packed_bytes)),
-            "sizing pass and plan disagree"
-        );
         tracing::trace!(
             rid,
             chunks = chunks.len(),
@@ -1017,10 +1015,6 @@ impl Io {
             "planned"
         );
         let now = Instant::now();
-        let gather_runs = chunks
-            .iter()
-            .map(|c| Arc::<[ScatterRun]>::from(c.gather_runs.as_slice()))
-            .collect();
         let state = chunks
             .iter()
             .map(|_| SendChunk {
@@ -1029,6 +1023,7 @@ impl Io {
                 eager: false,
                 credit: None,
                 posted_at: None,
+                scatter_runs: Vec::new(),
             })
             .collect();
         self.requests.insert(
@@ -1036,8 +1031,8 @@ impl Io {
             SendRequest {
                 peer: peer.clone(),
                 remote_kind,
+                descs: Arc::new(descs),
                 chunks,
-                gather_runs,
                 state,
                 credits: VecDeque::new(),
                 next_attach: 0,
@@ -1122,7 +1117,12 @@ impl Io {
                     token,
                     kind: CopyKind::Gather,
                     region_addr: self.arena.base + local,
-                    runs: req.gather_runs[i].clone(),
+                    plan: CopyPlan::Chunk {
+                        descs: req.descs.clone(),
+                        bound: req.chunks[i],
+                        max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
+                        merge_runs: self.settings.merge_runs,
+                    },
                 });
             }
             req.next_stage += 1;
@@ -1233,7 +1233,7 @@ impl Io {
                         request_id: rid,
                         chunk_index: i as u32,
                         region_handle: credit.region_handle,
-                        runs: req.chunks[i].scatter_runs.clone(),
+                        runs: std::mem::take(&mut req.state[i].scatter_runs),
                     });
                     let peer = req.peer.clone();
                     if !self.send(&peer, &data) {
@@ -1721,7 +1721,7 @@ impl Io {
             flow,
             offset: d.region_handle,
             chunk: d.chunk_index,
-            runs: d.runs.into(),
+            runs: d.runs,
         });
         self.drain_scatter_queue();
     }
@@ -1747,7 +1747,7 @@ impl Io {
                     token,
                     kind: CopyKind::Scatter,
                     region_addr,
-                    runs: s.runs,
+                    plan: CopyPlan::Runs(s.runs),
                 });
             }
         }
@@ -1765,6 +1765,7 @@ impl Io {
                             if let Some(req) = self.requests.get_mut(&rid) {
                                 tracing::trace!(rid, chunk, "gathered");
                                 req.state[chunk].state = ChunkState::Gathered;
+                                req.state[chunk].scatter_runs = done.scatter_runs;
                                 req.last_progress = Instant::now();
                                 self.pump(rid);
                             } else {
