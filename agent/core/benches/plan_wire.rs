@@ -3,7 +3,11 @@
 //! dense), and encode/decode throughput of a 16,384-descriptor DATA with
 //! merged runs vs per-descriptor entries. Also prints the encoded sizes.
 //!
-//! Run: `cargo bench -p kvfabric-core --bench plan_wire`.
+//! Run: `cargo bench -p kvfabric-core --bench plan_wire`. The agent
+//! binaries keep freed heap memory mapped (`kvfabric_agent::tune_allocator`);
+//! to measure the planner the same way, run with
+//! `MALLOC_TRIM_THRESHOLD_=67108864 MALLOC_MMAP_THRESHOLD_=33554432`
+//! (glibc's default thresholds make it page-fault fresh memory per plan).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvfabric_core::plan::TransferPlan;
@@ -81,6 +85,11 @@ fn bench_plan(c: &mut Criterion) {
                 b.iter(|| TransferPlan::build(black_box(d), MAX_CHUNK, merge).unwrap())
             });
         }
+        // The sizing pass the IO thread runs (the chunks are then built
+        // on the copy workers, one `build_chunk` each).
+        g.bench_with_input(BenchmarkId::new(name, "chunk_bounds"), &descs, |b, d| {
+            b.iter(|| TransferPlan::chunk_bounds(black_box(d), MAX_CHUNK).unwrap())
+        });
     }
     g.finish();
 }

@@ -33,6 +33,11 @@ impl Descriptor {
 /// A run with `region_stride == addr_stride == segment_len` is fully
 /// contiguous and could equally be written as one segment of
 /// `count * segment_len` bytes; the plan emits that form.
+///
+/// `#[repr(C)]`, 48 bytes, in the field order of the copy kernel's
+/// `struct kvf_run` (kernels/gather_scatter.cu; 4 padding bytes at the
+/// end), so a GPU copy engine can hand a run list to the kernel as is.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ScatterRun {
     /// Offset of the first segment inside the chunk's region (bytes).
@@ -42,13 +47,15 @@ pub struct ScatterRun {
     pub addr: u64,
     /// Bytes per segment (> 0).
     pub segment_len: u64,
-    /// Number of segments (≥ 1).
-    pub count: u32,
     /// Distance between consecutive segments inside the region (bytes).
     pub region_stride: u64,
     /// Distance between consecutive segments in user memory (bytes).
     pub addr_stride: u64,
+    /// Number of segments (≥ 1).
+    pub count: u32,
 }
+
+const _: () = assert!(std::mem::size_of::<ScatterRun>() == 48);
 
 impl ScatterRun {
     /// Total bytes this run moves: `segment_len * count`. Saturates instead

@@ -573,6 +573,49 @@ pub struct GpuTask {
 }
 
 const _: () = assert!(std::mem::size_of::<GpuRun>() == 48);
+// `ScatterRun` is laid out like `GpuRun` (both `#[repr(C)]`), so a run list
+// whose runs are one task each goes to the kernel as is (`prepare`).
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<ScatterRun>() == size_of::<GpuRun>());
+    assert!(offset_of!(ScatterRun, region_offset) == offset_of!(GpuRun, region_offset));
+    assert!(offset_of!(ScatterRun, addr) == offset_of!(GpuRun, addr));
+    assert!(offset_of!(ScatterRun, segment_len) == offset_of!(GpuRun, segment_len));
+    assert!(offset_of!(ScatterRun, region_stride) == offset_of!(GpuRun, region_stride));
+    assert!(offset_of!(ScatterRun, addr_stride) == offset_of!(GpuRun, addr_stride));
+    assert!(offset_of!(ScatterRun, count) == offset_of!(GpuRun, count));
+};
+
+/// When every run of `runs` is exactly one kernel task (non-empty, whole
+/// segments of at most `piece_bytes`, all of them in one task) — the usual
+/// case for KV blocks of a few KiB — the bytes the plan moves; else `None`
+/// (the plan needs [`build_plan`]).
+pub fn one_task_per_run(runs: &[ScatterRun], piece_bytes: u64) -> Option<u64> {
+    if u32::try_from(runs.len()).is_err() {
+        return None;
+    }
+    let piece_bytes = piece_bytes.max(1);
+    let mut bytes = 0u64;
+    for r in runs {
+        if r.count == 0
+            || r.segment_len == 0
+            || r.segment_len > piece_bytes
+            || u64::from(r.count) > piece_bytes / r.segment_len
+        {
+            return None;
+        }
+        bytes = bytes.saturating_add(r.total_bytes());
+    }
+    Some(bytes)
+}
+
+/// The run list a plan is written from.
+enum PlanRuns<'a> {
+    /// Built by [`build_plan`].
+    Built(&'a [GpuRun]),
+    /// The caller's runs, one task each (same layout as [`GpuRun`]).
+    AsIs(&'a [ScatterRun]),
+}
 const _: () = assert!(std::mem::size_of::<GpuTask>() == 16);
 
 /// Splits `runs` (zero-length ones dropped) into kernel tasks of about
@@ -940,12 +983,18 @@ impl ExecCtx {
         if self.busy {
             self.synchronize()?;
         }
+        if let Some(bytes) = one_task_per_run(runs, cfg.piece_bytes) {
+            // No plan to build: the kernel reads the runs as they are.
+            return self.write_plan(cfg, dir, region_addr, PlanRuns::AsIs(runs), &[], bytes);
+        }
         let mut r = std::mem::take(&mut self.runs);
         let mut t = std::mem::take(&mut self.tasks);
         r.clear();
         t.clear();
         let built = build_plan(runs, cfg.piece_bytes, &mut r, &mut t);
-        let out = built.and_then(|bytes| self.write_plan(cfg, dir, region_addr, &r, &t, bytes));
+        let out = built.and_then(|bytes| {
+            self.write_plan(cfg, dir, region_addr, PlanRuns::Built(&r), &t, bytes)
+        });
         self.runs = r;
         self.tasks = t;
         out
@@ -956,13 +1005,20 @@ impl ExecCtx {
         cfg: &CudaCopyConfig,
         dir: Direction,
         region_addr: u64,
-        runs: &[GpuRun],
+        runs: PlanRuns<'_>,
         tasks: &[GpuTask],
         bytes: u64,
     ) -> Result<PreparedPlan, CudaError> {
+        let nruns = match runs {
+            PlanRuns::Built(r) => r.len(),
+            PlanRuns::AsIs(r) => r.len(),
+        };
         // One task per run: the kernel needs no task table.
-        let identity = tasks.len() == runs.len();
-        let runs_bytes = std::mem::size_of_val(runs);
+        let identity = match runs {
+            PlanRuns::Built(_) => tasks.len() == nruns,
+            PlanRuns::AsIs(_) => true,
+        };
+        let runs_bytes = nruns * std::mem::size_of::<GpuRun>();
         let tasks_bytes = if identity {
             0
         } else {
@@ -973,7 +1029,19 @@ impl ExecCtx {
         // SAFETY: the buffer holds `total` bytes, is not read by any pending
         // work (synchronised above), and runs/tasks are plain repr(C) data.
         unsafe {
-            std::ptr::copy_nonoverlapping(runs.as_ptr().cast::<u8>(), self.pinned, runs_bytes);
+            match runs {
+                PlanRuns::Built(r) => {
+                    std::ptr::copy_nonoverlapping(r.as_ptr(), self.pinned.cast::<GpuRun>(), nruns)
+                }
+                // Same layout as GpuRun (asserted above); the copy is
+                // untyped, so the padding word goes along as it is (the
+                // kernel never reads it). The buffer is page-aligned.
+                PlanRuns::AsIs(r) => std::ptr::copy_nonoverlapping(
+                    r.as_ptr(),
+                    self.pinned.cast::<ScatterRun>(),
+                    nruns,
+                ),
+            }
             if !identity {
                 std::ptr::copy_nonoverlapping(
                     tasks.as_ptr().cast::<u8>(),
@@ -1007,8 +1075,12 @@ impl ExecCtx {
             } else {
                 base + runs_bytes as u64
             },
-            ntasks: tasks.len() as u32,
-            nruns: runs.len() as u32,
+            ntasks: if identity {
+                nruns as u32
+            } else {
+                tasks.len() as u32
+            },
+            nruns: nruns as u32,
             region_base: region_addr,
             to_region: i32::from(dir == Direction::Gather),
             bytes,
@@ -1457,6 +1529,32 @@ mod tests {
             region_stride: rs,
             addr_stride: us,
         }
+    }
+
+    #[test]
+    fn runs_of_one_task_each_go_to_the_kernel_as_is() {
+        let piece = 32 * 1024;
+        // 4 KiB blocks, singles and a strided pair: one task each.
+        let runs = [
+            run(0, 0x1000, 4096, 1, 0, 0),
+            run(4096, 0x9000, 4096, 2, 4096, 0x10000),
+        ];
+        assert_eq!(one_task_per_run(&runs, piece), Some(3 * 4096));
+        assert_eq!(one_task_per_run(&[], piece), Some(0));
+        // Nine 4 KiB segments exceed a 32 KiB task; a 64 KiB segment is cut
+        // in pieces; empty runs are dropped by build_plan: all need a plan.
+        assert_eq!(
+            one_task_per_run(&[run(0, 0, 4096, 9, 4096, 4096)], piece),
+            None
+        );
+        assert_eq!(one_task_per_run(&[run(0, 0, 65536, 1, 0, 0)], piece), None);
+        assert_eq!(one_task_per_run(&[run(0, 0, 0, 1, 0, 0)], piece), None);
+        assert_eq!(one_task_per_run(&[run(0, 0, 64, 0, 0, 0)], piece), None);
+        // Where the fast path applies, build_plan makes one task per run too.
+        let (mut r, mut t) = (Vec::new(), Vec::new());
+        build_plan(&runs, piece, &mut r, &mut t).unwrap();
+        assert_eq!(t.len(), runs.len());
+        assert_eq!(r, runs.iter().map(GpuRun::from).collect::<Vec<_>>());
     }
 
     #[test]

@@ -386,6 +386,7 @@ impl FabricAgent {
             request_timeout: Duration::from_millis(cfg.request_timeout_ms()),
             eager_gather: cfg.config().enable_eager_gather,
             merge_runs: !cfg.config().disable_scatter_run_merging,
+            busy_poll: crate::runtime::transport::default_busy_poll()?,
         };
         let copy = opts.copy.clone().unwrap_or(default_copy);
         let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;

@@ -56,6 +56,44 @@ pub struct TransportSettings {
     pub eager_gather: bool,
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
+    /// Busy-poll window: while the transport has work in flight (requests
+    /// waiting for GRANT/ACK, granted regions waiting for DATA, copies),
+    /// the IO thread keeps polling without blocking for up to this long
+    /// after its last event. A blocked IO thread pays a wake-up per control
+    /// message — measured 100–400 µs per ZMQ hop on the H200 host
+    /// (docs/benchmarks.md) — which at GPU speeds costs more than the data.
+    /// Takes a core while active; see [`default_busy_poll`].
+    pub busy_poll: Duration,
+}
+
+/// Env variable overriding [`TransportSettings::busy_poll`], in µs (0 turns
+/// busy polling off).
+pub const BUSY_POLL_ENV: &str = "KVFABRIC_IO_BUSY_POLL_US";
+
+/// The default busy-poll window: 2 ms on hosts with at least 8 CPUs (a GPU
+/// node can spare a core per agent), 0 below that (on a 2-core host a
+/// spinning IO thread takes the copy workers' CPU — measured slower), or
+/// [`BUSY_POLL_ENV`] when set to a number of µs.
+///
+/// # Errors
+/// A [`BUSY_POLL_ENV`] that is not a whole number of µs: the message names
+/// the variable and the value.
+pub fn default_busy_poll() -> Result<Duration, String> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    busy_poll_for(std::env::var(BUSY_POLL_ENV).ok().as_deref(), cpus)
+}
+
+/// [`default_busy_poll`] for a given env value and CPU count (pure).
+fn busy_poll_for(env: Option<&str>, cpus: usize) -> Result<Duration, String> {
+    match env {
+        Some(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(Duration::from_micros)
+            .map_err(|_| format!("{BUSY_POLL_ENV}={v:?}: expected a whole number of microseconds")),
+        None if cpus >= 8 => Ok(Duration::from_millis(2)),
+        None => Ok(Duration::ZERO),
+    }
 }
 
 impl Default for TransportSettings {
@@ -69,6 +107,7 @@ impl Default for TransportSettings {
             request_timeout: Duration::from_millis(30_000),
             eager_gather: true,
             merge_runs: true,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -782,12 +821,14 @@ struct Io {
 impl Io {
     fn run(&mut self) {
         let mut idle_spins: u32 = 0;
+        let mut last_event = Instant::now();
         loop {
             // Commands.
             let mut shutdown = false;
             while let Ok(cmd) = self.cmd_rx.try_recv() {
                 // A command is an event: spin briefly again before blocking.
                 idle_spins = 0;
+                last_event = Instant::now();
                 if self.handle_command(cmd) {
                     shutdown = true;
                     break;
@@ -818,7 +859,13 @@ impl Io {
             // that only events (which wake the receive) or the 1 ms bound
             // retry it, so a request waiting for arena space or a copy slot
             // never spins a core the copies need.
-            let timeout = if must_poll || idle_spins <= SPIN_BEFORE_BACKOFF {
+            let busy = !self.settings.busy_poll.is_zero()
+                && (!self.requests.is_empty()
+                    || !self.regions.is_empty()
+                    || !self.jobs.is_empty()
+                    || !self.scatter_queue.is_empty())
+                && last_event.elapsed() < self.settings.busy_poll;
+            let timeout = if must_poll || busy || idle_spins <= SPIN_BEFORE_BACKOFF {
                 Duration::ZERO
             } else {
                 IDLE_WAIT
@@ -864,6 +911,9 @@ impl Io {
                 }
             } else {
                 idle_spins = 0;
+                if !self.settings.busy_poll.is_zero() {
+                    last_event = Instant::now();
+                }
             }
         }
         self.shutdown();
@@ -1919,6 +1969,19 @@ impl Io {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_poll_defaults_by_cpu_count_and_env_overrides() {
+        assert_eq!(busy_poll_for(None, 2), Ok(Duration::ZERO));
+        assert_eq!(busy_poll_for(None, 32), Ok(Duration::from_millis(2)));
+        assert_eq!(
+            busy_poll_for(Some(" 500 "), 2),
+            Ok(Duration::from_micros(500))
+        );
+        assert_eq!(busy_poll_for(Some("0"), 32), Ok(Duration::ZERO));
+        let e = busy_poll_for(Some("2ms"), 32).unwrap_err();
+        assert!(e.contains(BUSY_POLL_ENV) && e.contains("\"2ms\""), "{e}");
+    }
 
     #[test]
     fn transport_verdict_flags_only_slow_large_gpu_writes() {
