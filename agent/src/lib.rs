@@ -35,26 +35,33 @@ pub const MALLOC_MMAP_THRESHOLD_BYTES: usize = 32 << 20;
 /// Sets [`MALLOC_TRIM_THRESHOLD_BYTES`] and [`MALLOC_MMAP_THRESHOLD_BYTES`];
 /// call first in `main`, before threads start. A threshold the user set
 /// through glibc's `MALLOC_TRIM_THRESHOLD_` / `MALLOC_MMAP_THRESHOLD_`
-/// environment is left as set. No-op off glibc.
+/// environment or `GLIBC_TUNABLES` (`glibc.malloc.trim_threshold`,
+/// `glibc.malloc.mmap_threshold`) is left as set. If glibc refuses a value
+/// its default stays (nothing else changes). No-op off glibc. Each glibc
+/// arena (one per allocating thread, up to 8 per core) may keep up to
+/// [`MALLOC_TRIM_THRESHOLD_BYTES`] free; the agent allocates on its IO and
+/// copy threads only, a handful of arenas.
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let set = |env: &str, param: libc::c_int, value: usize| {
-            if std::env::var_os(env).is_none() {
+        let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
+        let set = |env: &str, tunable: &str, param: libc::c_int, value: usize| {
+            if std::env::var_os(env).is_none() && !tunables.contains(tunable) {
                 let value = libc::c_int::try_from(value).unwrap_or(libc::c_int::MAX);
-                // SAFETY: mallopt only adjusts allocator parameters.
-                if unsafe { libc::mallopt(param, value) } != 1 {
-                    tracing::debug!(env, "mallopt failed; glibc default kept");
-                }
+                // SAFETY: mallopt only adjusts allocator parameters; on
+                // failure (returns 0) glibc keeps its default.
+                let _ = unsafe { libc::mallopt(param, value) };
             }
         };
         set(
             "MALLOC_TRIM_THRESHOLD_",
+            "glibc.malloc.trim_threshold",
             libc::M_TRIM_THRESHOLD,
             MALLOC_TRIM_THRESHOLD_BYTES,
         );
         set(
             "MALLOC_MMAP_THRESHOLD_",
+            "glibc.malloc.mmap_threshold",
             libc::M_MMAP_THRESHOLD,
             MALLOC_MMAP_THRESHOLD_BYTES,
         );

@@ -104,6 +104,18 @@ pub enum PlanError {
         /// Descriptors given.
         descriptors: usize,
     },
+    /// [`TransferPlan::build_chunk`] built a chunk whose (packed, payload,
+    /// pieces) differ from its bound's: the bound came from another
+    /// descriptor list or cap.
+    #[error("chunk {chunk} built as (packed, payload, pieces) = {built:?} bytes/bytes/count, but its bound says {expected:?}")]
+    BoundMismatch {
+        /// The chunk index.
+        chunk: u32,
+        /// (packed bytes, payload bytes, pieces) from the bound.
+        expected: (u64, u64, u64),
+        /// The same, as built.
+        built: (u64, u64, u64),
+    },
     /// One chunk has more runs than a DATA message can count (`u32`).
     #[error("chunk {chunk} has {runs} runs, more than a u32 entry count allows")]
     TooManyRuns {
@@ -452,7 +464,19 @@ impl PackSink for BuildSink {
     }
     fn close(&mut self, packed: u64) -> Result<bool, PlanError> {
         debug_assert_eq!(packed, self.cur.cursor);
-        TransferPlan::close(&mut self.chunks, &mut self.cur, self.merge, self.max)?;
+        // A single-chunk build never fills another chunk: reserve nothing.
+        let next_capacity = if self.single {
+            0
+        } else {
+            self.cur.pieces.min(1 << 20) as usize
+        };
+        TransferPlan::close(
+            &mut self.chunks,
+            &mut self.cur,
+            self.merge,
+            self.max,
+            next_capacity,
+        )?;
         Ok(!self.single)
     }
 }
@@ -575,8 +599,8 @@ impl TransferPlan {
     /// building any run (packing depends on descriptor lengths only). Lets
     /// a sender send its WANT first and build each chunk's runs with
     /// [`TransferPlan::build_chunk`] where and when it is gathered. Cost:
-    /// one pass over `descs`, no allocation but the result (40 bytes per
-    /// chunk).
+    /// one pass over `descs`, no allocation but the result (one
+    /// [`ChunkBound`], 48 bytes, per chunk).
     ///
     /// # Errors
     /// As [`TransferPlan::build`], except [`PlanError::TooManyRuns`].
@@ -599,15 +623,18 @@ impl TransferPlan {
     /// Builds the one chunk `bound` describes: exactly the chunk
     /// `TransferPlan::build(descs, max_chunk_size_bytes, merge_runs)` has
     /// at `bound.index` (property-tested), in time proportional to the
-    /// chunk's pieces. `bound` must come from
+    /// descriptors the chunk spans. `bound` must come from
     /// [`TransferPlan::chunk_bounds`] over the same `descs` and cap (the
-    /// input was validated there).
+    /// input was validated there); the built chunk is checked against the
+    /// bound's sizes, so a bound from another list is an error, never a
+    /// chunk larger than the region sized from it.
     ///
     /// # Errors
     /// [`PlanError::ChunkSizeTooSmall`] / [`PlanError::ChunkSizeMisaligned`]
     /// for a bad cap; [`PlanError::TooManyRuns`] as in
     /// [`TransferPlan::build`]; [`PlanError::BoundOutOfRange`] if `bound`
-    /// does not point into `descs`.
+    /// does not point into `descs`; [`PlanError::BoundMismatch`] if the
+    /// chunk built there does not have the bound's sizes.
     pub fn build_chunk(
         descs: &[Descriptor],
         bound: &ChunkBound,
@@ -647,6 +674,15 @@ impl TransferPlan {
             descriptors: descs.len(),
         })?;
         chunk.index = bound.index;
+        if (chunk.packed_bytes, chunk.payload_bytes, chunk.pieces)
+            != (bound.packed_bytes, bound.payload_bytes, bound.pieces)
+        {
+            return Err(PlanError::BoundMismatch {
+                chunk: bound.index,
+                expected: (bound.packed_bytes, bound.payload_bytes, bound.pieces),
+                built: (chunk.packed_bytes, chunk.payload_bytes, chunk.pieces),
+            });
+        }
         Ok(chunk)
     }
 
@@ -655,8 +691,8 @@ impl TransferPlan {
         cur: &mut OpenChunk,
         merge: bool,
         max: u64,
+        next_capacity: usize,
     ) -> Result<(), PlanError> {
-        let next_capacity = cur.pieces.min(1 << 20) as usize;
         let open = std::mem::replace(cur, OpenChunk::new(merge, next_capacity));
         let index = u32::try_from(chunks.len()).map_err(|_| PlanError::TooManyChunks {
             needed: chunks.len() as u64 + 1,
@@ -768,6 +804,20 @@ mod tests {
             }
         );
         assert!(err.to_string().contains("outside the 4 descriptors"));
+        // A bound that points inside another list of other lengths.
+        let other = dense(8, 2 * KIB);
+        let err = TransferPlan::build_chunk(&other, &bounds[1], 8 * KIB, true).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PlanError::BoundMismatch {
+                    chunk: 1,
+                    expected: (8192, 8192, 2),
+                    built: (8192, 8192, 4)
+                }
+            ),
+            "{err:?}"
+        );
         // A split descriptor: 20 KiB into 8 KiB chunks starts chunks at
         // 0, 8 and 16 KiB into it.
         let big = [Descriptor::new(0x1000, 0x9000, 20 * KIB)];

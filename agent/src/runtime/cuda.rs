@@ -1035,7 +1035,8 @@ impl ExecCtx {
                 }
                 // Same layout as GpuRun (asserted above); the copy is
                 // untyped, so the padding word goes along as it is (the
-                // kernel never reads it). The buffer is page-aligned.
+                // kernel loads it with `count` and ignores it). The buffer
+                // is page-aligned.
                 PlanRuns::AsIs(r) => std::ptr::copy_nonoverlapping(
                     r.as_ptr(),
                     self.pinned.cast::<ScatterRun>(),

@@ -276,7 +276,7 @@ impl CopyWorkers {
                     .name(format!("{name}-copy-{i}"))
                     .spawn(move || {
                         for job in rx.iter() {
-                            tracing::trace!(token = job.token, kind = ?job.kind, runs = job.plan.len(), "copy start");
+                            tracing::trace!(token = job.token, kind = ?job.kind, items = job.plan.len(), "copy start");
                             let (result, scatter_runs) =
                                 run_job(&*engine, job.kind, job.region_addr, job.plan);
                             if let Err(e) = &result {

@@ -857,8 +857,10 @@ impl Io {
             // µs; a wake-up from poll(2) costs about as much).
             // A parked request is retried every tick while spinning; after
             // that only events (which wake the receive) or the 1 ms bound
-            // retry it, so a request waiting for arena space or a copy slot
-            // never spins a core the copies need.
+            // retry it. Without a busy-poll window (the default below 8
+            // CPUs) a request waiting for arena space or a copy slot thus
+            // never spins a core the copies need; with one, the IO thread
+            // keeps a core for up to `busy_poll` after each event.
             let busy = !self.settings.busy_poll.is_zero()
                 && (!self.requests.is_empty()
                     || !self.regions.is_empty()
