@@ -342,8 +342,17 @@ fn check_chunk_size(max: u64) -> Result<(), PlanError> {
 /// before any allocation proportional to the output. Returns the payload
 /// total.
 fn validate(descs: &[Descriptor], max: u64) -> Result<u64, PlanError> {
+    validate_and_measure(descs, max).map(|(total, _)| total)
+}
+
+/// [`validate`], also returning the common length when every descriptor
+/// has the same non-zero length (KV blocks usually do).
+fn validate_and_measure(descs: &[Descriptor], max: u64) -> Result<(u64, Option<u64>), PlanError> {
     let mut total: u64 = 0;
+    let first_len = descs.first().map_or(0, |d| d.len);
+    let mut uniform = first_len > 0;
     for (index, d) in descs.iter().enumerate() {
+        uniform &= d.len == first_len;
         if d.len == 0 {
             continue;
         }
@@ -364,7 +373,39 @@ fn validate(descs: &[Descriptor], max: u64) -> Result<u64, PlanError> {
             max_chunk_size_bytes: max,
         });
     }
-    Ok(total)
+    Ok((total, uniform.then_some(first_len)))
+}
+
+/// [`TransferPlan::chunk_bounds`] in O(chunks) for `n` descriptors all of
+/// length `len` (0 < `len` ≤ `max`): the packing rule then puts the same
+/// number of whole descriptors, `k = (max - len) / align_up(len) + 1`, in
+/// every chunk but the last.
+fn uniform_bounds(n: usize, len: u64, max: u64) -> Result<Vec<ChunkBound>, PlanError> {
+    debug_assert!(len > 0 && len <= max);
+    let stride = align_up(len);
+    let k = (max - len) / stride + 1;
+    let n = n as u64;
+    let chunks = n.div_ceil(k);
+    if chunks > u64::from(u32::MAX) + 1 {
+        // Where the packer's sink would stop (a u32 chunk index).
+        return Err(PlanError::TooManyChunks {
+            needed: u64::from(u32::MAX) + 2,
+            max_chunk_size_bytes: max,
+        });
+    }
+    Ok((0..chunks)
+        .map(|i| {
+            let pieces = k.min(n - i * k);
+            ChunkBound {
+                index: i as u32,
+                first_desc: (i * k) as usize,
+                first_done: 0,
+                packed_bytes: (pieces - 1) * stride + len,
+                payload_bytes: pieces * len,
+                pieces,
+            }
+        })
+        .collect())
 }
 
 /// Receives the packer's decisions.
@@ -599,8 +640,10 @@ impl TransferPlan {
     /// building any run (packing depends on descriptor lengths only). Lets
     /// a sender send its WANT first and build each chunk's runs with
     /// [`TransferPlan::build_chunk`] where and when it is gathered. Cost:
-    /// one pass over `descs`, no allocation but the result (one
-    /// [`ChunkBound`], 48 bytes, per chunk).
+    /// one pass over `descs` (validation) when all descriptors have the same
+    /// length of at most a chunk — the bounds then follow in O(chunks) —
+    /// else two; no allocation but the result (one [`ChunkBound`], 48
+    /// bytes, per chunk).
     ///
     /// # Errors
     /// As [`TransferPlan::build`], except [`PlanError::TooManyRuns`].
@@ -610,7 +653,10 @@ impl TransferPlan {
     ) -> Result<Vec<ChunkBound>, PlanError> {
         let max = max_chunk_size_bytes;
         check_chunk_size(max)?;
-        let total = validate(descs, max)?;
+        let (total, uniform) = validate_and_measure(descs, max)?;
+        if let Some(len) = uniform.filter(|&l| l <= max) {
+            return uniform_bounds(descs.len(), len, max);
+        }
         let mut sink = BoundSink {
             bounds: Vec::with_capacity(total.div_ceil(max).min(1 << 16) as usize),
             cur: None,

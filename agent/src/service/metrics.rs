@@ -40,7 +40,7 @@
 //! | `kvfabric_shutting_down` | gauge | | 1 once graceful shutdown began |
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,7 @@ use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use super::discovery::Discovery;
-use crate::runtime::fabric::{FabricAgent, PathKind};
+use crate::runtime::fabric::{FabricAgent, FabricStats, PathKind};
 use crate::runtime::transport::{TransferHandle, TransferOutcome, TransportStats};
 
 /// Bucket boundaries of the transfer latency histogram, milliseconds.
@@ -164,9 +164,98 @@ fn tcount(a: &FabricAgent, f: impl Fn(&TransportStats) -> u64) -> u64 {
     a.transport().map(|t| f(t.stats())).unwrap_or(0)
 }
 
-fn ld(c: &std::sync::atomic::AtomicU64) -> u64 {
+fn ld(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
+
+/// A [`TransportStats`] counter field.
+type TransportField = fn(&TransportStats) -> &AtomicU64;
+/// A [`FabricStats`] counter field.
+type AgentField = fn(&FabricStats) -> &AtomicU64;
+
+/// Single-series transport counters (0 for an agent without bounce):
+/// (OpenTelemetry name, unit, description, field).
+const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
+    (
+        "kvfabric.bounce.activations",
+        None,
+        "Requests accepted by the bounce transport (gather -> write -> scatter)",
+        |t| &t.submitted,
+    ),
+    (
+        "kvfabric.bounce.sent",
+        Some("By"),
+        "Payload bytes of successful bounce requests",
+        |t| &t.bytes_sent,
+    ),
+    (
+        "kvfabric.bounce.timeouts",
+        None,
+        "Bounce requests failed by the no-progress timeout",
+        |t| &t.timeouts,
+    ),
+    (
+        "kvfabric.credit.grants",
+        None,
+        "Credits (arena regions) granted by this agent's receiver role",
+        |t| &t.grants,
+    ),
+    (
+        "kvfabric.credit.wait",
+        Some("us"),
+        "Summed credit wait (submit -> first GRANT) of bounce requests, microseconds",
+        |t| &t.credit_wait_us,
+    ),
+    (
+        "kvfabric.chunks.written",
+        None,
+        "Bounce chunk writes that completed",
+        |t| &t.chunks_written,
+    ),
+    (
+        "kvfabric.chunks.scattered",
+        None,
+        "Chunks scattered and ACKed by the receiver role",
+        |t| &t.chunks_scattered,
+    ),
+    (
+        "kvfabric.data.rejected",
+        None,
+        "DATA messages dropped (late after cancel, or invalid scatter runs)",
+        |t| &t.data_rejected,
+    ),
+    (
+        "kvfabric.wants.rejected",
+        None,
+        "WANT messages rejected (bad endpoint or chunk sizes)",
+        |t| &t.wants_rejected,
+    ),
+    (
+        "kvfabric.control.dropped",
+        None,
+        "Control messages dropped on a full queue",
+        |t| &t.control_dropped,
+    ),
+];
+
+/// Single-series agent counters: (OpenTelemetry name, description, field).
+const AGENT_COUNTERS: &[(&str, &str, AgentField)] = &[
+    (
+        "kvfabric.standard.failures",
+        "Standard-path transfers that failed",
+        |s| &s.standard_failed,
+    ),
+    (
+        "kvfabric.peers.loaded",
+        "Peers loaded (NIXL metadata + handshake)",
+        |s| &s.peers_loaded,
+    ),
+    (
+        "kvfabric.peers.forgotten",
+        "Peers forgotten (removed, expired or superseded)",
+        |s| &s.peers_forgotten,
+    ),
+];
 
 impl AgentMetrics {
     /// Builds the provider, the exporter and every instrument.
@@ -226,14 +315,6 @@ impl AgentMetrics {
         agent_counter(
             &meter,
             &sources,
-            "kvfabric.bounce.activations",
-            None,
-            "Requests accepted by the bounce transport (gather -> write -> scatter)",
-            |a, o, kv| o.observe(tcount(a, |t| ld(&t.submitted)), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
             "kvfabric.bounce.outcomes",
             None,
             "Bounce requests resolved, by outcome",
@@ -248,116 +329,26 @@ impl AgentMetrics {
                 );
             },
         );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.bounce.sent",
-            Some("By"),
-            "Payload bytes of successful bounce requests",
-            |a, o, kv| o.observe(tcount(a, |t| ld(&t.bytes_sent)), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.bounce.timeouts",
-            None,
-            "Bounce requests failed by the no-progress timeout",
-            |a, o, kv| o.observe(tcount(a, |t| ld(&t.timeouts)), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.standard.failures",
-            None,
-            "Standard-path transfers that failed",
-            |a, o, kv| o.observe(ld(&a.stats().standard_failed), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.credit.grants",
-            None,
-            "Credits (arena regions) granted by this agent's receiver role",
-            |a, o, kv| o.observe(tcount(a, |t| ld(&t.grants)), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.credit.wait",
-            Some("us"),
-            "Summed credit wait (submit -> first GRANT) of bounce requests, microseconds",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.credit_wait_us)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.chunks.written",
-            None,
-            "Bounce chunk writes that completed",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.chunks_written)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.chunks.scattered",
-            None,
-            "Chunks scattered and ACKed by the receiver role",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.chunks_scattered)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.data.rejected",
-            None,
-            "DATA messages dropped (late after cancel, or invalid scatter runs)",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.data_rejected)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.wants.rejected",
-            None,
-            "WANT messages rejected (bad endpoint or chunk sizes)",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.wants_rejected)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.control.dropped",
-            None,
-            "Control messages dropped on a full queue",
-            |a, o, kv| {
-                o.observe(
-                    tcount(a, |t| ld(&t.control_dropped)),
-                    std::slice::from_ref(kv),
-                )
-            },
-        );
+        for &(name, unit, description, field) in TRANSPORT_COUNTERS {
+            agent_counter(
+                &meter,
+                &sources,
+                name,
+                unit,
+                description,
+                move |a, o, kv| o.observe(tcount(a, |t| ld(field(t))), std::slice::from_ref(kv)),
+            );
+        }
+        for &(name, description, field) in AGENT_COUNTERS {
+            agent_counter(
+                &meter,
+                &sources,
+                name,
+                None,
+                description,
+                move |a, o, kv| o.observe(ld(field(a.stats())), std::slice::from_ref(kv)),
+            );
+        }
         {
             let s = sources.clone();
             meter
@@ -382,22 +373,6 @@ impl AgentMetrics {
                 })
                 .build();
         }
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.peers.loaded",
-            None,
-            "Peers loaded (NIXL metadata + handshake)",
-            |a, o, kv| o.observe(ld(&a.stats().peers_loaded), std::slice::from_ref(kv)),
-        );
-        agent_counter(
-            &meter,
-            &sources,
-            "kvfabric.peers.forgotten",
-            None,
-            "Peers forgotten (removed, expired or superseded)",
-            |a, o, kv| o.observe(ld(&a.stats().peers_forgotten), std::slice::from_ref(kv)),
-        );
         agent_gauge(
             &meter,
             &sources,
