@@ -632,7 +632,11 @@ impl ReplayReport {
             self.p99_ratio_bounce_over_standard,
             self.p50_ratio_bounce_over_standard,
         ) {
-            s += &format!("bounce / standard: p50 {r50:.2}x, p99 {r99:.2}x (lower is better)\n");
+            s += &format!(
+                "bounce / standard: p50 {}x, p99 {}x (lower is better)\n",
+                ratio(r50),
+                ratio(r99)
+            );
         }
         s += &format!(
             "peak RSS {:.1} MiB\n",
@@ -650,9 +654,29 @@ impl ReplayReport {
 /// Shared handle type for the CLI.
 pub type SharedPool = Arc<KvPool>;
 
+/// A ratio for the summary: two decimals, or three significant digits
+/// below 0.1 (GPU runs give p99 ratios like 0.0038, which "0.00" hides).
+fn ratio(r: f64) -> String {
+    if r != 0.0 && r.abs() < 0.1 {
+        let decimals = (2.0 - r.abs().log10().floor()) as usize;
+        format!("{r:.decimals$}")
+    } else {
+        format!("{r:.2}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ratios_keep_three_significant_digits_below_a_tenth() {
+        assert_eq!(ratio(0.79), "0.79");
+        assert_eq!(ratio(1.5), "1.50");
+        assert_eq!(ratio(0.0038), "0.00380");
+        assert_eq!(ratio(0.0561), "0.0561");
+        assert_eq!(ratio(0.0), "0.00");
+    }
 
     #[test]
     fn bench_paths_parse_by_name() {
