@@ -310,7 +310,7 @@ fn run_embedded(
     trace: &[kvfabric_agent::core::model::TraceRecord],
     trace_path: &std::path::Path,
 ) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
-    use kvfabric_agent::bench::trace::{replay, KvPool, ReplayOptions};
+    use kvfabric_agent::bench::trace::{replay, KvPool};
     use kvfabric_agent::runtime::control::zmq::BindAddr;
     use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
     use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
@@ -373,14 +373,7 @@ fn run_embedded(
         &ppool,
         &dpool,
         trace,
-        &ReplayOptions {
-            layout,
-            concurrency: a.concurrency,
-            speed: a.speed,
-            pool_blocks,
-            paths,
-            progress: !a.quiet,
-        },
+        &a.replay_options(layout, pool_blocks, paths),
     )
 }
 
@@ -399,7 +392,7 @@ fn run_distributed(
     use kvfabric_agent::bench::remote::{
         lookup_agents, wait_until_paired, RemoteAgent, RemoteHandOff,
     };
-    use kvfabric_agent::bench::trace::{replay_with, BenchPath, BlockPool, ReplayOptions};
+    use kvfabric_agent::bench::trace::{replay_with, BenchPath, BlockPool};
     use std::time::Duration;
 
     if a.config.is_some() {
@@ -454,15 +447,27 @@ fn run_distributed(
         &ppool,
         &dpool,
         trace,
-        &ReplayOptions {
+        &a.replay_options(layout, pool_blocks, paths),
+    )
+}
+
+impl BenchArgs {
+    /// The replay options these flags give, for either mode.
+    fn replay_options(
+        &self,
+        layout: kvfabric_agent::core::model::KvLayout,
+        pool_blocks: u32,
+        paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
+    ) -> kvfabric_agent::bench::trace::ReplayOptions {
+        kvfabric_agent::bench::trace::ReplayOptions {
             layout,
-            concurrency: a.concurrency,
-            speed: a.speed,
+            concurrency: self.concurrency,
+            speed: self.speed,
             pool_blocks,
             paths,
-            progress: !a.quiet,
-        },
-    )
+            progress: !self.quiet,
+        }
+    }
 }
 
 /// The one-line summary printed before a replay (embedded or distributed).
