@@ -658,7 +658,12 @@ pub type SharedPool = Arc<KvPool>;
 /// below 0.1 (GPU runs give p99 ratios like 0.0038, which "0.00" hides).
 fn ratio(r: f64) -> String {
     if r != 0.0 && r.abs() < 0.1 {
-        let decimals = (2.0 - r.abs().log10().floor()) as usize;
+        let mut decimals = (2.0 - r.abs().log10().floor()) as usize;
+        // Rounding up to the next power of ten (0.09999 → 0.1000) would
+        // show a fourth digit.
+        if (r.abs() * 10f64.powi(decimals as i32)).round() >= 1000.0 {
+            decimals -= 1;
+        }
         format!("{r:.decimals$}")
     } else {
         format!("{r:.2}")
@@ -676,6 +681,8 @@ mod tests {
         assert_eq!(ratio(0.0038), "0.00380");
         assert_eq!(ratio(0.0561), "0.0561");
         assert_eq!(ratio(0.0), "0.00");
+        assert_eq!(ratio(0.09999), "0.100");
+        assert_eq!(ratio(0.009999), "0.0100");
     }
 
     #[test]
