@@ -847,8 +847,13 @@ impl Io {
             // Progress the engine (with the notification channel, its recv
             // does that and owns the notifications).
             if !self.channel.progresses_engine() {
+                let t = Instant::now();
                 if let Err(e) = self.engine.progress() {
                     tracing::warn!(agent = %self.name, error = %e, "engine progress failed");
+                }
+                let us = t.elapsed().as_micros() as u64;
+                if us >= 20 {
+                    tracing::trace!(us, "engine progress slow");
                 }
             }
             // Control messages: up to a batch per tick. Block (bounded:
