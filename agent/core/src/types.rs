@@ -100,6 +100,9 @@ pub enum ControlKind {
     Zmq,
     /// Control messages ride NIXL notifications on the data fabric.
     NixlNotif,
+    /// Length-prefixed frames on a plain TCP socket per peer, written and
+    /// read by the IO threads themselves (no library threads in between).
+    Tcp,
 }
 
 impl ControlKind {
@@ -108,6 +111,7 @@ impl ControlKind {
         match self {
             ControlKind::Zmq => 1,
             ControlKind::NixlNotif => 2,
+            ControlKind::Tcp => 3,
         }
     }
 
@@ -116,6 +120,7 @@ impl ControlKind {
         match code {
             1 => Some(ControlKind::Zmq),
             2 => Some(ControlKind::NixlNotif),
+            3 => Some(ControlKind::Tcp),
             _ => None,
         }
     }

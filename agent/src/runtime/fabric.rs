@@ -370,10 +370,23 @@ impl FabricAgent {
     ) -> Result<(BounceTransport, ArenaMem, Handshake), String> {
         let cfg = &opts.config;
         let (arena, spec, default_copy) = Self::make_arena(engine, cfg, choice)?;
-        let channel: Box<dyn ControlChannel> = match cfg.control_kind() {
+        // NIXL notifications (bounce config), else the socket transport
+        // chosen by KVFABRIC_CONTROL_TRANSPORT (ZMQ by default).
+        let control_kind = match cfg.control_kind() {
+            ControlKind::NixlNotif => ControlKind::NixlNotif,
+            _ => crate::runtime::control::control_transport()?,
+        };
+        let channel: Box<dyn ControlChannel> = match control_kind {
             ControlKind::Zmq => Box::new(
                 ZmqControlChannel::bind(&opts.name, opts.bind.clone())
                     .map_err(|e| format!("binding the ZMQ control channel: {e}"))?,
+            ),
+            ControlKind::Tcp => Box::new(
+                crate::runtime::control::tcp::TcpControlChannel::bind(
+                    &opts.name,
+                    opts.bind.clone(),
+                )
+                .map_err(|e| format!("binding the TCP control channel: {e}"))?,
             ),
             ControlKind::NixlNotif => Box::new(NixlNotifControlChannel::new(engine.clone())),
         };
@@ -392,7 +405,7 @@ impl FabricAgent {
         let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;
         let hs = Handshake {
             wire_version: WIRE_VERSION,
-            control_kind: cfg.control_kind(),
+            control_kind,
             arena_usable_capacity_bytes: cfg.arena_usable_capacity_bytes(),
             max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
             endpoint: transport.local_endpoint().to_vec(),

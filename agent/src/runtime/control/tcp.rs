@@ -1,0 +1,740 @@
+//! Direct TCP control channel ([`ControlKind::Tcp`](kvfabric_core::ControlKind)):
+//! the IO thread writes length-prefixed frames straight to a non-blocking
+//! socket per peer and reads its accepted sockets itself. No library
+//! threads sit between the two IO threads, so a message costs one kernel
+//! loopback/NIC hop — and, with the reactor's busy-poll window, no thread
+//! wake-up at all. With ZMQ each hop crosses the sender's and the
+//! receiver's ZMQ I/O threads; after an idle gap each of those wake-ups
+//! costs ≈60 µs or more on the H200 host (docs/benchmarks.md, "Control
+//! hops"), which dominated a single 64 MiB GPU transfer.
+//!
+//! Wire (per connection, both directions independent): the connecting side
+//! first sends a hello frame — [`HELLO_MAGIC`] followed by its name
+//! (1..=[`MAX_NAME_LEN`] bytes, UTF-8) — then message frames. Every frame is
+//! a little-endian `u32` payload length and the payload (at most
+//! [`MAX_FRAME_BYTES`]). Endpoints are `tcp://IP:PORT` with an IP literal
+//! (bracketed for IPv6): resolving names would block the IO thread.
+//!
+//! Sends never block: frames queue per peer (at most
+//! [`SEND_QUEUE_BYTES`]; beyond that a message is dropped with a warning,
+//! like ZMQ's high-water mark) and are written whenever the socket takes
+//! them — at once in the common case. A connection that fails is retried
+//! after [`RECONNECT_BACKOFF`]; a frame cut by a broken connection is lost
+//! (counted as dropped; its request times out, as with any lost message).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::zmq::{tcp_endpoint, validate_endpoint, BindAddr, MAX_NAME_LEN};
+use super::{ControlChannel, ControlError, Inbound};
+use crate::runtime::waker::Waker;
+
+/// First bytes of the hello frame that opens every connection.
+pub const HELLO_MAGIC: &[u8; 4] = b"KVFT";
+/// Largest accepted frame payload, bytes (a DATA of 2^20 runs is 48 MiB).
+pub const MAX_FRAME_BYTES: usize = 64 << 20;
+/// Per-peer send queue bound, bytes; a message beyond it is dropped.
+pub const SEND_QUEUE_BYTES: usize = 128 << 20;
+/// Wait before reconnecting to a peer whose connection failed.
+pub const RECONNECT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// One peer's outbound connection and queue.
+struct Route {
+    endpoint: String,
+    addr: SocketAddr,
+    stream: Option<TcpStream>,
+    /// Hello bytes still to write on the current connection.
+    hello: Vec<u8>,
+    /// Whole frames (length prefix included) not yet fully written.
+    frames: VecDeque<Vec<u8>>,
+    /// Bytes of `frames[0]` already written.
+    head_written: usize,
+    queued_bytes: usize,
+    retry_at: Option<Instant>,
+    drop_streak: u64,
+}
+
+/// One accepted connection.
+struct Conn {
+    stream: TcpStream,
+    peer: Option<String>,
+    buf: Vec<u8>,
+}
+
+/// The direct TCP control channel. See the module docs.
+pub struct TcpControlChannel {
+    own_name: String,
+    listener: TcpListener,
+    endpoint: String,
+    routes: HashMap<String, Route>,
+    conns: Vec<Conn>,
+    inbox: VecDeque<Inbound>,
+    waker: Option<Arc<Waker>>,
+    dropped: u64,
+    scratch: Vec<u8>,
+    /// Our hello frame, written first on every outbound connection.
+    hello: Vec<u8>,
+}
+
+impl std::fmt::Debug for TcpControlChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpControlChannel")
+            .field("own_name", &self.own_name)
+            .field("endpoint", &self.endpoint)
+            .field("peers", &self.routes.len())
+            .field("connections", &self.conns.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn transport(what: &str, e: std::io::Error) -> ControlError {
+    ControlError::Transport(format!("{what}: {e}"))
+}
+
+/// Parses a validated `tcp://IP:PORT` endpoint into a socket address; host
+/// names are rejected (no blocking resolution on the IO thread).
+fn parse_addr(peer: &str, endpoint: &str) -> Result<SocketAddr, ControlError> {
+    let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    rest.parse::<SocketAddr>()
+        .map_err(|_| ControlError::InvalidEndpoint {
+            peer: peer.to_string(),
+            endpoint: endpoint.to_string(),
+            reason: "expected tcp://IP:PORT with an IP literal (IPv6 in brackets) and a port"
+                .into(),
+        })
+        .and_then(|a| {
+            if a.port() == 0 || a.ip().is_unspecified() || a.ip().is_multicast() {
+                Err(ControlError::InvalidEndpoint {
+                    peer: peer.to_string(),
+                    endpoint: endpoint.to_string(),
+                    reason: "expected a unicast IP and a non-zero port".into(),
+                })
+            } else {
+                Ok(a)
+            }
+        })
+}
+
+fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(4 + payload.len());
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A non-blocking connect (the handshake completes in the background;
+/// writes see `WouldBlock` until it does, or the connect error).
+fn connect_nonblocking(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let domain = match addr.ip() {
+        IpAddr::V4(_) => libc::AF_INET,
+        IpAddr::V6(_) => libc::AF_INET6,
+    };
+    // SAFETY: plain socket(2); the fd is owned by the TcpStream below.
+    let fd = unsafe {
+        libc::socket(
+            domain,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket we own.
+    let stream = unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let (storage, len) = sockaddr(addr);
+    // SAFETY: storage holds a valid sockaddr of `len` bytes.
+    let r = unsafe { libc::connect(fd, (&storage as *const libc::sockaddr_storage).cast(), len) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+    }
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_in fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_in6 fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+impl TcpControlChannel {
+    /// Listens at `bind` on a kernel-chosen port. `own_name` is what peers'
+    /// [`ControlChannel::recv`] report for our messages (sent in each
+    /// connection's hello): 1..=[`MAX_NAME_LEN`] bytes.
+    ///
+    /// # Errors
+    /// [`ControlError::Transport`] for a bad name, an unresolvable bind
+    /// address ([`BindAddr::resolve`]) or a socket / bind failure.
+    pub fn bind(own_name: &str, bind: BindAddr) -> Result<Self, ControlError> {
+        if own_name.is_empty() || own_name.len() > MAX_NAME_LEN {
+            return Err(ControlError::Transport(format!(
+                "control channel name {own_name:?} must be 1..={MAX_NAME_LEN} bytes"
+            )));
+        }
+        let ip = bind.resolve()?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| transport(&format!("bind control listener on {ip}"), e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| transport("set listener non-blocking", e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| transport("read listener address", e))?
+            .port();
+        let endpoint = tcp_endpoint(ip, &port.to_string());
+        tracing::debug!(name = own_name, %endpoint, "TCP control channel bound");
+        Ok(Self {
+            own_name: own_name.to_string(),
+            listener,
+            endpoint,
+            routes: HashMap::new(),
+            conns: Vec::new(),
+            inbox: VecDeque::new(),
+            waker: None,
+            dropped: 0,
+            scratch: vec![0; 256 << 10],
+            hello: Self::hello_frame(own_name),
+        })
+    }
+
+    /// Our endpoint, `tcp://IP:PORT`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Messages dropped so far (full queues, frames cut by broken
+    /// connections).
+    pub fn dropped_messages(&self) -> u64 {
+        self.dropped
+    }
+
+    fn hello_frame(own_name: &str) -> Vec<u8> {
+        let mut p = HELLO_MAGIC.to_vec();
+        p.extend_from_slice(own_name.as_bytes());
+        frame(&p)
+    }
+
+    /// Writes what the sockets take now; (re)connects routes with queued
+    /// frames whose backoff has passed.
+    fn flush(&mut self) {
+        let hello = &self.hello;
+        let now = Instant::now();
+        for (peer, r) in &mut self.routes {
+            if r.frames.is_empty() && r.stream.is_none() {
+                continue;
+            }
+            if r.stream.is_none() {
+                if r.retry_at.is_some_and(|t| now < t) {
+                    continue;
+                }
+                match connect_nonblocking(r.addr) {
+                    Ok(s) => {
+                        r.stream = Some(s);
+                        r.hello = hello.clone();
+                        r.retry_at = None;
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer, endpoint = %r.endpoint, error = %e, "control connect failed; retrying");
+                        r.retry_at = Some(now + RECONNECT_BACKOFF);
+                        continue;
+                    }
+                }
+            }
+            let Some(stream) = r.stream.as_mut() else {
+                continue;
+            };
+            let broken = loop {
+                let (buf, is_hello): (&[u8], bool) = if !r.hello.is_empty() {
+                    (&r.hello, true)
+                } else if let Some(f) = r.frames.front() {
+                    (&f[r.head_written..], false)
+                } else {
+                    break None;
+                };
+                match stream.write(buf) {
+                    Ok(0) => break Some(std::io::Error::from(ErrorKind::WriteZero)),
+                    Ok(n) if is_hello => {
+                        r.hello.drain(..n);
+                    }
+                    Ok(n) => {
+                        r.head_written += n;
+                        if r.head_written == r.frames[0].len() {
+                            let f = r.frames.pop_front().expect("front exists");
+                            r.queued_bytes -= f.len();
+                            r.head_written = 0;
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break None,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => break Some(e),
+                }
+            };
+            if let Some(e) = broken {
+                tracing::debug!(peer, endpoint = %r.endpoint, error = %e, "control connection lost; reconnecting");
+                r.stream = None;
+                r.hello.clear();
+                r.retry_at = Some(now + RECONNECT_BACKOFF);
+                if r.head_written > 0 {
+                    // The receiver discards the cut frame with the connection.
+                    if let Some(f) = r.frames.pop_front() {
+                        r.queued_bytes -= f.len();
+                    }
+                    r.head_written = 0;
+                    self.dropped += 1;
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    if s.set_nonblocking(true).is_ok() {
+                        let _ = s.set_nodelay(true);
+                        self.conns.push(Conn {
+                            stream: s,
+                            peer: None,
+                            buf: Vec::new(),
+                        });
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return, // WouldBlock, or a transient accept error
+            }
+        }
+    }
+
+    /// Reads every connection; complete frames go to the inbox.
+    fn read_all(&mut self) {
+        let mut k = 0;
+        while k < self.conns.len() {
+            let keep = Self::read_conn(&mut self.conns[k], &mut self.scratch, &mut self.inbox);
+            if keep {
+                k += 1;
+            } else {
+                self.conns.swap_remove(k);
+            }
+        }
+    }
+
+    /// Reads one connection until it would block; `false` when it is
+    /// closed (EOF, error or a protocol violation).
+    fn read_conn(c: &mut Conn, scratch: &mut [u8], inbox: &mut VecDeque<Inbound>) -> bool {
+        loop {
+            match c.stream.read(scratch) {
+                Ok(0) => return false,
+                Ok(n) => c.buf.extend_from_slice(&scratch[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        let mut at = 0;
+        while c.buf.len() - at >= 4 {
+            let mut len = [0u8; 4];
+            len.copy_from_slice(&c.buf[at..at + 4]);
+            let len = u32::from_le_bytes(len) as usize;
+            if len > MAX_FRAME_BYTES {
+                tracing::warn!(peer = ?c.peer, bytes = len, max = MAX_FRAME_BYTES, "control frame too large; connection closed");
+                return false;
+            }
+            if c.buf.len() - at - 4 < len {
+                break;
+            }
+            let payload = &c.buf[at + 4..at + 4 + len];
+            match &c.peer {
+                Some(p) => inbox.push_back((p.clone(), payload.to_vec())),
+                None => {
+                    let name = payload
+                        .strip_prefix(HELLO_MAGIC.as_slice())
+                        .and_then(|n| std::str::from_utf8(n).ok())
+                        .filter(|n| !n.is_empty() && n.len() <= MAX_NAME_LEN);
+                    match name {
+                        Some(n) => c.peer = Some(n.to_string()),
+                        None => {
+                            tracing::warn!("control connection without a valid hello; closed");
+                            return false;
+                        }
+                    }
+                }
+            }
+            at += 4 + len;
+        }
+        c.buf.drain(..at);
+        true
+    }
+
+    fn pump(&mut self) {
+        self.flush();
+        self.accept();
+        self.read_all();
+    }
+
+    /// Waits in poll(2) for input, writable queued sockets or the waker,
+    /// at most `timeout`. Returns whether the waker fired.
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2 + self.conns.len());
+        let pfd = |fd: i32, events: i16| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        fds.push(pfd(self.listener.as_raw_fd(), libc::POLLIN));
+        for c in &self.conns {
+            fds.push(pfd(c.stream.as_raw_fd(), libc::POLLIN));
+        }
+        for r in self.routes.values() {
+            if let Some(s) = &r.stream {
+                if !r.frames.is_empty() || !r.hello.is_empty() {
+                    fds.push(pfd(s.as_raw_fd(), libc::POLLOUT));
+                }
+            }
+        }
+        let waker_at = self.waker.as_ref().map(|w| {
+            fds.push(pfd(w.fd(), libc::POLLIN));
+            fds.len() - 1
+        });
+        // Whole milliseconds, rounded up; a route waiting to reconnect
+        // bounds the wait by its backoff.
+        let mut ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        if self.routes.values().any(|r| r.retry_at.is_some()) {
+            ms = ms.min(RECONNECT_BACKOFF.as_millis() as i32);
+        }
+        // SAFETY: fds is a valid array of fds.len() pollfd entries.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        match (n > 0, waker_at) {
+            (true, Some(i)) if fds[i].revents & libc::POLLIN != 0 => {
+                if let Some(w) = &self.waker {
+                    w.drain();
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl ControlChannel for TcpControlChannel {
+    fn local_endpoint(&self) -> Vec<u8> {
+        self.endpoint.as_bytes().to_vec()
+    }
+
+    /// Validates the endpoint (as ZMQ's, plus: an IP literal) and records
+    /// the route; the connection is made on the first send. The same
+    /// endpoint again is a no-op; a new one replaces the route (and drops
+    /// what was queued for the old one).
+    fn add_peer(&mut self, peer: &str, endpoint: &[u8]) -> Result<(), ControlError> {
+        let endpoint = validate_endpoint(peer, endpoint)?;
+        let addr = parse_addr(peer, &endpoint)?;
+        if self
+            .routes
+            .get(peer)
+            .is_some_and(|r| r.endpoint == endpoint)
+        {
+            return Ok(());
+        }
+        tracing::debug!(peer, %endpoint, "TCP control route added");
+        self.routes.insert(
+            peer.to_string(),
+            Route {
+                endpoint,
+                addr,
+                stream: None,
+                hello: Vec::new(),
+                frames: VecDeque::new(),
+                head_written: 0,
+                queued_bytes: 0,
+                retry_at: None,
+                drop_streak: 0,
+            },
+        );
+        Ok(())
+    }
+
+    fn remove_peer(&mut self, peer: &str) {
+        if self.routes.remove(peer).is_some() {
+            tracing::debug!(peer, "TCP control route removed");
+        }
+    }
+
+    fn has_peer(&self, peer: &str) -> bool {
+        self.routes.contains_key(peer)
+    }
+
+    /// Queues `msg` and writes what the socket takes now (never blocks).
+    fn send_to(&mut self, peer: &str, msg: &[u8]) -> Result<(), ControlError> {
+        if msg.len() > MAX_FRAME_BYTES {
+            return Err(ControlError::Transport(format!(
+                "control message of {} bytes to {peer:?} exceeds {MAX_FRAME_BYTES}",
+                msg.len()
+            )));
+        }
+        let r = self
+            .routes
+            .get_mut(peer)
+            .ok_or_else(|| ControlError::UnknownPeer(peer.to_string()))?;
+        if r.queued_bytes + msg.len() + 4 > SEND_QUEUE_BYTES {
+            r.drop_streak += 1;
+            self.dropped += 1;
+            if r.drop_streak % 1024 == 1 {
+                tracing::warn!(peer, endpoint = %r.endpoint, bytes = msg.len(), streak = r.drop_streak,
+                    "control send queue full ({SEND_QUEUE_BYTES} bytes); message dropped");
+            }
+            return Err(ControlError::Dropped(peer.to_string()));
+        }
+        r.drop_streak = 0;
+        let f = frame(msg);
+        r.queued_bytes += f.len();
+        r.frames.push_back(f);
+        self.flush();
+        Ok(())
+    }
+
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError> {
+        if let Some(m) = self.inbox.pop_front() {
+            return Ok(Some(m));
+        }
+        self.pump();
+        if let Some(m) = self.inbox.pop_front() {
+            return Ok(Some(m));
+        }
+        let deadline = Instant::now() + timeout;
+        while !timeout.is_zero() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let woken = self.wait(left);
+            self.pump();
+            if let Some(m) = self.inbox.pop_front() {
+                return Ok(Some(m));
+            }
+            if woken {
+                break;
+            }
+        }
+        Ok(None)
+    }
+
+    fn set_waker(&mut self, waker: Arc<Waker>) {
+        self.waker = Some(waker);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (TcpControlChannel, TcpControlChannel) {
+        let a = TcpControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        let b = TcpControlChannel::bind("b", BindAddr::Loopback).unwrap();
+        (a, b)
+    }
+
+    fn recv_within(c: &mut TcpControlChannel, limit: Duration) -> Option<Inbound> {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Some(m) = c.recv(Duration::from_millis(10)).unwrap() {
+                return Some(m);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn messages_arrive_in_order_with_the_senders_name_both_ways() {
+        let (mut a, mut b) = pair();
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        b.add_peer("a", a.endpoint().as_bytes()).unwrap();
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        a.send_to("b", b"one").unwrap();
+        a.send_to("b", &big).unwrap();
+        a.send_to("b", b"").unwrap();
+        for want in [b"one".to_vec(), big.clone(), Vec::new()] {
+            // Both sides pump: `a` flushes what did not fit at once.
+            let got = loop {
+                let _ = a.recv(Duration::ZERO).unwrap();
+                if let Some(m) = recv_within(&mut b, Duration::from_millis(50)) {
+                    break m;
+                }
+            };
+            assert_eq!(got, ("a".to_string(), want));
+        }
+        b.send_to("a", b"back").unwrap();
+        assert_eq!(
+            recv_within(&mut a, Duration::from_secs(5)),
+            Some(("b".to_string(), b"back".to_vec()))
+        );
+    }
+
+    #[test]
+    fn endpoints_must_be_ip_literals_with_a_port() {
+        let (mut a, _b) = pair();
+        for bad in [
+            &b"tcp://localhost:5555"[..],
+            b"tcp://10.0.0.1",
+            b"tcp://0.0.0.0:5555",
+            b"udp://10.0.0.1:5",
+            b"",
+        ] {
+            let e = a.add_peer("x", bad).unwrap_err();
+            assert!(
+                matches!(e, ControlError::InvalidEndpoint { .. }),
+                "{:?}: {e}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(!a.has_peer("x"));
+        a.add_peer("v6", b"tcp://[::1]:5555").unwrap();
+        assert!(a.has_peer("v6"));
+    }
+
+    #[test]
+    fn a_peer_that_comes_up_late_gets_the_queued_messages_and_a_restart_reconnects() {
+        let mut a = TcpControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        // Reserve a port, close it: nothing listens there yet.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        a.add_peer("b", format!("tcp://127.0.0.1:{port}").as_bytes())
+            .unwrap();
+        a.send_to("b", b"early").unwrap();
+        let _ = a.recv(Duration::from_millis(20)).unwrap(); // refused, backoff
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut b = TcpControlChannel {
+            own_name: "b".into(),
+            listener,
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            routes: HashMap::new(),
+            conns: Vec::new(),
+            inbox: VecDeque::new(),
+            waker: None,
+            dropped: 0,
+            scratch: vec![0; 4096],
+            hello: TcpControlChannel::hello_frame("b"),
+        };
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut got = None;
+        while got.is_none() && Instant::now() < end {
+            let _ = a.recv(Duration::from_millis(5)).unwrap();
+            got = b.recv(Duration::from_millis(5)).unwrap();
+        }
+        assert_eq!(got, Some(("a".to_string(), b"early".to_vec())));
+        // The receiver restarts on the same port: the next send reconnects.
+        drop(b);
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut b2 = TcpControlChannel {
+            own_name: "b".into(),
+            listener,
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            routes: HashMap::new(),
+            conns: Vec::new(),
+            inbox: VecDeque::new(),
+            waker: None,
+            dropped: 0,
+            scratch: vec![0; 4096],
+            hello: TcpControlChannel::hello_frame("b"),
+        };
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut got = None;
+        let mut n = 0u32;
+        while got.is_none() && Instant::now() < end {
+            // The first write after the restart may hit the dead connection.
+            let _ = a.send_to("b", format!("again {n}").as_bytes());
+            n += 1;
+            let _ = a.recv(Duration::from_millis(5)).unwrap();
+            got = b2.recv(Duration::from_millis(5)).unwrap();
+        }
+        let (from, msg) = got.expect("delivered after the restart");
+        assert_eq!(from, "a");
+        assert!(msg.starts_with(b"again "), "{msg:?}");
+    }
+
+    #[test]
+    fn a_connection_without_hello_or_with_a_huge_frame_is_closed() {
+        let (mut a, _b) = pair();
+        let addr = parse_addr("a", a.endpoint()).unwrap();
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.write_all(&frame(b"no hello")).unwrap();
+        let mut raw2 = TcpStream::connect(addr).unwrap();
+        raw2.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let end = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < end {
+            assert_eq!(a.recv(Duration::from_millis(10)).unwrap(), None);
+        }
+        assert!(a.conns.is_empty(), "both connections closed");
+    }
+
+    #[test]
+    fn the_waker_ends_a_blocking_receive() {
+        let (mut a, _b) = pair();
+        let w = Arc::new(Waker::new().unwrap());
+        a.set_waker(w.clone());
+        w.wake();
+        let t = Instant::now();
+        assert_eq!(a.recv(Duration::from_secs(5)).unwrap(), None);
+        assert!(t.elapsed() < Duration::from_secs(4));
+    }
+
+    #[test]
+    fn a_full_queue_drops_instead_of_blocking() {
+        let (mut a, _b) = pair();
+        // Nothing listens at this route: everything stays queued.
+        a.add_peer("gone", b"tcp://127.0.0.1:9").unwrap();
+        let msg = vec![0u8; 16 << 20];
+        let mut dropped = 0;
+        for _ in 0..10 {
+            if matches!(a.send_to("gone", &msg), Err(ControlError::Dropped(_))) {
+                dropped += 1;
+            }
+        }
+        assert!(dropped >= 3, "queue bound {SEND_QUEUE_BYTES} enforced");
+        assert_eq!(a.dropped_messages(), dropped);
+        assert!(matches!(
+            a.send_to("nobody", b"x"),
+            Err(ControlError::UnknownPeer(_))
+        ));
+    }
+}
