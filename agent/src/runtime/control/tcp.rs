@@ -219,14 +219,19 @@ impl TcpControlChannel {
         let ip = bind.resolve()?;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| transport(&format!("bind control listener on {ip}"), e))?;
+        Self::on_listener(own_name, listener)
+    }
+
+    /// The channel over an already bound `listener` (made non-blocking
+    /// here); the endpoint is the listener's address.
+    fn on_listener(own_name: &str, listener: TcpListener) -> Result<Self, ControlError> {
         listener
             .set_nonblocking(true)
             .map_err(|e| transport("set listener non-blocking", e))?;
-        let port = listener
+        let local = listener
             .local_addr()
-            .map_err(|e| transport("read listener address", e))?
-            .port();
-        let endpoint = tcp_endpoint(ip, &port.to_string());
+            .map_err(|e| transport("read listener address", e))?;
+        let endpoint = tcp_endpoint(local.ip(), &local.port().to_string());
         tracing::debug!(name = own_name, %endpoint, "TCP control channel bound");
         Ok(Self {
             own_name: own_name.to_string(),
@@ -659,6 +664,12 @@ mod tests {
         (a, b)
     }
 
+    /// A channel named `name` listening on 127.0.0.1:`port`.
+    fn listening_as(name: &str, port: u16) -> TcpControlChannel {
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        TcpControlChannel::on_listener(name, listener).unwrap()
+    }
+
     fn recv_within(c: &mut TcpControlChannel, limit: Duration) -> Option<Inbound> {
         let end = Instant::now() + limit;
         while Instant::now() < end {
@@ -732,21 +743,7 @@ mod tests {
             .unwrap();
         a.send_to("b", b"early").unwrap();
         let _ = a.recv(Duration::from_millis(20)).unwrap(); // refused, backoff
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let mut b = TcpControlChannel {
-            own_name: "b".into(),
-            listener,
-            endpoint: format!("tcp://127.0.0.1:{port}"),
-            routes: HashMap::new(),
-            conns: Vec::new(),
-            inbox: VecDeque::new(),
-            waker: None,
-            dropped: 0,
-            scratch: vec![0; 4096],
-            hello: TcpControlChannel::hello_frame("b"),
-            accept_paused_until: None,
-        };
+        let mut b = listening_as("b", port);
         let end = Instant::now() + Duration::from_secs(5);
         let mut got = None;
         while got.is_none() && Instant::now() < end {
@@ -756,21 +753,7 @@ mod tests {
         assert_eq!(got, Some(("a".to_string(), b"early".to_vec())));
         // The receiver restarts on the same port: the next send reconnects.
         drop(b);
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let mut b2 = TcpControlChannel {
-            own_name: "b".into(),
-            listener,
-            endpoint: format!("tcp://127.0.0.1:{port}"),
-            routes: HashMap::new(),
-            conns: Vec::new(),
-            inbox: VecDeque::new(),
-            waker: None,
-            dropped: 0,
-            scratch: vec![0; 4096],
-            hello: TcpControlChannel::hello_frame("b"),
-            accept_paused_until: None,
-        };
+        let mut b2 = listening_as("b", port);
         // One message: the idle connection to the old receiver is found
         // closed before the write, so it goes out on a new connection.
         std::thread::sleep(Duration::from_millis(50)); // let the FIN arrive
