@@ -91,6 +91,48 @@ fn peer_never_grants_fails_at_request_timeout() {
     assert_quiesced(&rx, Duration::from_secs(5));
 }
 
+#[test]
+fn invalid_descriptor_fails_at_submit_without_a_want() {
+    let cfg = test_config("4MiB", "256KiB", 4);
+    let src = Pool::new(64 * BLOCK);
+    let dst = Pool::new(64 * BLOCK);
+    let Some(tx) = agent("baddesc-tx", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("baddesc-rx", &cfg, &[&dst]) else {
+        return;
+    };
+    connect(&tx, &rx);
+    let mut descs = block_descs(&src, 0, &dst, &permutation(64, 5), BLOCK);
+    // Descriptor 17's destination range wraps around the address space.
+    descs[17].dst = u64::MAX - 100;
+    let t0 = Instant::now();
+    let (path, h) = tx.submit_write(rx.name(), descs);
+    assert_eq!(path, PathKind::Bounce);
+    // Resolved by the sizing pass in submit itself: no wait needed.
+    let outcome = h.try_outcome();
+    println!("bad descriptor: {outcome:?} after {:?}", t0.elapsed());
+    match &outcome {
+        Some(TransferOutcome::Failure(why)) => assert!(
+            why.contains("planning") && why.contains("17"),
+            "the failure must name the planning step and descriptor 17: {why}"
+        ),
+        other => panic!("expected FAILURE at submit, got {other:?}"),
+    }
+    let st = tstats(&tx);
+    assert_eq!(get(&st.failed), 1);
+    assert_eq!(get(&st.chunks_written), 0);
+    // No WANT went out, so the receiver granted nothing and nothing landed.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(get(&tstats(&rx).grants), 0);
+    assert!(
+        all_bytes(&dst, 0),
+        "nothing may land for a rejected request"
+    );
+    assert_quiesced(&tx, Duration::from_secs(5));
+    assert_quiesced(&rx, Duration::from_secs(5));
+}
+
 // --------------------------------------------------------------------------
 // Transfer engine reports failure → FAILURE
 // --------------------------------------------------------------------------

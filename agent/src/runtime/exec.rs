@@ -5,8 +5,9 @@
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::{Descriptor, ScatterRun};
 
@@ -246,6 +247,23 @@ fn run_job(
     }
 }
 
+/// The next job from `rx`: polls for up to `spin` first, then blocks.
+/// `None` once the queue is closed and empty (the workers' exit).
+fn next_job(rx: &Receiver<CopyJob>, spin: Duration) -> Option<CopyJob> {
+    if !spin.is_zero() {
+        let start = Instant::now();
+        loop {
+            match rx.try_recv() {
+                Ok(job) => return Some(job),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) if start.elapsed() >= spin => break,
+                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
+    }
+    rx.recv().ok()
+}
+
 /// `M` worker threads that run copy jobs and report [`CopyDone`] on a
 /// channel the IO thread drains (seed §7). Dropping joins them.
 pub struct CopyWorkers {
@@ -257,12 +275,20 @@ impl CopyWorkers {
     /// Starts `count` workers (at least 1) over `engine`, reporting to
     /// `done` and then signalling `waker` (when given) so a waiting IO
     /// thread wakes at once. Threads are named `{name}-copy-{i}`.
+    ///
+    /// `spin`: after each job a worker keeps polling the job queue for up
+    /// to this long before it blocks (the transport's busy-poll window;
+    /// zero blocks at once). A blocked worker pays a wake-up per job —
+    /// 50–200 µs measured on the H200 host between the IO thread queuing a
+    /// gather and a worker starting it (docs/benchmarks.md) — which is
+    /// longer than the GPU copy itself.
     pub fn start(
         name: &str,
         count: usize,
         engine: Arc<dyn CopyEngine>,
         done: Sender<CopyDone>,
         waker: Option<Arc<Waker>>,
+        spin: Duration,
     ) -> std::io::Result<Self> {
         let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
         let mut threads = Vec::new();
@@ -275,7 +301,7 @@ impl CopyWorkers {
                 std::thread::Builder::new()
                     .name(format!("{name}-copy-{i}"))
                     .spawn(move || {
-                        for job in rx.iter() {
+                        while let Some(job) = next_job(&rx, spin) {
                             tracing::trace!(token = job.token, kind = ?job.kind, items = job.plan.len(), "copy start");
                             let (result, scatter_runs) =
                                 run_job(&*engine, job.kind, job.region_addr, job.plan);
@@ -321,6 +347,50 @@ impl Drop for CopyWorkers {
         self.jobs.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(token: u64) -> CopyJob {
+        CopyJob {
+            token,
+            kind: CopyKind::Scatter,
+            region_addr: 0,
+            plan: CopyPlan::Runs(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn next_job_takes_a_job_queued_during_the_spin_or_after_it() {
+        for spin in [Duration::ZERO, Duration::from_millis(50)] {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            let sender = std::thread::spawn(move || {
+                // One job inside the spin window, one after it.
+                std::thread::sleep(Duration::from_millis(5));
+                tx.send(job(1)).unwrap();
+                std::thread::sleep(Duration::from_millis(80));
+                tx.send(job(2)).unwrap();
+                // Dropping `tx` closes the queue.
+            });
+            assert_eq!(
+                next_job(&rx, spin).map(|j| j.token),
+                Some(1),
+                "spin {spin:?}"
+            );
+            assert_eq!(
+                next_job(&rx, spin).map(|j| j.token),
+                Some(2),
+                "spin {spin:?}"
+            );
+            sender.join().unwrap();
+            assert!(
+                next_job(&rx, spin).is_none(),
+                "a closed queue ends the worker"
+            );
         }
     }
 }

@@ -220,6 +220,9 @@ pub struct FabricAgent {
     stats: Arc<FabricStats>,
     std_tx: Option<Sender<StdXfer>>,
     std_thread: Option<JoinHandle<()>>,
+    /// How long a standard-path handle's wait polls before blocking (the
+    /// busy-poll window, as for bounce handles).
+    wait_spin: Duration,
     /// Why bounce is off, if it is.
     pub bounce_unavailable: Option<String>,
 }
@@ -279,6 +282,9 @@ impl FabricAgent {
             stats: stats.clone(),
             std_tx: None,
             std_thread: None,
+            // An invalid env value fails bounce set-up with its message;
+            // the standard path then just blocks.
+            wait_spin: crate::runtime::transport::default_busy_poll().unwrap_or_default(),
             bounce_unavailable: None,
         };
         if opts.config.enabled() {
@@ -699,7 +705,7 @@ impl FabricAgent {
                 return fail(format!("standard path: {e}"));
             }
         };
-        let completion = Arc::new(Completion::default());
+        let completion = Arc::new(Completion::with_spin(self.wait_spin));
         let handle = TransferHandle::from_completion(completion.clone());
         if let Some(tx) = &self.std_tx {
             let _ = tx.send(StdXfer {
