@@ -33,7 +33,9 @@ use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
-use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, ExecPool};
+use super::exec::{
+    CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, ExecPool, WorkerPrimer,
+};
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -374,6 +376,8 @@ pub struct FaultPlan {
 }
 
 enum Command {
+    /// A request follows: stay hot (a command restarts the idle spin).
+    Prime,
     Submit {
         rid: u64,
         peer: String,
@@ -423,6 +427,8 @@ pub struct BounceTransport {
     busy_poll: Duration,
     /// The plan's chunk cap, bytes (for the sizing pass in `submit`).
     max_chunk_size_bytes: u64,
+    /// Wakes idle copy workers when a request is submitted.
+    primer: WorkerPrimer,
 }
 
 /// Ticks without any event before the IO thread yields between engine
@@ -487,6 +493,7 @@ impl BounceTransport {
             settings.busy_poll,
         )
         .map_err(|e| format!("spawning copy workers: {e}"))?;
+        let primer = workers.primer();
         let stats = Arc::new(TransportStats::default());
         let mut io = Io {
             name: name.clone(),
@@ -533,6 +540,7 @@ impl BounceTransport {
             stats,
             busy_poll,
             max_chunk_size_bytes,
+            primer,
         })
     }
 
@@ -631,6 +639,12 @@ impl BounceTransport {
             request_id: rid,
         };
         self.stats.submitted.fetch_add(1, Ordering::Relaxed);
+        if !self.busy_poll.is_zero() {
+            // Start the wake-ups of an idle IO thread and idle copy workers
+            // now, so they overlap the sizing pass instead of following it.
+            let _ = self.send_cmd(Command::Prime);
+            self.primer.prime();
+        }
         let t_size = Instant::now();
         let chunks = match TransferPlan::chunk_bounds(&descs, self.max_chunk_size_bytes) {
             Ok(b) => b,
@@ -1002,6 +1016,7 @@ impl Io {
 
     fn handle_command(&mut self, cmd: Command) -> bool {
         match cmd {
+            Command::Prime => {}
             Command::Submit {
                 rid,
                 peer,
@@ -1677,6 +1692,11 @@ impl Io {
             return;
         }
         self.flow_seen.insert(flow.clone(), Instant::now());
+        // DATA for this flow follows within a control round trip: wake
+        // idle scatter workers now rather than on the first DATA.
+        if let Some(workers) = &self.workers {
+            workers.prime();
+        }
         if let Err(e) = self.scheduler.on_want(flow, &w.chunk_bytes) {
             tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
             self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
