@@ -28,7 +28,8 @@ rows = collections.defaultdict(lambda: ([], []))
 for r in rids:
     evs = sorted(ev[r]); t0 = None
     for t, msg, f in evs:
-        if msg == 'submit': t0 = t; break
+        # 'sized' is logged by the submitting thread, before the IO thread's 'submit'.
+        if msg in ('sized', 'submit'): t0 = t; break
     if t0 is None: continue
     seen = {}
     for t, msg, f in evs:
