@@ -1,16 +1,15 @@
-//! Bounce end to end over the direct TCP control channel
-//! (`KVFABRIC_CONTROL_TRANSPORT=tcp`), real NIXL, byte-exact; and a ZMQ
-//! agent next to a TCP one falls back to the standard path (the handshake
-//! checks the control kind). One test per file: it sets the env variable
-//! the agents read at construction.
+//! Bounce end to end over the direct TCP control channel (bounce config
+//! `controlTransport: tcp`), real NIXL, byte-exact; and a ZMQ agent next to
+//! a TCP one falls back to the standard path (the handshake checks the
+//! control kind).
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
+use kvfabric_agent::core::config::ControlTransport;
 use kvfabric_agent::core::ControlKind;
-use kvfabric_agent::runtime::control::CONTROL_TRANSPORT_ENV;
 use kvfabric_agent::runtime::fabric::PathKind;
 use kvfabric_agent::runtime::transport::TransferOutcome;
 
@@ -22,11 +21,13 @@ fn bounce_over_the_tcp_control_channel_is_byte_exact_and_kinds_must_match() {
     let mut src = Pool::new(2048 * BLOCK);
     let dst = Pool::new(2048 * BLOCK);
     let zdst = Pool::new(64 * BLOCK);
-    // Built before the variable is set: a ZMQ agent.
+    // A ZMQ agent (the default transport) …
     let Some(zmq_rx) = agent("zrcv", &cfg, &[&zdst]) else {
         return;
     };
-    std::env::set_var(CONTROL_TRANSPORT_ENV, "tcp");
+    // … and two TCP ones, chosen by the config field.
+    let mut cfg = cfg;
+    cfg.control_transport = ControlTransport::Tcp;
     let Some(tx) = agent("tsnd", &cfg, &[&src]) else {
         return;
     };

@@ -177,6 +177,106 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
+/// The socket control transport when `useNixlNotifications` is off
+/// (`controlTransport`; a kvfabric field, not in seed §10). Every agent of
+/// a fleet must use the same one: the handshake carries the resulting
+/// [`ControlKind`] and bounce is only used between agents of one kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ControlTransport {
+    /// ZMQ ROUTER/DEALER sockets (the seed's transport; default).
+    #[default]
+    Zmq,
+    /// Length-prefixed frames on plain TCP sockets written and read by the
+    /// IO threads themselves; lower latency per control hop
+    /// (docs/benchmarks.md, "Direct TCP control channel").
+    Tcp,
+}
+
+/// Expected form of [`ControlTransport`].
+pub const EXPECTED_CONTROL_TRANSPORT: &str = "one of zmq/tcp";
+
+impl fmt::Display for ControlTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ControlTransport::Zmq => "zmq",
+            ControlTransport::Tcp => "tcp",
+        })
+    }
+}
+
+impl Serialize for ControlTransport {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ControlTransport {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_field(d, None)
+    }
+}
+
+/// The IO thread's busy-poll window (`ioBusyPollUs`; a kvfabric field, not
+/// in seed §10): while an agent has transfers in flight, its IO thread,
+/// copy workers and waiting callers poll instead of sleeping for up to this
+/// long after their last event. Each wake-up it saves costs 50–250 µs on a
+/// virtualised GPU host (docs/benchmarks.md); it takes a core per busy
+/// thread while it lasts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BusyPoll {
+    /// 2 ms on hosts with at least [`BUSY_POLL_AUTO_MIN_CPUS`] CPUs, off
+    /// below (on a 2-core host spinning threads take the copies' CPU —
+    /// measured slower). Default.
+    #[default]
+    Auto,
+    /// This many microseconds (0 turns busy polling off).
+    Micros(u64),
+}
+
+/// CPUs from which [`BusyPoll::Auto`] polls.
+pub const BUSY_POLL_AUTO_MIN_CPUS: usize = 8;
+
+/// Expected form of [`BusyPoll`].
+pub const EXPECTED_BUSY_POLL: &str = "\"auto\" or a whole number of microseconds";
+
+impl BusyPoll {
+    /// The window for a host with `cpus` CPUs (pure: the caller reads the
+    /// CPU count).
+    pub fn window(self, cpus: usize) -> std::time::Duration {
+        match self {
+            BusyPoll::Auto if cpus >= BUSY_POLL_AUTO_MIN_CPUS => {
+                std::time::Duration::from_millis(2)
+            }
+            BusyPoll::Auto => std::time::Duration::ZERO,
+            BusyPoll::Micros(us) => std::time::Duration::from_micros(us),
+        }
+    }
+}
+
+impl fmt::Display for BusyPoll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BusyPoll::Auto => f.write_str("auto"),
+            BusyPoll::Micros(us) => write!(f, "{us}"),
+        }
+    }
+}
+
+impl Serialize for BusyPoll {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            BusyPoll::Auto => s.serialize_str("auto"),
+            BusyPoll::Micros(us) => s.serialize_u64(*us),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BusyPoll {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_field(d, None)
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Field values: one parser per kind, shared by env and serde
 // ---------------------------------------------------------------------------
@@ -311,6 +411,46 @@ impl FieldValue for bool {
     }
 }
 
+impl FieldValue for ControlTransport {
+    const EXPECTED_ENV: &'static str = EXPECTED_CONTROL_TRANSPORT;
+    const EXPECTED_SERDE: &'static str = EXPECTED_CONTROL_TRANSPORT;
+    /// Case-insensitive, trimmed.
+    fn parse_env(s: &str) -> Result<Self, Option<String>> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "zmq" => Ok(ControlTransport::Zmq),
+            "tcp" => Ok(ControlTransport::Tcp),
+            _ => Err(None),
+        }
+    }
+    fn from_raw(raw: &Raw) -> Result<Self, Option<String>> {
+        match raw {
+            Raw::Str(s) => <Self as FieldValue>::parse_env(s),
+            _ => Err(None),
+        }
+    }
+}
+
+impl FieldValue for BusyPoll {
+    const EXPECTED_ENV: &'static str = EXPECTED_BUSY_POLL;
+    const EXPECTED_SERDE: &'static str = EXPECTED_BUSY_POLL;
+    fn parse_env(s: &str) -> Result<Self, Option<String>> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("auto") {
+            return Ok(BusyPoll::Auto);
+        }
+        t.parse().map(BusyPoll::Micros).map_err(|_| None)
+    }
+    fn from_raw(raw: &Raw) -> Result<Self, Option<String>> {
+        match raw {
+            Raw::Str(s) => <Self as FieldValue>::parse_env(s),
+            _ => raw_integer(raw)
+                .and_then(|n| u64::try_from(n).ok())
+                .map(BusyPoll::Micros)
+                .ok_or(None),
+        }
+    }
+}
+
 /// Captures whatever scalar the deserializer holds into a [`Raw`].
 struct RawVisitor;
 
@@ -414,6 +554,8 @@ field_deserializers! {
     de_use_zero_copy_arguments: bool = "useZeroCopyArguments";
     de_use_cub_copy: bool = "useCubCopy";
     de_disable_scatter_run_merging: bool = "disableScatterRunMerging";
+    de_control_transport: ControlTransport = "controlTransport";
+    de_io_busy_poll_us: BusyPoll = "ioBusyPollUs";
 }
 
 // ---------------------------------------------------------------------------
@@ -537,6 +679,17 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING`.
     #[serde(deserialize_with = "de_disable_scatter_run_merging")]
     pub disable_scatter_run_merging: bool,
+
+    /// kvfabric: the socket control transport, `zmq` (default) or `tcp`;
+    /// ignored when `useNixlNotifications` is on. Must match the peers'
+    /// (handshake-checked). Env `KVFABRIC_BOUNCE_CONTROL_TRANSPORT`.
+    #[serde(deserialize_with = "de_control_transport")]
+    pub control_transport: ControlTransport,
+
+    /// kvfabric: the busy-poll window, µs or `auto` (default; see
+    /// [`BusyPoll`]). Env `KVFABRIC_BOUNCE_IO_BUSY_POLL_US`.
+    #[serde(deserialize_with = "de_io_busy_poll_us")]
+    pub io_busy_poll_us: BusyPoll,
 }
 
 impl Default for BounceConfig {
@@ -559,6 +712,8 @@ impl Default for BounceConfig {
             use_zero_copy_arguments: true,
             use_cub_copy: false,
             disable_scatter_run_merging: false,
+            control_transport: ControlTransport::Zmq,
+            io_busy_poll_us: BusyPoll::Auto,
         }
     }
 }
@@ -573,7 +728,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 16] = [
+pub const FIELDS: [FieldName; 18] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -638,6 +793,14 @@ pub const FIELDS: [FieldName; 16] = [
         yaml: "disableScatterRunMerging",
         env: "DISABLE_SCATTER_RUN_MERGING",
     },
+    FieldName {
+        yaml: "controlTransport",
+        env: "CONTROL_TRANSPORT",
+    },
+    FieldName {
+        yaml: "ioBusyPollUs",
+        env: "IO_BUSY_POLL_US",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -658,7 +821,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 16] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 18] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -677,6 +840,8 @@ impl BounceConfig {
             (f[13], &mut self.use_zero_copy_arguments),
             (f[14], &mut self.use_cub_copy),
             (f[15], &mut self.disable_scatter_run_merging),
+            (f[16], &mut self.control_transport),
+            (f[17], &mut self.io_busy_poll_us),
         ]
     }
 
@@ -981,13 +1146,21 @@ impl EffectiveBounceConfig {
     }
 
     /// Control channel kind: [`ControlKind::NixlNotif`] when
-    /// `useNixlNotifications`, else [`ControlKind::Zmq`] (seed §5).
+    /// `useNixlNotifications` (seed §5), else the `controlTransport`
+    /// socket kind ([`ControlKind::Zmq`] by default, [`ControlKind::Tcp`]).
     pub fn control_kind(&self) -> ControlKind {
         if self.config.use_nixl_notifications {
-            ControlKind::NixlNotif
-        } else {
-            ControlKind::Zmq
+            return ControlKind::NixlNotif;
         }
+        match self.config.control_transport {
+            ControlTransport::Zmq => ControlKind::Zmq,
+            ControlTransport::Tcp => ControlKind::Tcp,
+        }
+    }
+
+    /// The busy-poll window on a host with `cpus` CPUs ([`BusyPoll::window`]).
+    pub fn busy_poll(&self, cpus: usize) -> std::time::Duration {
+        self.config.io_busy_poll_us.window(cpus)
     }
 
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
@@ -1310,6 +1483,8 @@ mod tests {
             ("KVFABRIC_BOUNCE_USE_ZERO_COPY_ARGUMENTS", "FALSE"),
             ("KVFABRIC_BOUNCE_USE_CUB_COPY", "true"),
             ("KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING", "yes"),
+            ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
+            ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1331,8 +1506,85 @@ mod tests {
             use_zero_copy_arguments: false,
             use_cub_copy: true,
             disable_scatter_run_merging: true,
+            control_transport: ControlTransport::Tcp,
+            io_busy_poll_us: BusyPoll::Micros(500),
         };
         assert_eq!(c, want);
+    }
+
+    #[test]
+    fn control_transport_and_busy_poll_parse_from_yaml_env_and_reject_bad_values() {
+        let c = BounceConfig::from_yaml_str("controlTransport: tcp\nioBusyPollUs: 250").unwrap();
+        assert_eq!(c.control_transport, ControlTransport::Tcp);
+        assert_eq!(c.io_busy_poll_us, BusyPoll::Micros(250));
+        let c = BounceConfig::from_yaml_str("ioBusyPollUs: auto").unwrap();
+        assert_eq!(c.io_busy_poll_us, BusyPoll::Auto);
+        // Defaults, and how they render (YAML and env).
+        let d = BounceConfig::default();
+        assert_eq!(
+            (d.control_transport, d.io_busy_poll_us),
+            (ControlTransport::Zmq, BusyPoll::Auto)
+        );
+        let y = serde_yaml::to_string(&d).unwrap();
+        assert!(
+            y.contains("controlTransport: zmq") && y.contains("ioBusyPollUs: auto"),
+            "{y}"
+        );
+        // Bad YAML values name the field and the accepted forms.
+        let e = BounceConfig::from_yaml_str("controlTransport: udp")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("controlTransport") && e.contains("zmq/tcp"),
+            "{e}"
+        );
+        let e = BounceConfig::from_yaml_str("ioBusyPollUs: 2ms")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ioBusyPollUs") && e.contains("microseconds"),
+            "{e}"
+        );
+        let e = BounceConfig::from_yaml_str("ioBusyPollUs: -5")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ioBusyPollUs"), "{e}");
+        // A bad env value warns and leaves the field as it was.
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([
+            ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", "udp"),
+            ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "2ms"),
+        ]);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert_eq!(c, BounceConfig::default());
+        // The effective control kind: notifications win over the transport.
+        let mut c = BounceConfig {
+            control_transport: ControlTransport::Tcp,
+            ..BounceConfig::default()
+        };
+        assert_eq!(c.validate().unwrap().control_kind(), ControlKind::Tcp);
+        c.use_nixl_notifications = true;
+        assert_eq!(c.validate().unwrap().control_kind(), ControlKind::NixlNotif);
+        assert_eq!(
+            BounceConfig::default().validate().unwrap().control_kind(),
+            ControlKind::Zmq
+        );
+    }
+
+    #[test]
+    fn busy_poll_window_by_cpu_count() {
+        use std::time::Duration;
+        assert_eq!(BusyPoll::Auto.window(2), Duration::ZERO);
+        assert_eq!(
+            BusyPoll::Auto.window(BUSY_POLL_AUTO_MIN_CPUS - 1),
+            Duration::ZERO
+        );
+        assert_eq!(
+            BusyPoll::Auto.window(BUSY_POLL_AUTO_MIN_CPUS),
+            Duration::from_millis(2)
+        );
+        assert_eq!(BusyPoll::Micros(500).window(2), Duration::from_micros(500));
+        assert_eq!(BusyPoll::Micros(0).window(64), Duration::ZERO);
     }
 
     #[test]

@@ -1236,6 +1236,12 @@ fn vram_bench(gpu: &Arc<CudaGpu>, device: usize, a: &VramArgs) -> AnyResult<()> 
     let block = bytes_arg("block", &a.block)?;
     let arena = bytes_arg("arena", &a.arena)?;
     let peer_device = a.peer_device.unwrap_or(device);
+    // KVFABRIC_BOUNCE_* (e.g. CONTROL_TRANSPORT, IO_BUSY_POLL_US) under the
+    // flags; the receiver process gets the result.
+    let (base, warnings) = BounceConfig::from_env();
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
     let mut configs = Vec::new();
     for c in a.chunks.split(',').filter(|c| !c.trim().is_empty()) {
         let chunk = bytes_arg("chunks", c)?;
@@ -1246,8 +1252,8 @@ fn vram_bench(gpu: &Arc<CudaGpu>, device: usize, a: &VramArgs) -> AnyResult<()> 
             max_inflight_chunks_per_request: a.inflight,
             disable_scatter_run_merging: a.no_merge,
             scatter_worker_count: a.workers,
-            copy_stream_count: a.workers.max(BounceConfig::default().copy_stream_count),
-            ..BounceConfig::default()
+            copy_stream_count: a.workers.max(base.copy_stream_count),
+            ..base.clone()
         };
         cfg.validate().map_err(|e| format!("chunk {c}: {e}"))?;
         configs.push(cfg);

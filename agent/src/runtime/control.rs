@@ -42,32 +42,6 @@ pub enum ControlError {
     Transport(String),
 }
 
-/// Env variable choosing the socket control transport when NIXL
-/// notifications are off: `zmq` (default) or `tcp`
-/// ([`kvfabric_core::ControlKind::Tcp`]). Both peers must agree (the
-/// handshake checks it; a mismatch uses the standard path).
-pub const CONTROL_TRANSPORT_ENV: &str = "KVFABRIC_CONTROL_TRANSPORT";
-
-/// The socket control kind from [`CONTROL_TRANSPORT_ENV`] (unset: ZMQ).
-///
-/// # Errors
-/// A value other than `zmq` / `tcp` (case-insensitive): the message names
-/// the variable, the value and what is accepted.
-pub fn control_transport() -> Result<kvfabric_core::ControlKind, String> {
-    control_transport_for(std::env::var(CONTROL_TRANSPORT_ENV).ok().as_deref())
-}
-
-fn control_transport_for(v: Option<&str>) -> Result<kvfabric_core::ControlKind, String> {
-    match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-        None | Some("") | Some("zmq") => Ok(kvfabric_core::ControlKind::Zmq),
-        Some("tcp") => Ok(kvfabric_core::ControlKind::Tcp),
-        Some(_) => Err(format!(
-            "{CONTROL_TRANSPORT_ENV}={:?}: expected zmq or tcp",
-            v.unwrap_or_default()
-        )),
-    }
-}
-
 /// One received control message: the sending peer's name and the bytes.
 pub type Inbound = (String, Vec<u8>);
 
@@ -106,23 +80,5 @@ pub trait ControlChannel: Send {
     /// `TransferEngine::progress` every tick.
     fn progresses_engine(&self) -> bool {
         false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvfabric_core::ControlKind;
-
-    #[test]
-    fn control_transport_defaults_to_zmq_and_rejects_unknown_names() {
-        assert_eq!(control_transport_for(None), Ok(ControlKind::Zmq));
-        assert_eq!(control_transport_for(Some(" TCP ")), Ok(ControlKind::Tcp));
-        assert_eq!(control_transport_for(Some("zmq")), Ok(ControlKind::Zmq));
-        let e = control_transport_for(Some("udp")).unwrap_err();
-        assert!(
-            e.contains(CONTROL_TRANSPORT_ENV) && e.contains("\"udp\""),
-            "{e}"
-        );
     }
 }

@@ -282,9 +282,7 @@ impl FabricAgent {
             stats: stats.clone(),
             std_tx: None,
             std_thread: None,
-            // An invalid env value fails bounce set-up with its message;
-            // the standard path then just blocks.
-            wait_spin: crate::runtime::transport::default_busy_poll().unwrap_or_default(),
+            wait_spin: opts.config.busy_poll(host_cpus()),
             bounce_unavailable: None,
         };
         if opts.config.enabled() {
@@ -376,12 +374,8 @@ impl FabricAgent {
     ) -> Result<(BounceTransport, ArenaMem, Handshake), String> {
         let cfg = &opts.config;
         let (arena, spec, default_copy) = Self::make_arena(engine, cfg, choice)?;
-        // NIXL notifications (bounce config), else the socket transport
-        // chosen by KVFABRIC_CONTROL_TRANSPORT (ZMQ by default).
-        let control_kind = match cfg.control_kind() {
-            ControlKind::NixlNotif => ControlKind::NixlNotif,
-            _ => crate::runtime::control::control_transport()?,
-        };
+        // NIXL notifications, else the `controlTransport` socket kind.
+        let control_kind = cfg.control_kind();
         let channel: Box<dyn ControlChannel> = match control_kind {
             ControlKind::Zmq => Box::new(
                 ZmqControlChannel::bind(&opts.name, opts.bind.clone())
@@ -405,7 +399,7 @@ impl FabricAgent {
             request_timeout: Duration::from_millis(cfg.request_timeout_ms()),
             eager_gather: cfg.config().enable_eager_gather,
             merge_runs: !cfg.config().disable_scatter_run_merging,
-            busy_poll: crate::runtime::transport::default_busy_poll()?,
+            busy_poll: cfg.busy_poll(host_cpus()),
         };
         let copy = opts.copy.clone().unwrap_or(default_copy);
         let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;
@@ -753,6 +747,11 @@ impl Drop for FabricAgent {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// CPUs available to this process (1 when unknown).
+fn host_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Bound on a standard-path transfer (no progress means failure).

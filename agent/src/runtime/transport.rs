@@ -64,38 +64,9 @@ pub struct TransportSettings {
     /// after its last event. A blocked IO thread pays a wake-up per control
     /// message — measured 100–400 µs per ZMQ hop on the H200 host
     /// (docs/benchmarks.md) — which at GPU speeds costs more than the data.
-    /// Takes a core while active; see [`default_busy_poll`].
+    /// Takes a core while active. From the bounce config's `ioBusyPollUs`
+    /// ([`kvfabric_core::config::BusyPoll`]).
     pub busy_poll: Duration,
-}
-
-/// Env variable overriding [`TransportSettings::busy_poll`], in µs (0 turns
-/// busy polling off).
-pub const BUSY_POLL_ENV: &str = "KVFABRIC_IO_BUSY_POLL_US";
-
-/// The default busy-poll window: 2 ms on hosts with at least 8 CPUs (a GPU
-/// node can spare a core per agent), 0 below that (on a 2-core host a
-/// spinning IO thread takes the copy workers' CPU — measured slower), or
-/// [`BUSY_POLL_ENV`] when set to a number of µs.
-///
-/// # Errors
-/// A [`BUSY_POLL_ENV`] that is not a whole number of µs: the message names
-/// the variable and the value.
-pub fn default_busy_poll() -> Result<Duration, String> {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    busy_poll_for(std::env::var(BUSY_POLL_ENV).ok().as_deref(), cpus)
-}
-
-/// [`default_busy_poll`] for a given env value and CPU count (pure).
-fn busy_poll_for(env: Option<&str>, cpus: usize) -> Result<Duration, String> {
-    match env {
-        Some(v) => v
-            .trim()
-            .parse::<u64>()
-            .map(Duration::from_micros)
-            .map_err(|_| format!("{BUSY_POLL_ENV}={v:?}: expected a whole number of microseconds")),
-        None if cpus >= 8 => Ok(Duration::from_millis(2)),
-        None => Ok(Duration::ZERO),
-    }
 }
 
 impl Default for TransportSettings {
@@ -2058,19 +2029,6 @@ impl Io {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn busy_poll_defaults_by_cpu_count_and_env_overrides() {
-        assert_eq!(busy_poll_for(None, 2), Ok(Duration::ZERO));
-        assert_eq!(busy_poll_for(None, 32), Ok(Duration::from_millis(2)));
-        assert_eq!(
-            busy_poll_for(Some(" 500 "), 2),
-            Ok(Duration::from_micros(500))
-        );
-        assert_eq!(busy_poll_for(Some("0"), 32), Ok(Duration::ZERO));
-        let e = busy_poll_for(Some("2ms"), 32).unwrap_err();
-        assert!(e.contains(BUSY_POLL_ENV) && e.contains("\"2ms\""), "{e}");
-    }
 
     #[test]
     fn a_spinning_wait_sees_the_outcome_and_honours_its_timeout() {
