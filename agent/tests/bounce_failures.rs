@@ -294,6 +294,47 @@ fn shutdown_with_transfers_in_flight_resolves_every_request() {
     assert_quiesced(&rx, Duration::from_secs(5));
 }
 
+#[test]
+fn submits_racing_a_shutdown_all_resolve_and_are_counted_once() {
+    let cfg = test_config("2MiB", "128KiB", 2);
+    let src = Pool::new(64 * BLOCK);
+    let dst = Pool::new(64 * BLOCK);
+    let Some(tx) = agent("race-tx", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("race-rx", &cfg, &[&dst]) else {
+        return;
+    };
+    connect(&tx, &rx);
+    let t = tx.transport().expect("bounce transport");
+    let descs = block_descs(&src, 0, &dst, &permutation(16, 3), BLOCK);
+    let handles = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..200 {
+                    let h = t.submit(rx.name(), descs.clone());
+                    handles.lock().unwrap().push(h);
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(3));
+        t.shutdown();
+    });
+    let handles = handles.into_inner().unwrap();
+    let t0 = Instant::now();
+    let unresolved = handles
+        .iter()
+        .filter(|h| h.wait(Duration::from_secs(5)).is_none())
+        .count();
+    assert_eq!(unresolved, 0, "handles never resolved after shutdown");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // Every request counted exactly once, as success or failure.
+    let st = tstats(&tx);
+    assert_eq!(get(&st.submitted), 800);
+    assert_eq!(get(&st.succeeded) + get(&st.failed), 800);
+}
+
 // --------------------------------------------------------------------------
 // forgetPeer in flight → FAILURE, regions reclaimed, conservation holds
 // --------------------------------------------------------------------------

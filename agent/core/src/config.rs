@@ -40,6 +40,19 @@ use crate::ControlKind;
 /// `TRTLLM_NIXL_BOUNCE_`; the suffixes are identical).
 pub const ENV_PREFIX: &str = "KVFABRIC_BOUNCE_";
 
+/// Earlier names of two fields' variables, still honoured with a
+/// [`ConfigWarning::Deprecated`]: (old variable, field env suffix).
+pub const LEGACY_ENV_ALIASES: [(&str, &str); 2] = [
+    ("KVFABRIC_CONTROL_TRANSPORT", "CONTROL_TRANSPORT"),
+    ("KVFABRIC_IO_BUSY_POLL_US", "IO_BUSY_POLL_US"),
+];
+
+/// Whether `key` is read by [`BounceConfig::apply_env_vars`]: a
+/// [`ENV_PREFIX`] variable or a [`LEGACY_ENV_ALIASES`] name.
+pub fn is_config_env(key: &str) -> bool {
+    key.starts_with(ENV_PREFIX) || LEGACY_ENV_ALIASES.iter().any(|(old, _)| *old == key)
+}
+
 /// Minimum (and required) alignment of arena regions in bytes: the transfer
 /// plan places in-region offsets on 32-byte boundaries, so the allocation
 /// granularity must be at least this large.
@@ -216,12 +229,14 @@ impl<'de> Deserialize<'de> for ControlTransport {
     }
 }
 
-/// The IO thread's busy-poll window (`ioBusyPollUs`; a kvfabric field, not
-/// in seed §10): while an agent has transfers in flight, its IO thread,
-/// copy workers and waiting callers poll instead of sleeping for up to this
-/// long after their last event. Each wake-up it saves costs 50–250 µs on a
-/// virtualised GPU host (docs/benchmarks.md); it takes a core per busy
-/// thread while it lasts.
+/// The busy-poll window (`ioBusyPollUs`; a kvfabric field, not in seed
+/// §10): while an agent has transfers in flight, its IO thread, its copy
+/// workers and up to a few waiting callers poll instead of sleeping for up
+/// to this long after their last event, and a submit or WANT wakes as many
+/// idle workers as the request has chunks (at most the in-flight cap).
+/// Each wake-up it saves costs 50–250 µs on a virtualised GPU host
+/// (docs/benchmarks.md); it takes a core per spinning thread while it
+/// lasts: up to 1 + `scatterWorkerCount` per agent, plus the callers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum BusyPoll {
     /// 2 ms on hosts with at least [`BUSY_POLL_AUTO_MIN_CPUS`] CPUs, off
@@ -232,6 +247,11 @@ pub enum BusyPoll {
     /// This many microseconds (0 turns busy polling off).
     Micros(u64),
 }
+
+/// Largest `ioBusyPollUs` validation accepts, µs (100 ms): a window is a
+/// few control round trips, and a larger one (a value meant in ns) would
+/// keep threads spinning for seconds after each event.
+pub const MAX_BUSY_POLL_US: u64 = 100_000;
 
 /// CPUs from which [`BusyPoll::Auto`] polls.
 pub const BUSY_POLL_AUTO_MIN_CPUS: usize = 8;
@@ -866,10 +886,29 @@ impl BounceConfig {
         K: AsRef<str>,
         V: AsRef<str>,
     {
+        let vars: Vec<(K, V)> = vars.into_iter().collect();
         let mut warnings = Vec::new();
-        for (key, value) in vars {
+        for (key, value) in &vars {
             let (key, value) = (key.as_ref(), value.as_ref());
-            let Some(suffix) = key.strip_prefix(ENV_PREFIX) else {
+            let suffix = if let Some(s) = key.strip_prefix(ENV_PREFIX) {
+                s
+            } else if let Some(&(_, s)) = LEGACY_ENV_ALIASES.iter().find(|(old, _)| *old == key) {
+                // Honoured (a fleet mid-upgrade keeps its transport), with a
+                // warning; the new name wins when both are set.
+                let replacement = format!("{ENV_PREFIX}{s}");
+                let shadowed = vars.iter().any(|(k, _)| k.as_ref() == replacement);
+                let w = ConfigWarning::Deprecated {
+                    variable: key.to_string(),
+                    replacement,
+                    ignored: shadowed,
+                };
+                tracing::warn!("{w}");
+                warnings.push(w);
+                if shadowed {
+                    continue;
+                }
+                s
+            } else {
                 continue;
             };
             let warning = match self
@@ -907,8 +946,7 @@ impl BounceConfig {
         let mut cfg = BounceConfig::default();
         let warnings = cfg.apply_env_vars(std::env::vars_os().filter_map(|(k, v)| {
             let k = k.into_string().ok()?;
-            k.starts_with(ENV_PREFIX)
-                .then(|| (k, v.to_string_lossy().into_owned()))
+            is_config_env(&k).then(|| (k, v.to_string_lossy().into_owned()))
         }));
         (cfg, warnings)
     }
@@ -967,7 +1005,8 @@ impl BounceConfig {
     ///   error, recorded as [`ConfigNote::MaxChunkClamped`];
     /// - `maxInflightChunksPerRequest`, `copyStreamCount`,
     ///   `scatterWorkerCount`, `requestTimeoutMs` ≥ 1;
-    /// - `maxAverageDescriptorSizeBytes` > 0.
+    /// - `maxAverageDescriptorSizeBytes` > 0;
+    /// - `ioBusyPollUs` `auto` or ≤ [`MAX_BUSY_POLL_US`].
     ///
     /// `minDescriptorCount` may be anything (0 = no descriptor-count gate).
     /// Validation does not depend on `enabled`: callers that ignore the
@@ -1037,6 +1076,15 @@ impl BounceConfig {
                 "a byte size greater than 0, like 16384 or \"16KiB\"".into(),
                 "0".into(),
             );
+        }
+        if let BusyPoll::Micros(us) = self.io_busy_poll_us {
+            if us > MAX_BUSY_POLL_US {
+                err(
+                    "ioBusyPollUs",
+                    format!("\"auto\" or at most {MAX_BUSY_POLL_US} microseconds"),
+                    us.to_string(),
+                );
+            }
         }
         if !errors.is_empty() {
             return Err(ConfigError::Invalid { errors });
@@ -1278,6 +1326,16 @@ pub enum ConfigWarning {
         /// Full variable name.
         variable: String,
     },
+    /// A [`LEGACY_ENV_ALIASES`] name: applied unless `replacement` is set
+    /// too (`ignored`).
+    Deprecated {
+        /// The old variable name.
+        variable: String,
+        /// The variable to use instead.
+        replacement: String,
+        /// Whether it was ignored because `replacement` is also set.
+        ignored: bool,
+    },
 }
 
 impl fmt::Display for ConfigWarning {
@@ -1298,6 +1356,17 @@ impl fmt::Display for ConfigWarning {
             }
             ConfigWarning::UnknownVariable { variable } => {
                 write!(f, "{variable} is not a bounce config variable; ignored")
+            }
+            ConfigWarning::Deprecated {
+                variable,
+                replacement,
+                ignored,
+            } => {
+                write!(f, "{variable} is deprecated; use {replacement}")?;
+                if *ignored {
+                    write!(f, " (set too, so {variable} is ignored)")?;
+                }
+                Ok(())
             }
         }
     }
@@ -1572,6 +1641,50 @@ mod tests {
     }
 
     #[test]
+    fn legacy_variable_names_apply_with_a_warning_unless_the_new_one_is_set() {
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([
+            ("KVFABRIC_CONTROL_TRANSPORT", "tcp"),
+            ("KVFABRIC_IO_BUSY_POLL_US", "0"),
+        ]);
+        assert_eq!(c.control_transport, ControlTransport::Tcp);
+        assert_eq!(c.io_busy_poll_us, BusyPoll::Micros(0));
+        assert_eq!(w.len(), 2, "{w:?}");
+        let text = w[0].to_string();
+        assert!(
+            text.contains("KVFABRIC_CONTROL_TRANSPORT is deprecated")
+                && text.contains("KVFABRIC_BOUNCE_CONTROL_TRANSPORT"),
+            "{text}"
+        );
+        // Both names: the new one wins, whatever the order.
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([
+            ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "300"),
+            ("KVFABRIC_IO_BUSY_POLL_US", "0"),
+        ]);
+        assert_eq!(c.io_busy_poll_us, BusyPoll::Micros(300));
+        assert!(w[0].to_string().contains("ignored"), "{w:?}");
+        assert!(is_config_env("KVFABRIC_IO_BUSY_POLL_US"));
+        assert!(is_config_env("KVFABRIC_BOUNCE_ENABLE"));
+        assert!(!is_config_env("KVFABRIC_LOG"));
+    }
+
+    #[test]
+    fn busy_poll_above_the_cap_is_a_validation_error() {
+        let c = BounceConfig {
+            io_busy_poll_us: BusyPoll::Micros(MAX_BUSY_POLL_US + 1),
+            ..BounceConfig::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("ioBusyPollUs") && e.contains("100000"), "{e}");
+        let ok = BounceConfig {
+            io_busy_poll_us: BusyPoll::Micros(MAX_BUSY_POLL_US),
+            ..BounceConfig::default()
+        };
+        assert!(ok.validate().is_ok());
+    }
+
+    #[test]
     fn busy_poll_window_by_cpu_count() {
         use std::time::Duration;
         assert_eq!(BusyPoll::Auto.window(2), Duration::ZERO);
@@ -1712,6 +1825,8 @@ mod tests {
         )
         .unwrap();
         c.max_inflight_chunks_per_request = 1;
+        c.control_transport = ControlTransport::Tcp;
+        c.io_busy_poll_us = BusyPoll::Micros(750);
         let vars = c.to_env_vars();
         assert_eq!(vars.len(), FIELDS.len());
         assert!(vars.contains(&(

@@ -1200,12 +1200,12 @@ struct VramArgs {
     /// process each; the first also runs the other two paths).
     #[arg(long, default_value = "4M")]
     chunks: String,
-    /// Bounce arena size of both agents.
-    #[arg(long, default_value = "256M")]
-    arena: String,
-    /// Per-request in-flight chunk cap W.
-    #[arg(long, default_value_t = 8)]
-    inflight: u32,
+    /// Bounce arena size of both agents [default: KVFABRIC_BOUNCE_ARENA_SIZE_BYTES, else 256M].
+    #[arg(long)]
+    arena: Option<String>,
+    /// Per-request in-flight chunk cap W [default: KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST, else 8].
+    #[arg(long)]
+    inflight: Option<u32>,
     /// Timed iterations per path (after one warm-up).
     #[arg(long, default_value_t = 7)]
     iterations: usize,
@@ -1214,14 +1214,15 @@ struct VramArgs {
     skip_standard: bool,
     /// Send per-descriptor scatter runs (no run merging; in random slots
     /// the merge pass only finds strided pairs, ≈37% fewer runs, at about
-    /// twice the planning cost).
+    /// twice the planning cost). Also on with
+    /// KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING.
     #[arg(long)]
     no_merge: bool,
     /// Copy worker threads per agent (seed `scatterWorkerCount`; the exec
     /// pool gets at least as many streams): chunks are planned and copied
-    /// on these in parallel.
-    #[arg(long, default_value_t = 4)]
-    workers: u32,
+    /// on these in parallel [default: KVFABRIC_BOUNCE_SCATTER_WORKER_COUNT, else 4].
+    #[arg(long)]
+    workers: Option<u32>,
     /// Write the JSON report here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -1234,7 +1235,6 @@ fn bytes_arg(what: &str, s: &str) -> AnyResult<u64> {
 fn vram_bench(gpu: &Arc<CudaGpu>, device: usize, a: &VramArgs) -> AnyResult<()> {
     let total = bytes_arg("total", &a.total)?;
     let block = bytes_arg("block", &a.block)?;
-    let arena = bytes_arg("arena", &a.arena)?;
     let peer_device = a.peer_device.unwrap_or(device);
     // KVFABRIC_BOUNCE_* (e.g. CONTROL_TRANSPORT, IO_BUSY_POLL_US) under the
     // flags; the receiver process gets the result.
@@ -1242,17 +1242,23 @@ fn vram_bench(gpu: &Arc<CudaGpu>, device: usize, a: &VramArgs) -> AnyResult<()> 
     for w in warnings {
         eprintln!("warning: {w}");
     }
+    let arena = match &a.arena {
+        Some(s) => ByteSize(bytes_arg("arena", s)?),
+        None => base.arena_size_bytes,
+    };
+    let inflight = a.inflight.unwrap_or(base.max_inflight_chunks_per_request);
+    let workers = a.workers.unwrap_or(base.scatter_worker_count);
     let mut configs = Vec::new();
     for c in a.chunks.split(',').filter(|c| !c.trim().is_empty()) {
         let chunk = bytes_arg("chunks", c)?;
         let cfg = BounceConfig {
             enabled: true,
-            arena_size_bytes: ByteSize(arena),
+            arena_size_bytes: arena,
             max_chunk_size_bytes: ByteSize(chunk),
-            max_inflight_chunks_per_request: a.inflight,
-            disable_scatter_run_merging: a.no_merge,
-            scatter_worker_count: a.workers,
-            copy_stream_count: a.workers.max(base.copy_stream_count),
+            max_inflight_chunks_per_request: inflight,
+            disable_scatter_run_merging: a.no_merge || base.disable_scatter_run_merging,
+            scatter_worker_count: workers,
+            copy_stream_count: workers.max(base.copy_stream_count),
             ..base.clone()
         };
         cfg.validate().map_err(|e| format!("chunk {c}: {e}"))?;

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use kvfabric_agent::bench::dataplane::{self, DataplaneOptions};
-use kvfabric_agent::core::config::{parse_byte_size, BounceConfig};
+use kvfabric_agent::core::config::{is_config_env, parse_byte_size, BounceConfig};
 
 #[derive(Parser)]
 #[command(
@@ -325,9 +325,7 @@ fn run_embedded(
             ..BounceConfig::default()
         },
     };
-    for w in
-        config.apply_env_vars(std::env::vars().filter(|(k, _)| k.starts_with("KVFABRIC_BOUNCE_")))
-    {
+    for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| is_config_env(k))) {
         eprintln!("warning: {w}");
     }
     config.enabled = true;

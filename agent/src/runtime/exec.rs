@@ -135,8 +135,9 @@ pub enum CopyPlan {
     /// A sender's chunk, planned on the worker: build the chunk's runs from
     /// the request's descriptors ([`TransferPlan::build_chunk`]), gather
     /// them, and hand the scatter runs back in [`CopyDone::scatter_runs`]
-    /// for the chunk's DATA. The IO thread only runs the sizing pass
-    /// ([`TransferPlan::chunk_bounds`]), so a request's chunks are planned
+    /// for the chunk's DATA. Only the sizing pass
+    /// ([`TransferPlan::chunk_bounds`]) runs before, on the submitting
+    /// thread, so a request's chunks are planned
     /// in parallel on the workers, each just before its gather, instead of
     /// the whole plan (≈0.7–0.9 ms for 16,384 descriptors on the H200
     /// host) serially before the first gather. Only valid with
@@ -313,15 +314,21 @@ pub struct WorkerPrimer {
 }
 
 impl WorkerPrimer {
-    /// Starts a spin window on every worker blocked now (a hint: one that
-    /// blocks just after this is not woken).
-    pub fn prime(&self) {
-        if self.spin.is_zero() {
+    /// Starts a spin window on up to `n` of the workers blocked now, as
+    /// many as the coming work can use (a hint: a worker that blocks just
+    /// after this is not woken, and a woken one that finds nothing goes
+    /// back to sleep after its window).
+    pub fn prime(&self, n: usize) {
+        if self.spin.is_zero() || n == 0 {
             return;
         }
+        let mut left = n;
         for line in self.lines.iter() {
-            if line.blocked.load(Ordering::Acquire) {
-                let _ = line.tx.try_send(());
+            if left == 0 {
+                break;
+            }
+            if line.blocked.load(Ordering::Acquire) && line.tx.try_send(()).is_ok() {
+                left -= 1;
             }
         }
     }
@@ -432,8 +439,8 @@ impl CopyWorkers {
     }
 
     /// [`WorkerPrimer::prime`].
-    pub fn prime(&self) {
-        self.primer.prime();
+    pub fn prime(&self, n: usize) {
+        self.primer.prime(n);
     }
 
     /// Queues a job (never blocks: the queue is unbounded, and the number
@@ -555,7 +562,27 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        primer.prime();
+        // A prime for one wakes one.
+        primer.prime(1);
+        let t0 = Instant::now();
+        while primer.idle() != 2 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "prime(1) woke {} workers",
+                3 - primer.idle()
+            );
+            std::thread::yield_now();
+        }
+        // Its window ends: all three block again.
+        let t0 = Instant::now();
+        while primer.idle() < 3 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "a primed worker never went idle again"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        primer.prime(3);
         // Primed: all three spin again.
         let t0 = Instant::now();
         while primer.idle() > 0 {
@@ -578,11 +605,18 @@ mod tests {
             .collect();
         tokens.sort_unstable();
         assert_eq!(tokens, (0..10).collect::<Vec<_>>());
-        // Dropping joins the workers although `primer` keeps the queue open.
-        let t0 = Instant::now();
-        drop(workers);
-        assert!(t0.elapsed() < Duration::from_secs(5));
+        // Dropping joins the workers although `primer` keeps the queue open
+        // (on another thread, so a hang fails the test instead of stalling it).
+        let (joined_tx, joined_rx) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || {
+            drop(workers);
+            let _ = joined_tx.send(());
+        });
+        assert!(
+            joined_rx.recv_timeout(Duration::from_secs(5)).is_ok(),
+            "dropping the pool did not join its workers"
+        );
         assert_eq!(engine.0.load(Ordering::Acquire), 10);
-        primer.prime(); // harmless after the workers are gone
+        primer.prime(3); // harmless after the workers are gone
     }
 }

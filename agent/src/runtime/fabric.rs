@@ -282,7 +282,13 @@ impl FabricAgent {
             stats: stats.clone(),
             std_tx: None,
             std_thread: None,
-            wait_spin: opts.config.busy_poll(host_cpus()),
+            // Only agents that run bounce spin (the window is a bounce
+            // setting).
+            wait_spin: if opts.config.enabled() {
+                opts.config.busy_poll(host_cpus())
+            } else {
+                Duration::ZERO
+            },
             bounce_unavailable: None,
         };
         if opts.config.enabled() {

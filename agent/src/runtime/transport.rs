@@ -12,7 +12,10 @@
 //! then yielding); otherwise it blocks in the control channel's receive for
 //! at most 1 ms, and a control message, a copy completion (workers signal
 //! the IO thread's [`Waker`]) or a command wakes it at once — so waiting on
-//! copies or peers never burns a core the copy workers need.
+//! copies or peers never burns a core the copy workers need. With a
+//! busy-poll window (`ioBusyPollUs`, on by default only with ≥ 8 CPUs) the
+//! IO thread, the copy workers and a few waiting callers poll for that long
+//! after their last event instead, trading cores for wake-ups.
 //!
 //! Deviation from the seed, on purpose: `submit()` hands the request to the
 //! IO thread, which performs the eager gather staging itself, so the
@@ -61,7 +64,9 @@ pub struct TransportSettings {
     /// Busy-poll window: while the transport has work in flight (requests
     /// waiting for GRANT/ACK, granted regions waiting for DATA, copies),
     /// the IO thread keeps polling without blocking for up to this long
-    /// after its last event. A blocked IO thread pays a wake-up per control
+    /// after its last event; so do the copy workers after each job (and
+    /// when primed by a submit or WANT) and up to
+    /// [`MAX_SPINNING_WAITERS`] callers in [`TransferHandle::wait`]. A blocked IO thread pays a wake-up per control
     /// message — measured 100–400 µs per ZMQ hop on the H200 host
     /// (docs/benchmarks.md) — which at GPU speeds costs more than the data.
     /// Takes a core while active. From the bounce config's `ioBusyPollUs`
@@ -137,16 +142,26 @@ impl Completion {
         }
     }
 
-    /// Resolves once; later calls are ignored.
-    pub(crate) fn resolve(&self, outcome: TransferOutcome) {
+    /// Resolves once; later calls are ignored. Returns whether this call
+    /// resolved it.
+    pub(crate) fn resolve(&self, outcome: TransferOutcome) -> bool {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.outcome.is_none() {
-            s.outcome = Some(outcome);
-            self.resolved.store(true, Ordering::Release);
-            self.cv.notify_all();
+        if s.outcome.is_some() {
+            return false;
         }
+        s.outcome = Some(outcome);
+        self.resolved.store(true, Ordering::Release);
+        self.cv.notify_all();
+        true
     }
 }
+
+/// Callers of [`TransferHandle::wait`] spinning now (process-wide).
+static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Most callers that spin in [`TransferHandle::wait`] at once; the rest
+/// block at once.
+pub const MAX_SPINNING_WAITERS: usize = 4;
 
 /// Handle of a submitted transfer; resolves SUCCESS or FAILURE (seed R5).
 #[derive(Clone)]
@@ -179,16 +194,27 @@ impl TransferHandle {
     ///
     /// With a busy-poll window (see [`TransportSettings::busy_poll`]) the
     /// caller's thread polls for up to that long (never past `timeout`)
-    /// before it blocks.
+    /// before it blocks — if fewer than [`MAX_SPINNING_WAITERS`] callers
+    /// are spinning already.
     pub fn wait(&self, timeout: Duration) -> Option<TransferOutcome> {
         let start = Instant::now();
         let deadline = start + timeout;
         let spin = self.completion.spin.min(timeout);
-        while !spin.is_zero() && !self.completion.resolved.load(Ordering::Acquire) {
-            if start.elapsed() >= spin {
-                break;
+        // At most MAX_SPINNING_WAITERS callers of the process spin at once
+        // (a replay with 128 waiting threads must not take 128 cores); the
+        // others block at once.
+        if !spin.is_zero()
+            && !self.completion.resolved.load(Ordering::Acquire)
+            && SPINNING_WAITERS
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < MAX_SPINNING_WAITERS).then_some(n + 1)
+                })
+                .is_ok()
+        {
+            while !self.completion.resolved.load(Ordering::Acquire) && start.elapsed() < spin {
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+            SPINNING_WAITERS.fetch_sub(1, Ordering::AcqRel);
         }
         let mut s = self
             .completion
@@ -400,6 +426,12 @@ pub struct BounceTransport {
     max_chunk_size_bytes: u64,
     /// Wakes idle copy workers when a request is submitted.
     primer: WorkerPrimer,
+    /// The per-request in-flight cap `W`, chunks.
+    max_inflight: usize,
+    /// Set by the IO thread before its last drain of commands: a submit
+    /// that sees it after queuing resolves its own handle (the drain may
+    /// have missed it).
+    closed: Arc<AtomicBool>,
 }
 
 /// Ticks without any event before the IO thread yields between engine
@@ -451,6 +483,8 @@ impl BounceTransport {
         let endpoint = channel.local_endpoint();
         let busy_poll = settings.busy_poll;
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
+        let max_inflight = settings.max_inflight_chunks.max(1);
+        let closed = Arc::new(AtomicBool::new(false));
         let waker = Arc::new(Waker::new().map_err(|e| format!("IO thread waker (eventfd): {e}"))?);
         channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
@@ -479,6 +513,7 @@ impl BounceTransport {
             done_rx,
             cmd_rx,
             stats: stats.clone(),
+            closed: closed.clone(),
             peers: HashMap::new(),
             probes: HashMap::new(),
             requests: HashMap::new(),
@@ -512,6 +547,8 @@ impl BounceTransport {
             busy_poll,
             max_chunk_size_bytes,
             primer,
+            max_inflight,
+            closed,
         })
     }
 
@@ -610,11 +647,17 @@ impl BounceTransport {
             request_id: rid,
         };
         self.stats.submitted.fetch_add(1, Ordering::Relaxed);
-        if !self.busy_poll.is_zero() {
-            // Start the wake-ups of an idle IO thread and idle copy workers
-            // now, so they overlap the sizing pass instead of following it.
+        if !self.busy_poll.is_zero() && !descs.is_empty() {
+            // Start the wake-ups of an idle IO thread and of the idle copy
+            // workers the request can use now, so they overlap the sizing
+            // pass instead of following it. The chunk count is estimated
+            // from the first descriptor (exact when all have its length).
             let _ = self.send_cmd(Command::Prime);
-            self.primer.prime();
+            let estimate = (descs.len() as u64)
+                .saturating_mul(descs[0].len)
+                .div_ceil(self.max_chunk_size_bytes)
+                .clamp(1, self.max_inflight as u64);
+            self.primer.prime(estimate as usize);
         }
         let t_size = Instant::now();
         let chunks = match TransferPlan::chunk_bounds(&descs, self.max_chunk_size_bytes) {
@@ -631,7 +674,7 @@ impl BounceTransport {
             sizing_us = t_size.elapsed().as_micros() as u64,
             "sized"
         );
-        if self
+        let sent = self
             .send_cmd(Command::Submit {
                 rid,
                 peer: peer.to_string(),
@@ -639,11 +682,14 @@ impl BounceTransport {
                 chunks,
                 completion,
             })
-            .is_err()
-        {
-            handle
+            .is_ok();
+        // Not sent, or sent after the IO thread's last drain (its queue is
+        // then dropped unread): resolve here, once.
+        if (!sent || self.closed.load(Ordering::SeqCst))
+            && handle
                 .completion
-                .resolve(TransferOutcome::Failure("transport is shut down".into()));
+                .resolve(TransferOutcome::Failure("transport is shut down".into()))
+        {
             self.stats.failed.fetch_add(1, Ordering::Relaxed);
         }
         handle
@@ -813,6 +859,8 @@ struct PeerRoute {
 
 struct Io {
     name: String,
+    /// See [`BounceTransport::closed`].
+    closed: Arc<AtomicBool>,
     engine: Arc<dyn TransferEngine>,
     channel: Box<dyn ControlChannel>,
     endpoint: Vec<u8>,
@@ -1663,17 +1711,18 @@ impl Io {
             return;
         }
         self.flow_seen.insert(flow.clone(), Instant::now());
-        // DATA for this flow follows within a control round trip: wake
-        // idle scatter workers now rather than on the first DATA.
-        if let Some(workers) = &self.workers {
-            workers.prime();
-        }
         if let Err(e) = self.scheduler.on_want(flow, &w.chunk_bytes) {
             tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
             self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
         self.schedule_and_send();
+        // DATA for this flow follows within a control round trip: wake as
+        // many idle scatter workers as it can use now (after the GRANT went
+        // out) rather than on the first DATA.
+        if let Some(workers) = &self.workers {
+            workers.prime(w.chunk_bytes.len().min(self.settings.max_inflight_chunks));
+        }
     }
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
@@ -2007,12 +2056,16 @@ impl Io {
             self.engine.release(o.handle);
             self.orphan_write_settled(o.rid);
         }
-        // Resolve commands that raced with shutdown.
+        // Resolve commands that raced with shutdown. A submit queued after
+        // this drain sees `closed` and resolves its own handle.
+        self.closed.store(true, Ordering::SeqCst);
         while let Ok(cmd) = self.cmd_rx.try_recv() {
             match cmd {
-                Command::Submit { completion, .. } => {
+                Command::Submit { completion, .. }
+                    if completion
+                        .resolve(TransferOutcome::Failure("transport shut down".into())) =>
+                {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
-                    completion.resolve(TransferOutcome::Failure("transport shut down".into()))
                 }
                 Command::ForgetPeer { reply, .. } => {
                     let _ = reply.send(());
@@ -2044,10 +2097,17 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
                 c.resolve(TransferOutcome::Failure("boom".into()));
             });
+            let t0 = Instant::now();
             assert_eq!(
                 h.wait(Duration::from_secs(10)),
                 Some(TransferOutcome::Failure("boom".into())),
                 "spin {spin:?}"
+            );
+            // Seen when it resolves, not at the end of a 5 s spin.
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "spin {spin:?}: {:?}",
+                t0.elapsed()
             );
             resolver.join().unwrap();
             // Never resolved: the wait ends at its timeout even when the

@@ -28,7 +28,7 @@ use super::discovery::{
 };
 use super::http::{ServiceInit, ServiceState, VerifyRegion};
 use super::metrics::AgentMetrics;
-use crate::core::config::{parse_byte_size, BounceConfig, ByteSize};
+use crate::core::config::{is_config_env, parse_byte_size, BounceConfig, ByteSize};
 use crate::runtime::arena::HostArena;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::engine::{MemDesc, MemKind};
@@ -202,7 +202,8 @@ impl AgentConfig {
                     "json" => self.log_format = LogFormat::Json,
                     _ => bad("text or json"),
                 },
-                s if s.starts_with("BOUNCE_") => bounce.push((k.to_string(), v.to_string())),
+                // KVFABRIC_BOUNCE_* and the deprecated names of two of them.
+                _ if is_config_env(k) => bounce.push((k.to_string(), v.to_string())),
                 _ => {}
             }
         }
