@@ -537,6 +537,15 @@ mod tests {
         }
     }
 
+    /// Polls `cond` (yielding) until it holds; fails with `what` after 5 s.
+    fn until(cond: impl Fn() -> bool, what: &str) {
+        let t0 = Instant::now();
+        while !cond() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "{what}");
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn primed_workers_still_run_every_job_and_drop_joins_despite_a_live_primer() {
         let engine = Arc::new(Counting::default());
@@ -554,44 +563,21 @@ mod tests {
         .unwrap();
         let primer = workers.primer();
         // All three block once their first spin window ends.
-        let t0 = Instant::now();
-        while primer.idle() < 3 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "workers never went idle"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        until(|| primer.idle() == 3, "workers never went idle");
         // A prime for one wakes one.
         primer.prime(1);
-        let t0 = Instant::now();
-        while primer.idle() != 2 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "prime(1) woke {} workers",
-                3 - primer.idle()
-            );
-            std::thread::yield_now();
-        }
+        until(
+            || primer.idle() == 2,
+            "prime(1) did not wake exactly one worker",
+        );
         // Its window ends: all three block again.
-        let t0 = Instant::now();
-        while primer.idle() < 3 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "a primed worker never went idle again"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        until(
+            || primer.idle() == 3,
+            "a primed worker never went idle again",
+        );
         primer.prime(3);
         // Primed: all three spin again.
-        let t0 = Instant::now();
-        while primer.idle() > 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "prime woke no worker"
-            );
-            std::thread::yield_now();
-        }
+        until(|| primer.idle() == 0, "prime woke no worker");
         for t in 0..10 {
             workers.submit(CopyJob {
                 token: t,

@@ -670,6 +670,19 @@ mod tests {
         TcpControlChannel::on_listener(name, listener).unwrap()
     }
 
+    /// Runs `from`'s IO (connects, flushes) and `to`'s receive in turn
+    /// until `to` has a message, for at most 5 s.
+    fn relay(from: &mut TcpControlChannel, to: &mut TcpControlChannel) -> Option<Inbound> {
+        let end = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < end {
+            let _ = from.recv(Duration::from_millis(5)).unwrap();
+            if let Some(m) = to.recv(Duration::from_millis(5)).unwrap() {
+                return Some(m);
+            }
+        }
+        None
+    }
+
     fn recv_within(c: &mut TcpControlChannel, limit: Duration) -> Option<Inbound> {
         let end = Instant::now() + limit;
         while Instant::now() < end {
@@ -744,13 +757,10 @@ mod tests {
         a.send_to("b", b"early").unwrap();
         let _ = a.recv(Duration::from_millis(20)).unwrap(); // refused, backoff
         let mut b = listening_as("b", port);
-        let end = Instant::now() + Duration::from_secs(5);
-        let mut got = None;
-        while got.is_none() && Instant::now() < end {
-            let _ = a.recv(Duration::from_millis(5)).unwrap();
-            got = b.recv(Duration::from_millis(5)).unwrap();
-        }
-        assert_eq!(got, Some(("a".to_string(), b"early".to_vec())));
+        assert_eq!(
+            relay(&mut a, &mut b),
+            Some(("a".to_string(), b"early".to_vec()))
+        );
         // The receiver restarts on the same port: the next send reconnects.
         drop(b);
         let mut b2 = listening_as("b", port);
@@ -758,13 +768,10 @@ mod tests {
         // closed before the write, so it goes out on a new connection.
         std::thread::sleep(Duration::from_millis(50)); // let the FIN arrive
         a.send_to("b", b"again").unwrap();
-        let end = Instant::now() + Duration::from_secs(5);
-        let mut got = None;
-        while got.is_none() && Instant::now() < end {
-            let _ = a.recv(Duration::from_millis(5)).unwrap();
-            got = b2.recv(Duration::from_millis(5)).unwrap();
-        }
-        assert_eq!(got, Some(("a".to_string(), b"again".to_vec())));
+        assert_eq!(
+            relay(&mut a, &mut b2),
+            Some(("a".to_string(), b"again".to_vec()))
+        );
         assert_eq!(a.dropped_messages(), 0);
     }
 
