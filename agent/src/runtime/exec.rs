@@ -254,7 +254,8 @@ fn run_job(
 enum WorkerMsg {
     /// A copy to run.
     Job(CopyJob),
-    /// Start a fresh spin window (see [`WorkerPrimer::prime`]).
+    /// The worker's wake line fired ([`WorkerPrimer::prime`]; never sent on
+    /// the job queue): start a fresh spin window.
     Prime,
     /// Exit (sent once per worker when the pool is dropped, after every
     /// job already queued).

@@ -66,9 +66,10 @@ pub struct TransportSettings {
     /// the IO thread keeps polling without blocking for up to this long
     /// after its last event; so do the copy workers after each job (and
     /// when primed by a submit or WANT) and up to
-    /// [`MAX_SPINNING_WAITERS`] callers in [`TransferHandle::wait`]. A blocked IO thread pays a wake-up per control
-    /// message — measured 100–400 µs per ZMQ hop on the H200 host
-    /// (docs/benchmarks.md) — which at GPU speeds costs more than the data.
+    /// [`MAX_SPINNING_WAITERS`] callers in [`TransferHandle::wait`]. A
+    /// blocked IO thread pays a wake-up per control message — measured
+    /// 100–400 µs per ZMQ hop on the H200 host (docs/benchmarks.md) — which
+    /// at GPU speeds costs more than the data.
     /// Takes a core while active. From the bounce config's `ioBusyPollUs`
     /// ([`kvfabric_core::config::BusyPoll`]).
     pub busy_poll: Duration,
@@ -432,6 +433,8 @@ pub struct BounceTransport {
     /// that sees it after queuing resolves its own handle (the drain may
     /// have missed it).
     closed: Arc<AtomicBool>,
+    /// Set by the IO thread while it blocks in its channel's receive.
+    io_blocked: Arc<AtomicBool>,
 }
 
 /// Ticks without any event before the IO thread yields between engine
@@ -485,6 +488,7 @@ impl BounceTransport {
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
         let max_inflight = settings.max_inflight_chunks.max(1);
         let closed = Arc::new(AtomicBool::new(false));
+        let io_blocked = Arc::new(AtomicBool::new(false));
         let waker = Arc::new(Waker::new().map_err(|e| format!("IO thread waker (eventfd): {e}"))?);
         channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
@@ -514,6 +518,7 @@ impl BounceTransport {
             cmd_rx,
             stats: stats.clone(),
             closed: closed.clone(),
+            io_blocked: io_blocked.clone(),
             peers: HashMap::new(),
             probes: HashMap::new(),
             requests: HashMap::new(),
@@ -549,6 +554,7 @@ impl BounceTransport {
             primer,
             max_inflight,
             closed,
+            io_blocked,
         })
     }
 
@@ -648,11 +654,13 @@ impl BounceTransport {
         };
         self.stats.submitted.fetch_add(1, Ordering::Relaxed);
         if !self.busy_poll.is_zero() && !descs.is_empty() {
-            // Start the wake-ups of an idle IO thread and of the idle copy
+            // Start the wake-ups of a blocked IO thread and of the idle copy
             // workers the request can use now, so they overlap the sizing
             // pass instead of following it. The chunk count is estimated
             // from the first descriptor (exact when all have its length).
-            let _ = self.send_cmd(Command::Prime);
+            if self.io_blocked.load(Ordering::Acquire) {
+                let _ = self.send_cmd(Command::Prime);
+            }
             let estimate = (descs.len() as u64)
                 .saturating_mul(descs[0].len)
                 .div_ceil(self.max_chunk_size_bytes)
@@ -861,6 +869,8 @@ struct Io {
     name: String,
     /// See [`BounceTransport::closed`].
     closed: Arc<AtomicBool>,
+    /// See [`BounceTransport::io_blocked`].
+    io_blocked: Arc<AtomicBool>,
     engine: Arc<dyn TransferEngine>,
     channel: Box<dyn ControlChannel>,
     endpoint: Vec<u8>,
@@ -944,13 +954,16 @@ impl Io {
             // Progress the engine (with the notification channel, its recv
             // does that and owns the notifications).
             if !self.channel.progresses_engine() {
-                let t = Instant::now();
+                // Timed only for the trace timeline (two clock reads a tick
+                // otherwise).
+                let t = tracing::enabled!(tracing::Level::TRACE).then(Instant::now);
                 if let Err(e) = self.engine.progress() {
                     tracing::warn!(agent = %self.name, error = %e, "engine progress failed");
                 }
-                let us = t.elapsed().as_micros() as u64;
-                if us >= 20 {
-                    tracing::trace!(us, "engine progress slow");
+                if let Some(us) = t.map(|t| t.elapsed().as_micros() as u64) {
+                    if us >= 20 {
+                        tracing::trace!(us, "engine progress slow");
+                    }
                 }
             }
             // Control messages: up to a batch per tick. Block (bounded:
@@ -976,10 +989,19 @@ impl Io {
             };
             let mut got = 0;
             for i in 0..64 {
-                match self
+                // Flag a blocking receive, so that only a submit that finds
+                // this thread asleep sends it a wake-up ahead of the work.
+                let blocking = i == 0 && !timeout.is_zero();
+                if blocking {
+                    self.io_blocked.store(true, Ordering::Release);
+                }
+                let received = self
                     .channel
-                    .recv(if i == 0 { timeout } else { Duration::ZERO })
-                {
+                    .recv(if i == 0 { timeout } else { Duration::ZERO });
+                if blocking {
+                    self.io_blocked.store(false, Ordering::Release);
+                }
+                match received {
                     Ok(Some((peer, bytes))) => {
                         got += 1;
                         self.on_message(&peer, &bytes);
