@@ -3,7 +3,7 @@
 # Idempotent: re-running only installs what is missing.
 #   - Debian packages: libclang-dev (bindgen for nixl-sys), protobuf-compiler
 #     (etcd-client), etcd-server/etcd-client (discovery tests), cmake/g++
-#     (vendored libzmq).
+#     (vendored libzmq), python3-pip (the NIXL wheel download).
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,6 +15,9 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server etcd-client)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+# install-nixl.sh downloads the NIXL wheel with pip.
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   sudo_cmd=""
