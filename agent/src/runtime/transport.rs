@@ -283,6 +283,14 @@ pub struct TransportStats {
     pub arena_bytes_in_use: AtomicU64,
     /// 1 while the scheduler is in drain mode (gauge).
     pub drain_mode: AtomicU64,
+    /// Live flows of this agent's receiver role: incoming requests the
+    /// credit scheduler tracks, from their WANT until their last ACK or
+    /// reclaim (gauge, a count; stored by the IO thread each tick).
+    pub recv_flows: AtomicU64,
+    /// Live flows of this agent's sender role: bounce requests in the IO
+    /// thread's request table, from their submit command until resolution
+    /// (gauge, a count; stored by the IO thread each tick).
+    pub send_flows: AtomicU64,
     /// Set at shutdown when writes that read the arena were still in flight
     /// at its 5 s bound: the arena's owner must not free or reuse the
     /// memory (the NIC may still read it). [`crate::runtime::fabric::FabricAgent`]
@@ -1053,6 +1061,12 @@ impl Io {
         self.stats
             .drain_mode
             .store(u64::from(self.scheduler.in_drain_mode()), Ordering::Relaxed);
+        self.stats
+            .recv_flows
+            .store(self.scheduler.flow_count() as u64, Ordering::Relaxed);
+        self.stats
+            .send_flows
+            .store(self.requests.len() as u64, Ordering::Relaxed);
     }
 
     fn handle_command(&mut self, cmd: Command) -> bool {
@@ -2098,6 +2112,8 @@ impl Io {
                 _ => {}
             }
         }
+        // The gauges' last values: read after shutdown, they are not stale.
+        self.update_gauges();
     }
 }
 
