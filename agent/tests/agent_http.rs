@@ -16,7 +16,7 @@ use kvfabric_agent::bench::pattern::fill_fast;
 use kvfabric_agent::core::config::ByteSize;
 use kvfabric_agent::core::Descriptor;
 use kvfabric_agent::runtime::fabric::{FabricAgent, PathKind};
-use kvfabric_agent::runtime::transport::TransferOutcome;
+use kvfabric_agent::runtime::transport::{FaultPlan, TransferOutcome};
 use kvfabric_agent::service::daemon::{AgentConfig, AgentOverrides, Node, NodeOptions};
 use kvfabric_agent::service::discovery::{BufferRegion, EmbeddedRegistry, Incarnation};
 use kvfabric_agent::service::http::{self, ServiceState, VerifyRegion};
@@ -212,17 +212,74 @@ const NAMES: &[&str] = &[
     "kvfabric_bounce_activations_total",
     "kvfabric_bounce_outcomes_total",
     "kvfabric_bounce_timeouts_total",
-    "kvfabric_transfer_latency_milliseconds_bucket",
-    "kvfabric_transfer_latency_milliseconds_count",
+    "kvfabric_transfer_latency_seconds_bucket",
+    "kvfabric_transfer_latency_seconds_count",
     "kvfabric_credit_grants_total",
-    "kvfabric_credit_wait_microseconds_total",
+    "kvfabric_credit_wait_seconds_total",
     "kvfabric_fallbacks_total",
     "kvfabric_peers_loaded_total",
     "kvfabric_peers_forgotten_total",
     "kvfabric_arena_in_use_bytes",
     "kvfabric_drain_mode",
     "kvfabric_lease_state",
+    "kvfabric_discovery_resyncs_total",
+    "kvfabric_requests_in_flight",
+    "kvfabric_flows",
+    "kvfabric_shutting_down",
 ];
+
+// ---------------------------------------------------------------------------
+// promtool
+// ---------------------------------------------------------------------------
+
+/// The `promtool` binary (`$PROMTOOL`, else `promtool` on `PATH`), or
+/// `None` after [`common::skip`] (a panic under `KVFABRIC_REQUIRE_SERVICES`)
+/// when it is not installed.
+fn promtool() -> Option<std::ffi::OsString> {
+    let bin = std::env::var_os("PROMTOOL").unwrap_or_else(|| "promtool".into());
+    match Command::new(&bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => Some(bin),
+        Ok(s) => panic!("{bin:?} --version: {s}"),
+        Err(e) => {
+            common::skip(&format!(
+                "promtool not available ({bin:?}: {e}; Debian: apt-get install prometheus)"
+            ));
+            None
+        }
+    }
+}
+
+/// Runs `promtool check metrics` on `text` (on stdin) and asserts that it
+/// exits 0 without a word of output (any lint problem is printed).
+fn assert_promtool_clean(bin: &std::ffi::OsStr, text: &str, what: &str) {
+    let mut child = Command::new(bin)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn promtool");
+    let mut stdin = child.stdin.take().unwrap();
+    let input = text.to_string();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output().expect("promtool output");
+    writer.join().unwrap().expect("write to promtool");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics on {what}: {}\n{said}\n--- metrics ---\n{text}",
+        out.status
+    );
+}
 
 #[test]
 fn http_api_reports_live_values_over_real_transfers() {
@@ -399,7 +456,7 @@ fn http_api_reports_live_values_over_real_transfers() {
     assert_eq!(
         metric(
             &m1a,
-            "kvfabric_transfer_latency_milliseconds_count",
+            "kvfabric_transfer_latency_seconds_count",
             &[("agent", an), ("path", "bounce"), ("outcome", "success")]
         ),
         Some(ROUNDS as f64),
@@ -408,7 +465,7 @@ fn http_api_reports_live_values_over_real_transfers() {
     assert!(
         metric(
             &m1a,
-            "kvfabric_transfer_latency_milliseconds_sum",
+            "kvfabric_transfer_latency_seconds_sum",
             &[("agent", an)]
         )
         .unwrap()
@@ -467,13 +524,192 @@ fn http_api_reports_live_values_over_real_transfers() {
     let (_, p) = get_json(sa.addr, "/v1/peers");
     assert!(p["peers"].as_array().unwrap().is_empty(), "{p}");
     let m2b = get(sb.addr, "/metrics").1;
-    assert_eq!(metric(&m2b, "kvfabric_shutting_down", &[]), Some(1.0));
+    assert_eq!(
+        metric(&m2b, "kvfabric_shutting_down", &[("agent", bn)]),
+        Some(1.0)
+    );
     assert_eq!(
         metric(&m2b, "kvfabric_lease_state", &[("agent", bn)]),
         Some(5.0)
     );
 
     drop((sa, sb));
+    na.shutdown(Duration::from_secs(5));
+    drop((na, nb, a, b));
+}
+
+/// Issue 11 item 9: a live `/metrics` after real transfers passes
+/// `promtool check metrics` (seconds, not ms/µs; every series labelled by
+/// agent), and the in-flight and flow gauges read 1 while a bounce request
+/// is held mid-write and 0 on both agents once everything resolved.
+#[test]
+fn live_metrics_pass_promtool_and_gauges_read_zero_at_quiesce() {
+    init_tracing();
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    const BLOCK: usize = 16 << 10;
+    const SLOTS: usize = 256; // 4 MiB pools
+    let cfg = test_config("8MiB", "1MiB", 4);
+    let src = Pool::new(SLOTS * BLOCK);
+    let dst = Pool::new(SLOTS * BLOCK);
+    let Some(a) = agent("prom-prefill", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(b) = agent("prom-decode", &cfg, &[&dst]) else {
+        return;
+    };
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let reg = EmbeddedRegistry::new();
+    let (na, _) = start_node(&a, &reg, &src, &agent_config(a.name(), &cfg));
+    let (nb, _) = start_node(&b, &reg, &dst, &agent_config(b.name(), &cfg));
+    assert!(
+        wait_for(Duration::from_secs(10), || na
+            .loaded_peers()
+            .contains(&b.name().to_string())
+            && nb.loaded_peers().contains(&a.name().to_string())),
+        "peers loaded through discovery"
+    );
+    let sa = Server::start(na.state().clone());
+    let sb = Server::start(nb.state().clone());
+    let (an, bn) = (a.name(), b.name());
+    // The gauges that must read 0 at quiesce: (name, extra label).
+    const GAUGES: [(&str, (&str, &str)); 3] = [
+        ("kvfabric_requests_in_flight", ("path", "bounce")),
+        ("kvfabric_flows", ("side", "sender")),
+        ("kvfabric_flows", ("side", "receiver")),
+    ];
+    // Polls `agent`'s gauge until it reads `want` (bounded by `within`: the
+    // IO thread stores them once per tick); the last scrape on failure.
+    let await_gauge = |addr, agent: &str, (name, label): (&str, (&str, &str)), want, within| {
+        let mut last = String::new();
+        let ok = wait_for(within, || {
+            last = get(addr, "/metrics").1;
+            metric(&last, name, &[("agent", agent), label]) == Some(want)
+        });
+        assert!(ok, "{agent}: {name}{label:?} never read {want}:\n{last}");
+    };
+
+    // Idle: every new series exists and reads 0.
+    for (addr, n) in [(sa.addr, an), (sb.addr, bn)] {
+        let m = get(addr, "/metrics").1;
+        for (name, label) in GAUGES {
+            assert_eq!(
+                metric(&m, name, &[("agent", n), label]),
+                Some(0.0),
+                "{name}{label:?}:\n{m}"
+            );
+        }
+        assert_eq!(
+            metric(&m, "kvfabric_discovery_resyncs_total", &[("agent", n)]),
+            Some(0.0)
+        );
+        assert_eq!(
+            metric(&m, "kvfabric_shutting_down", &[("agent", n)]),
+            Some(0.0)
+        );
+    }
+
+    // One bounce request held mid-write (the sender's writes never
+    // complete): in flight on the sender, a flow on both sides.
+    let t = a.transport().expect("bounce up");
+    t.set_faults(FaultPlan {
+        hang_writes: true,
+        ..FaultPlan::default()
+    });
+    let slots = permutation(SLOTS, 5);
+    let held = block_descs(&src, 0, &dst, &slots[..64], BLOCK);
+    fill_fast_src(&held, 5);
+    let metrics_a = na.state().metrics().clone();
+    let h = metrics_a.submit_timed(&a, bn, held.clone());
+    assert_eq!(h.path, PathKind::Bounce);
+    let within = Duration::from_secs(3); // < the 5 s request timeout
+    await_gauge(sa.addr, an, GAUGES[0], 1.0, within);
+    await_gauge(sa.addr, an, GAUGES[1], 1.0, within);
+    await_gauge(sb.addr, bn, GAUGES[2], 1.0, within);
+    t.set_faults(FaultPlan::default());
+    assert_eq!(
+        h.wait(Duration::from_secs(30)),
+        Some(TransferOutcome::Success)
+    );
+    let (code, v) = post_json(sb.addr, "/v1/debug/verify", &verify_body(&held, 5));
+    assert_eq!((code, &v["ok"]), (200, &json!(true)), "{v}");
+
+    // Concurrent bounce requests (disjoint destinations), then the
+    // standard path.
+    let perm = permutation(SLOTS, 10);
+    let mut timed = Vec::new();
+    for k in 0..4u64 {
+        let seed = 10 + k;
+        let first = 64 + 32 * k as usize;
+        let slots = &perm[32 * k as usize..32 * (k + 1) as usize];
+        let descs = block_descs(&src, first, &dst, slots, BLOCK);
+        fill_fast_src(&descs, seed);
+        timed.push((seed, descs.clone(), metrics_a.submit_timed(&a, bn, descs)));
+    }
+    for (seed, descs, t) in &timed {
+        assert_eq!(
+            t.wait(Duration::from_secs(30)),
+            Some(TransferOutcome::Success)
+        );
+        let (code, v) = post_json(sb.addr, "/v1/debug/verify", &verify_body(descs, *seed));
+        assert_eq!((code, &v["ok"]), (200, &json!(true)), "{v}");
+    }
+    let std_descs = block_descs(&src, 192, &dst, &permutation(SLOTS, 77)[..16], BLOCK);
+    fill_fast_src(&std_descs, 77);
+    let h = a.submit_standard(bn, std_descs.clone());
+    assert_eq!(
+        h.wait(Duration::from_secs(30)),
+        Some(TransferOutcome::Success)
+    );
+
+    // Quiesce: 0 in flight and no flows on either side, read from outside
+    // (the IO threads store the gauges each tick: allow a few).
+    for (addr, n) in [(sa.addr, an), (sb.addr, bn)] {
+        for g in GAUGES {
+            await_gauge(addr, n, g, 0.0, Duration::from_secs(5));
+        }
+    }
+
+    // The live exposition of both agents passes promtool's lint.
+    let ma = get(sa.addr, "/metrics").1;
+    let mb = get(sb.addr, "/metrics").1;
+    for n in NAMES {
+        assert!(ma.contains(n), "metric {n} missing:\n{ma}");
+    }
+    assert_eq!(
+        metric(
+            &ma,
+            "kvfabric_transfer_latency_seconds_count",
+            &[("agent", an), ("path", "bounce"), ("outcome", "success")]
+        ),
+        Some(5.0),
+        "{ma}"
+    );
+    // Seconds, not milliseconds: five loopback transfers of ≤ 1 MiB take
+    // well under a minute in all.
+    let sum = metric(
+        &ma,
+        "kvfabric_transfer_latency_seconds_sum",
+        &[("agent", an)],
+    )
+    .unwrap();
+    assert!(sum > 0.0 && sum < 60.0, "latency sum {sum} s");
+    for old in [
+        "kvfabric_transfer_latency_milliseconds",
+        "kvfabric_credit_wait_microseconds_total",
+    ] {
+        assert!(!ma.contains(old), "{old} still exported");
+    }
+    assert!(
+        metric(&ma, "kvfabric_credit_wait_seconds_total", &[("agent", an)]).is_some(),
+        "{ma}"
+    );
+    assert_promtool_clean(&promtool, &ma, "the prefill agent's /metrics");
+    assert_promtool_clean(&promtool, &mb, "the decode agent's /metrics");
+
+    drop((sa, sb));
+    nb.shutdown(Duration::from_secs(5));
     na.shutdown(Duration::from_secs(5));
     drop((na, nb, a, b));
 }
@@ -636,6 +872,10 @@ fn agent_binary_becomes_ready_and_exits_zero_on_sigterm() {
         metric(&m, "kvfabric_arena_capacity_bytes", &[("agent", name)]),
         Some((8 << 20) as f64)
     );
+    // The daemon's own exposition passes promtool's lint as well.
+    if let Some(promtool) = promtool() {
+        assert_promtool_clean(&promtool, &m, "the agent binary's /metrics");
+    }
 
     // SAFETY: plain kill(2) on our own child's pid.
     let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };

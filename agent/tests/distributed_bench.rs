@@ -397,7 +397,7 @@ fn debug_transfer_api(etcd: &str, fabric: &str) {
             .sum();
         assert!(n >= (REQUESTS + 1) as f64, "{path} submissions {n}:\n{m}");
     }
-    assert!(m.contains("kvfabric_transfer_latency_milliseconds"), "{m}");
+    assert!(m.contains("kvfabric_transfer_latency_seconds"), "{m}");
 }
 
 /// `GET path` as text (HTTP/1.0, read to EOF).

@@ -21,9 +21,10 @@
 //! | `kvfabric_bounce_sent_bytes_total` | counter | | payload bytes of successful bounce requests |
 //! | `kvfabric_bounce_timeouts_total` | counter | | bounce requests failed by the no-progress timeout |
 //! | `kvfabric_standard_failures_total` | counter | | standard-path transfers that failed |
-//! | `kvfabric_transfer_latency_milliseconds` | histogram | `path`, `outcome` | submit → resolution, ms (recorded by [`AgentMetrics::submit_timed`] / [`AgentMetrics::observe_transfer`]) |
+//! | `kvfabric_transfer_latency_seconds` | histogram | `path`, `outcome` | submit → resolution, seconds (buckets [`LATENCY_BUCKETS_SECONDS`]; recorded by [`AgentMetrics::submit_timed`] / [`AgentMetrics::observe_transfer`]) |
+//! | `kvfabric_requests_in_flight` | gauge | `path` = bounce | bounce requests submitted and not yet resolved (the standard path has no count yet) |
 //! | `kvfabric_credit_grants_total` | counter | | credits granted by the receiver role |
-//! | `kvfabric_credit_wait_microseconds_total` | counter | | summed submit → first GRANT wait, µs |
+//! | `kvfabric_credit_wait_seconds_total` | counter | | summed submit → first GRANT wait of bounce requests, seconds (µs resolution) |
 //! | `kvfabric_chunks_written_total` | counter | | chunk writes completed |
 //! | `kvfabric_chunks_scattered_total` | counter | | chunks scattered and ACKed |
 //! | `kvfabric_data_rejected_total` | counter | | DATA messages dropped |
@@ -36,8 +37,18 @@
 //! | `kvfabric_arena_in_use_bytes` | gauge | | arena bytes held (staging + granted + orphaned) |
 //! | `kvfabric_arena_capacity_bytes` | gauge | | usable arena capacity (0 without bounce) |
 //! | `kvfabric_drain_mode` | gauge | | 1 while the credit scheduler is in drain mode |
+//! | `kvfabric_flows` | gauge | `side` = receiver/sender | live bounce flows: the credit scheduler's (WANT → last ACK) on the receiver side, the IO thread's request table on the sender side; both 0 at quiesce |
 //! | `kvfabric_lease_state` | gauge | | [`LeaseState::code`](crate::service::discovery::LeaseState::code): 0 unpublished, 1 ok, 2 renewing, 3 regranting, 4 lost, 5 revoked |
+//! | `kvfabric_discovery_resyncs_total` | counter | | full re-reads of the discovery store after the first (a lost and re-established etcd watch each) |
 //! | `kvfabric_shutting_down` | gauge | | 1 once graceful shutdown began |
+//!
+//! Units follow the Prometheus conventions (base units in the name:
+//! `_seconds`, `_bytes`; counters end in `_total`); `promtool check
+//! metrics` accepts the output (tested against a live `/metrics` in
+//! `agent/tests/agent_http.rs`). The gauges of the IO thread
+//! (`kvfabric_flows`, `kvfabric_arena_in_use_bytes`,
+//! `kvfabric_drain_mode`) are stored by it once per tick (at most a few
+//! ms old while it idles).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,10 +64,11 @@ use super::discovery::Discovery;
 use crate::runtime::fabric::{FabricAgent, FabricStats, PathKind};
 use crate::runtime::transport::{TransferHandle, TransferOutcome, TransportStats};
 
-/// Bucket boundaries of the transfer latency histogram, milliseconds.
-pub const LATENCY_BUCKETS_MS: &[f64] = &[
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
-    10000.0, 30000.0,
+/// Bucket boundaries (upper bounds) of `kvfabric_transfer_latency_seconds`,
+/// seconds: 100 µs to 30 s.
+pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
 ];
 
 /// The `path` label value of a [`PathKind`].
@@ -87,6 +99,25 @@ fn live_agents(s: &SharedSources) -> Vec<Arc<FabricAgent>> {
     let mut g = lock(s);
     g.agents.retain(|w| w.strong_count() > 0);
     g.agents.iter().filter_map(Weak::upgrade).collect()
+}
+
+/// Live discoveries (upgraded) with their agent names, dead ones pruned.
+fn live_discoveries(s: &SharedSources) -> Vec<(String, Arc<dyn Discovery>)> {
+    let mut g = lock(s);
+    g.discoveries.retain(|(_, w)| w.strong_count() > 0);
+    g.discoveries
+        .iter()
+        .filter_map(|(n, w)| Some((n.clone(), w.upgrade()?)))
+        .collect()
+}
+
+/// Bounce requests of `t` submitted and not yet resolved. The resolution
+/// counters are read first: each request is counted in `submitted` before
+/// it can be counted resolved, so the difference never goes below the
+/// truth at the time of the later read (saturating all the same).
+fn bounce_in_flight(t: &TransportStats) -> u64 {
+    let resolved = ld(&t.succeeded) + ld(&t.failed);
+    ld(&t.submitted).saturating_sub(resolved)
 }
 
 fn agent_kv(a: &FabricAgent) -> KeyValue {
@@ -199,12 +230,6 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "Credits (arena regions) granted by this agent's receiver role",
         |t| &t.grants,
-    ),
-    (
-        "kvfabric.credit.wait",
-        Some("us"),
-        "Summed credit wait (submit -> first GRANT) of bounce requests, microseconds",
-        |t| &t.credit_wait_us,
     ),
     (
         "kvfabric.chunks.written",
@@ -424,6 +449,52 @@ impl AgentMetrics {
             "1 while the credit scheduler is in drain mode",
             |a, o, kv| o.observe(tcount(a, |t| ld(&t.drain_mode)), std::slice::from_ref(kv)),
         );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.flows",
+            None,
+            "Live bounce flows: receiver side = the credit scheduler's flows (WANT to last ACK), sender side = requests in the IO thread's table",
+            |a, o, kv| {
+                o.observe(
+                    tcount(a, |t| ld(&t.recv_flows)),
+                    &[kv.clone(), KeyValue::new("side", "receiver")],
+                );
+                o.observe(
+                    tcount(a, |t| ld(&t.send_flows)),
+                    &[kv.clone(), KeyValue::new("side", "sender")],
+                );
+            },
+        );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.requests_in_flight",
+            None,
+            "Transfer requests submitted and not yet resolved, by path (bounce only so far)",
+            |a, o, kv| {
+                o.observe(
+                    tcount(a, bounce_in_flight),
+                    &[kv.clone(), KeyValue::new("path", "bounce")],
+                )
+            },
+        );
+        {
+            let s = sources.clone();
+            meter
+                .f64_observable_counter("kvfabric.credit.wait")
+                .with_unit("s")
+                .with_description(
+                    "Summed credit wait (submit -> first GRANT) of bounce requests, seconds (microsecond resolution)",
+                )
+                .with_callback(move |o| {
+                    for a in live_agents(&s) {
+                        let us = tcount(&a, |t| ld(&t.credit_wait_us));
+                        o.observe(us as f64 / 1e6, &[agent_kv(&a)]);
+                    }
+                })
+                .build();
+        }
         {
             let s = sources.clone();
             meter
@@ -432,15 +503,7 @@ impl AgentMetrics {
                     "Discovery lease state: 0 unpublished, 1 ok, 2 renewing, 3 regranting, 4 lost, 5 revoked",
                 )
                 .with_callback(move |o| {
-                    let ds: Vec<(String, Arc<dyn Discovery>)> = {
-                        let mut g = lock(&s);
-                        g.discoveries.retain(|(_, w)| w.strong_count() > 0);
-                        g.discoveries
-                            .iter()
-                            .filter_map(|(n, w)| Some((n.clone(), w.upgrade()?)))
-                            .collect()
-                    };
-                    for (name, d) in ds {
+                    for (name, d) in live_discoveries(&s) {
                         o.observe(
                             u64::from(d.lease_state().code()),
                             &[KeyValue::new("agent", name)],
@@ -450,18 +513,38 @@ impl AgentMetrics {
                 .build();
         }
         {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.discovery.resyncs")
+                .with_description(
+                    "Full re-reads of the discovery store after the first (each a lost and re-established watch)",
+                )
+                .with_callback(move |o| {
+                    for (name, d) in live_discoveries(&s) {
+                        o.observe(d.resyncs(), &[KeyValue::new("agent", name)]);
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
             let flag = shutting_down.clone();
             meter
                 .u64_observable_gauge("kvfabric.shutting_down")
                 .with_description("1 once graceful shutdown began (readyz answers 503)")
-                .with_callback(move |o| o.observe(u64::from(flag.load(Ordering::SeqCst)), &[]))
+                .with_callback(move |o| {
+                    let v = u64::from(flag.load(Ordering::SeqCst));
+                    for a in live_agents(&s) {
+                        o.observe(v, &[agent_kv(&a)]);
+                    }
+                })
                 .build();
         }
         let latency = meter
             .f64_histogram("kvfabric.transfer.latency")
-            .with_unit("ms")
-            .with_description("Transfer latency from submit to resolution, milliseconds")
-            .with_boundaries(LATENCY_BUCKETS_MS.to_vec())
+            .with_unit("s")
+            .with_description("Transfer latency from submit to resolution, seconds")
+            .with_boundaries(LATENCY_BUCKETS_SECONDS.to_vec())
             .build();
         Ok(Self {
             registry,
@@ -485,24 +568,26 @@ impl AgentMetrics {
         }
     }
 
-    /// Exports the lease state of `discovery` under `agent=<agent_name>`
-    /// (held weakly).
+    /// Exports the lease state and resync count of `discovery` under
+    /// `agent=<agent_name>` (held weakly).
     pub fn watch_discovery(&self, agent_name: &str, discovery: &Arc<dyn Discovery>) {
         lock(&self.sources)
             .discoveries
             .push((agent_name.to_string(), Arc::downgrade(discovery)));
     }
 
-    /// Sets the `kvfabric_shutting_down` gauge.
+    /// Sets the `kvfabric_shutting_down` gauge (1 when `on`) of every
+    /// watched agent.
     pub fn set_shutting_down(&self, on: bool) {
         self.shutting_down.store(on, Ordering::SeqCst);
     }
 
-    /// Records one resolved transfer of `agent` in the latency histogram
-    /// (`elapsed` is converted to milliseconds).
+    /// Records one resolved transfer of `agent` in
+    /// `kvfabric_transfer_latency_seconds` (`elapsed`, submit → resolution,
+    /// recorded in seconds).
     pub fn observe_transfer(&self, agent: &str, path: PathKind, ok: bool, elapsed: Duration) {
         self.latency.record(
-            elapsed.as_secs_f64() * 1e3,
+            elapsed.as_secs_f64(),
             &[
                 KeyValue::new("agent", agent.to_string()),
                 KeyValue::new("path", path_label(path)),
@@ -574,7 +659,7 @@ impl AgentMetrics {
 
 /// A transfer submitted through [`AgentMetrics::submit_timed`]: the first
 /// [`wait`](Self::wait) that sees the outcome records the latency in
-/// `kvfabric_transfer_latency_milliseconds` — measured from submit to that
+/// `kvfabric_transfer_latency_seconds` — measured from submit to that
 /// moment, so wait promptly (as the bench does) for an exact figure.
 pub struct TimedTransfer {
     metrics: Arc<AgentMetrics>,
@@ -601,5 +686,71 @@ impl TimedTransfer {
             );
         }
         Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::discovery::{AgentRecord, DiscoveryError, LeaseState, PeerEvent};
+
+    /// A discovery that only reports a lease state and a resync count.
+    struct Fake(u64);
+
+    impl Discovery for Fake {
+        fn publish(&self, _: AgentRecord) -> Result<(), DiscoveryError> {
+            Ok(())
+        }
+        fn events(&self) -> crossbeam_channel::Receiver<PeerEvent> {
+            crossbeam_channel::never()
+        }
+        fn revoke(&self) -> Result<(), DiscoveryError> {
+            Ok(())
+        }
+        fn lease_state(&self) -> LeaseState {
+            LeaseState::Ok
+        }
+        fn peers(&self) -> Vec<AgentRecord> {
+            Vec::new()
+        }
+        fn resyncs(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn discovery_series_carry_the_agent_and_vanish_with_it() {
+        let m = AgentMetrics::new().unwrap();
+        let d: Arc<dyn Discovery> = Arc::new(Fake(3));
+        m.watch_discovery("a1", &d);
+        let text = m.render().unwrap();
+        assert!(
+            text.contains("kvfabric_discovery_resyncs_total{agent=\"a1\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvfabric_lease_state{agent=\"a1\"} 1\n"),
+            "{text}"
+        );
+        drop(d);
+        let text = m.render().unwrap();
+        assert!(!text.contains("agent=\"a1\""), "{text}");
+    }
+
+    #[test]
+    fn latency_is_recorded_in_seconds() {
+        let m = AgentMetrics::new().unwrap();
+        m.observe_transfer("a1", PathKind::Bounce, true, Duration::from_micros(1500));
+        let text = m.render().unwrap();
+        let labels = "agent=\"a1\",outcome=\"success\",path=\"bounce\"";
+        for want in [
+            format!("kvfabric_transfer_latency_seconds_sum{{{labels}}} 0.0015\n"),
+            format!("kvfabric_transfer_latency_seconds_count{{{labels}}} 1\n"),
+            format!("kvfabric_transfer_latency_seconds_bucket{{{labels},le=\"0.001\"}} 0\n"),
+            format!("kvfabric_transfer_latency_seconds_bucket{{{labels},le=\"0.0025\"}} 1\n"),
+        ] {
+            assert!(text.contains(&want), "no {want:?} in:\n{text}");
+        }
+        assert!(!text.contains("milliseconds"), "{text}");
     }
 }
