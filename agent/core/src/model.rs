@@ -75,7 +75,11 @@ impl KvLayout {
     /// Validates and builds a layout.
     ///
     /// # Errors
-    /// When `block_tokens` or `tp` is 0, or `tp` does not divide the KV heads.
+    /// When `block_tokens` or `tp` is 0, `tp` does not divide the KV heads,
+    /// a field of the model's geometry is 0 (`layers`, `kv_heads`,
+    /// `head_dim`, `dtype_bytes`: named in the message), or one block
+    /// across all layers ([`Self::bytes_per_block`]) would not fit in a
+    /// `u64`.
     pub fn new(
         model: ModelGeometry,
         block_tokens: u32,
@@ -85,10 +89,39 @@ impl KvLayout {
         if block_tokens == 0 {
             return Err("block size: expected at least 1 token per block, got 0".into());
         }
+        for (field, v) in [
+            ("layers", model.layers),
+            ("kv_heads", model.kv_heads),
+            ("head_dim", model.head_dim),
+            ("dtype_bytes", model.dtype_bytes),
+        ] {
+            if v == 0 {
+                return Err(format!(
+                    "geometry of {}: {field} must be at least 1, got 0",
+                    model.name
+                ));
+            }
+        }
         if tp == 0 || model.kv_heads % tp != 0 {
             return Err(format!(
                 "tp: expected a divisor of {}'s {} KV heads, got {tp}",
                 model.name, model.kv_heads
+            ));
+        }
+        let tensors = if kv_split { 2 } else { 1 };
+        let per_block = [
+            u64::from(model.kv_heads / tp),
+            u64::from(model.head_dim),
+            u64::from(model.dtype_bytes),
+            2, // K and V, in one descriptor or in two tensors
+            u64::from(model.layers),
+        ]
+        .into_iter()
+        .try_fold(u64::from(block_tokens), u64::checked_mul);
+        if per_block.is_none() {
+            return Err(format!(
+                "geometry of {}: one block of {block_tokens} tokens ({} layers x {tensors} tensors) overflows 64-bit byte counts",
+                model.name, model.layers
             ));
         }
         Ok(Self {
@@ -206,6 +239,42 @@ mod tests {
         let e = KvLayout::new(preset("Qwen2.5-7B").unwrap(), 16, 8, true).unwrap_err();
         assert!(e.starts_with("tp:"), "{e}");
         assert!(KvLayout::new(preset("Qwen2.5-7B").unwrap(), 0, 1, true).is_err());
+        let zero = ModelGeometry {
+            head_dim: 0,
+            ..preset("Qwen2.5-7B").unwrap()
+        };
+        let e = KvLayout::new(zero, 16, 1, true).unwrap_err();
+        assert!(e.contains("head_dim"), "{e}");
+        let huge = ModelGeometry {
+            name: "huge".into(),
+            layers: u32::MAX,
+            kv_heads: u32::MAX,
+            head_dim: u32::MAX,
+            dtype_bytes: u32::MAX,
+        };
+        let e = KvLayout::new(huge, u32::MAX, 1, false).unwrap_err();
+        assert!(e.contains("overflows"), "{e}");
+    }
+
+    /// Mostly small values (0 included), some anywhere in `u32`.
+    fn small_or_any() -> impl proptest::strategy::Strategy<Value = u32> {
+        proptest::prop_oneof![0u32..=16, 0u32..=100_000, proptest::num::u32::ANY]
+    }
+
+    proptest::proptest! {
+        /// Any layout `new` accepts computes its sizes without overflow.
+        #[test]
+        fn accepted_layouts_have_finite_sizes(
+            layers in small_or_any(), kv_heads in small_or_any(),
+            head_dim in small_or_any(), dtype_bytes in small_or_any(),
+            block in small_or_any(), tp in small_or_any(), split: bool,
+        ) {
+            let m = ModelGeometry { name: "p".into(), layers, kv_heads, head_dim, dtype_bytes };
+            if let Ok(l) = KvLayout::new(m, block, tp, split) {
+                proptest::prop_assert!(l.bytes_per_block() >= l.descriptor_bytes());
+                proptest::prop_assert!(l.descriptor_bytes() > 0);
+            }
+        }
     }
 
     #[test]
