@@ -69,13 +69,46 @@ pub fn tune_allocator() {
 }
 
 /// Human-readable logs on stderr for the CLI tools, filtered by
-/// `KVFABRIC_LOG` (tracing `EnvFilter` syntax; default `warn`). Idempotent.
-/// (The agent daemon configures its own structured logs.)
+/// `KVFABRIC_LOG` (tracing `EnvFilter` syntax; default `warn`), coloured
+/// only as [`use_color`] allows for stderr. Idempotent. (The agent daemon
+/// configures its own structured logs.)
 pub fn init_cli_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(use_color(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Whether output written to `stream` may carry colour (ANSI escape
+/// codes): only when it is a terminal and `NO_COLOR` is unset or empty
+/// (<https://no-color.org>). Files and pipes get plain text.
+pub fn use_color(stream: &impl std::io::IsTerminal) -> bool {
+    color_allowed(
+        stream.is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+/// The rule of [`use_color`]: a terminal, and `no_color` (the value of
+/// `NO_COLOR`) absent or empty.
+pub fn color_allowed(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::color_allowed;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(color_allowed(true, None));
+        assert!(color_allowed(true, Some(OsStr::new(""))));
+        assert!(!color_allowed(true, Some(OsStr::new("1"))));
+        assert!(!color_allowed(false, None));
+        assert!(!color_allowed(false, Some(OsStr::new(""))));
+    }
 }

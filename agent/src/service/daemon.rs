@@ -576,13 +576,15 @@ impl Node {
 }
 
 /// Initialises `tracing` output on stderr in `format`, filtered by
-/// `$KVFABRIC_LOG` (default `info`). Idempotent (later calls are no-ops).
+/// `$KVFABRIC_LOG` (default `info`); text is coloured only on a terminal
+/// without `NO_COLOR` ([`crate::use_color`]). Idempotent (later calls are
+/// no-ops).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVFABRIC_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_ansi(crate::use_color(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => b.try_init(),
