@@ -22,7 +22,8 @@ use kvfabric_core::Descriptor;
 
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
 use super::trace::{
-    check_prefill_path, replay_with, BenchPath, BlockPool, HandOff, ReplayOptions, ReplayReport,
+    check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
+    HandOffResult, ReplayOptions, ReplayReport,
 };
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
@@ -78,7 +79,30 @@ impl HandOff for GpuHandOff<'_> {
         check_prefill_path(self.prefill, path)
     }
 
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
+    fn sender(&self) -> String {
+        self.prefill.name().to_string()
+    }
+
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+        let mut request_id = None;
+        let outcome = self.transfer_and_check(path, seed, descs, &mut request_id);
+        HandOffResult {
+            request_id,
+            outcome,
+        }
+    }
+}
+
+impl GpuHandOff<'_> {
+    /// [`HandOff::hand_off`]; `request_id` is set once the transfer is
+    /// submitted.
+    fn transfer_and_check(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        descs: Vec<Descriptor>,
+        request_id: &mut Option<u64>,
+    ) -> Result<f64, String> {
         let table: Vec<PatDesc> = descs
             .iter()
             .enumerate()
@@ -102,6 +126,7 @@ impl HandOff for GpuHandOff<'_> {
                 .prefill
                 .submit_standard(&self.decode_name, descs.clone()),
         };
+        *request_id = logged_request_id(&handle);
         let outcome = handle.wait(XFER_TIMEOUT);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         match outcome {

@@ -1,6 +1,7 @@
 //! Benchmarks and demos that run the engine for real: the data-plane
 //! side-by-side bench (two processes) and its helpers.
 
+pub mod cli;
 pub mod dataplane;
 #[cfg(feature = "cuda")]
 pub mod gpu_trace;

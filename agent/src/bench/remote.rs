@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client, ConnectOptions, GetOptions};
 use serde_json::Value;
 
-use super::trace::{BenchPath, HandOff};
+use super::trace::{BenchPath, HandOff, HandOffResult};
 use crate::core::Descriptor;
 use crate::service::discovery::etcd::agents_prefix;
 use crate::service::discovery::{AgentRecord, BufferRegion};
@@ -352,7 +352,31 @@ impl HandOff for RemoteHandOff {
         Ok(())
     }
 
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
+    fn sender(&self) -> String {
+        self.prefill.name().to_string()
+    }
+
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+        let mut request_id = None;
+        let outcome = self.transfer_and_verify(path, seed, &descs, &mut request_id);
+        HandOffResult {
+            request_id,
+            outcome,
+        }
+    }
+}
+
+impl RemoteHandOff {
+    /// [`HandOff::hand_off`]: `request_id` is set from the prefill agent's
+    /// answer when it carries one (`request_id`, the id its log lines
+    /// name as `rid`).
+    fn transfer_and_verify(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        descs: &[Descriptor],
+        request_id: &mut Option<u64>,
+    ) -> Result<f64, String> {
         let req = TransferRequest {
             peer: self.decode.name().to_string(),
             path: match path {
@@ -379,6 +403,7 @@ impl HandOff for RemoteHandOff {
         if code != 200 {
             return Err(format!("prefill /v1/debug/transfer: HTTP {code}: {v}"));
         }
+        *request_id = v.get("request_id").and_then(Value::as_u64);
         let t: TransferResponse = serde_json::from_value(v)
             .map_err(|e| format!("prefill /v1/debug/transfer answer: {e}"))?;
         if t.outcome != "success" {

@@ -17,7 +17,14 @@
 //! Embedded mode ([`replay`]) uses [`LocalHandOff`] over two in-process
 //! agents and their [`KvPool`]s; distributed mode
 //! ([`super::remote`]) drives two agent daemons over HTTP.
+//!
+//! A failed request is reported (log line, [`PathStats::failed_requests`],
+//! the summary table) under the id the sending agent gave it and logs it
+//! under (`rid`, [`HandOffResult::request_id`]), so it can be found in the
+//! agent's log; requests with 0 prompt tokens move nothing and are skipped
+//! ([`ReplayReport::skipped_empty_requests`]).
 
+use std::io::IsTerminal as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -207,9 +214,7 @@ impl std::str::FromStr for BenchPath {
         match s.trim() {
             "bounce" => Ok(Self::Bounce),
             "standard" => Ok(Self::Standard),
-            other => Err(format!(
-                "--paths: expected bounce and/or standard, got {other:?}"
-            )),
+            other => Err(format!("expected bounce or standard, got {other:?}")),
         }
     }
 }
@@ -233,17 +238,35 @@ pub fn check_prefill_path(prefill: &FabricAgent, path: BenchPath) -> Result<(), 
 pub struct ReplayOptions {
     /// KV layout.
     pub layout: KvLayout,
-    /// Concurrent requests (fixed-concurrency mode), or max in flight.
+    /// Concurrent requests (fixed-concurrency mode), or max in flight; at
+    /// least 1 (0 is an error of [`replay_with`]). One worker thread each,
+    /// at most one per replayed request.
     pub concurrency: usize,
-    /// Replay by timestamps divided by this factor; `None` = as fast as the
+    /// Replay by timestamps divided by this factor (finite, > 0; anything
+    /// else is an error of [`replay_with`]); `None` = as fast as the
     /// concurrency allows.
     pub speed: Option<f64>,
     /// Blocks per pool.
     pub pool_blocks: u32,
     /// Paths in order.
     pub paths: Vec<BenchPath>,
-    /// Progress bar on stderr.
+    /// Progress bar on stderr (drawn only when stderr is a terminal).
     pub progress: bool,
+}
+
+/// A request of a phase that failed or did not verify.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FailedRequest {
+    /// The id the sending agent gave the transfer and logs it under
+    /// (`rid` in its log lines); `None` when it has none (the standard
+    /// path, a request that failed before its submit, an agent that did
+    /// not report one).
+    pub request_id: Option<u64>,
+    /// The request's position in the replayed slice (0-based; line
+    /// `--start` + this of a trace without blank lines).
+    pub index: usize,
+    /// Why it failed.
+    pub error: String,
 }
 
 /// Latency statistics of one path (ms).
@@ -273,6 +296,8 @@ pub struct PathStats {
     pub max_ms: f64,
     /// Mean (ms).
     pub mean_ms: f64,
+    /// The requests that failed, in completion order.
+    pub failed_requests: Vec<FailedRequest>,
 }
 
 /// The replay report.
@@ -288,17 +313,21 @@ pub struct ReplayReport {
     pub kv_split: bool,
     /// Descriptor bytes.
     pub descriptor_bytes: u64,
-    /// Requests replayed per path.
+    /// Requests replayed per path (those of the slice with at least one
+    /// prompt token).
     pub requests: usize,
+    /// Requests of the slice with 0 prompt tokens: nothing to move, not
+    /// replayed.
+    pub skipped_empty_requests: usize,
     /// Concurrency.
     pub concurrency: usize,
     /// Pool blocks per side.
     pub pool_blocks: u32,
     /// Per-path statistics.
     pub paths: Vec<PathStats>,
-    /// p99(bounce) / p99(standard), when both ran.
+    /// p99(bounce) / p99(standard), when both ran and completed requests.
     pub p99_ratio_bounce_over_standard: Option<f64>,
-    /// p50(bounce) / p50(standard), when both ran.
+    /// p50(bounce) / p50(standard), when both ran and completed requests.
     pub p50_ratio_bounce_over_standard: Option<f64>,
     /// Peak resident set size of this process (bytes, VmHWM).
     pub peak_rss_bytes: u64,
@@ -326,6 +355,36 @@ pub fn peak_rss_bytes() -> u64 {
         .unwrap_or(0)
 }
 
+/// What one [`HandOff::hand_off`] gives back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HandOffResult {
+    /// The id the sending agent gave the transfer and logs it under
+    /// (`rid`): the bounce transport's request id. `None` where there is
+    /// none (the standard path, a request rejected before its submit) or
+    /// the agent did not report one.
+    pub request_id: Option<u64>,
+    /// The transfer latency in ms (submit → resolution), or why the
+    /// request failed or did not verify.
+    pub outcome: Result<f64, String>,
+}
+
+impl HandOffResult {
+    /// A request that failed before the agent gave it an id.
+    pub fn failed(why: impl Into<String>) -> Self {
+        Self {
+            request_id: None,
+            outcome: Err(why.into()),
+        }
+    }
+}
+
+/// The request id a [`TransferHandle`] carries, as the agent logs it: the
+/// bounce transport numbers its requests from 1; 0 marks a handle no
+/// bounce transport issued (the standard path's).
+pub fn logged_request_id(handle: &TransferHandle) -> Option<u64> {
+    (handle.request_id != 0).then_some(handle.request_id)
+}
+
 /// Moves one request's KV from the prefill side to the decode side and
 /// verifies it: the seam between the replay logic and where the agents
 /// run.
@@ -336,14 +395,16 @@ pub trait HandOff: Sync {
     /// Why not (e.g. bounce is not running on the prefill agent).
     fn check_path(&self, path: BenchPath) -> Result<(), String>;
 
+    /// The sending agent's name, as its log lines carry it (`agent`).
+    fn sender(&self) -> String;
+
     /// Fills each source `k` of `descs` with [`fill_fast`]`(seed, k)`,
     /// writes `descs` (src on the prefill side, dst on the decode side)
     /// through `path`, waits for the outcome and verifies every destination
-    /// byte. Returns the transfer latency in ms, submit → resolution.
-    ///
-    /// # Errors
-    /// A failed or timed-out transfer, or a verification mismatch (named).
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String>;
+    /// byte. The result carries the transfer latency in ms, submit →
+    /// resolution, or the failure: a failed or timed-out transfer, or a
+    /// verification mismatch (named); and the agent's id of the request.
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult;
 }
 
 /// [`HandOff`] between two agents in this process (embedded mode).
@@ -359,7 +420,11 @@ impl HandOff for LocalHandOff<'_> {
         check_prefill_path(self.prefill, path)
     }
 
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> Result<f64, String> {
+    fn sender(&self) -> String {
+        self.prefill.name().to_string()
+    }
+
+    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
         // "Prefill": write this request's KV with its own pattern.
         for (k, d) in descs.iter().enumerate() {
             // SAFETY: src lies in the prefill pool's blocks the caller holds.
@@ -368,26 +433,38 @@ impl HandOff for LocalHandOff<'_> {
         let decode_name = self.decode.name();
         let t0 = Instant::now();
         let handle: TransferHandle = match path {
-            BenchPath::Bounce => self
-                .prefill
-                .transport()
-                .ok_or("bounce is not running on the prefill agent")?
-                .submit(decode_name, descs.clone()),
+            BenchPath::Bounce => match self.prefill.transport() {
+                Some(t) => t.submit(decode_name, descs.clone()),
+                None => return HandOffResult::failed("bounce is not running on the prefill agent"),
+            },
             BenchPath::Standard => self.prefill.submit_standard(decode_name, descs.clone()),
         };
+        let request_id = logged_request_id(&handle);
         let outcome = handle.wait(XFER_TIMEOUT);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        match outcome {
-            Some(TransferOutcome::Success) => {}
-            other => return Err(format!("transfer failed: {other:?}")),
+        let outcome = match outcome {
+            Some(TransferOutcome::Success) => descs
+                .iter()
+                .enumerate()
+                // SAFETY: dst lies in the decode pool's blocks the caller holds.
+                .find_map(|(k, d)| {
+                    unsafe { check_fast(d.dst, d.len, seed, k as u64) }
+                        .err()
+                        .map(|off| (k, off))
+                })
+                .map_or(Ok(ms), |(k, off)| {
+                    Err(format!("verification failed: descriptor {k}, byte {off}"))
+                }),
+            Some(TransferOutcome::Failure(why)) => Err(format!("transfer failed: {why}")),
+            None => Err(format!(
+                "transfer not resolved within {} s",
+                XFER_TIMEOUT.as_secs()
+            )),
+        };
+        HandOffResult {
+            request_id,
+            outcome,
         }
-        for (k, d) in descs.iter().enumerate() {
-            // SAFETY: dst lies in the decode pool's blocks the caller holds.
-            if let Err(off) = unsafe { check_fast(d.dst, d.len, seed, k as u64) } {
-                return Err(format!("verification failed: descriptor {k}, byte {off}"));
-            }
-        }
-        Ok(ms)
     }
 }
 
@@ -418,12 +495,17 @@ pub fn replay(
 
 /// Replays `trace` through `hand_off` with blocks allocated from
 /// `prefill_pool` / `decode_pool` (pools of `opts.pool_blocks` blocks,
-/// wherever their memory lives), once per path.
+/// wherever their memory lives), once per path. Requests with 0 prompt
+/// tokens are skipped (counted in the report).
 ///
 /// # Errors
-/// Setup failures (a request larger than the pool, a path that cannot run).
-/// Transfer failures and verification mismatches are counted per path and
-/// make the caller's exit status non-zero.
+/// Setup failures: invalid options (`concurrency` 0, a `speed` that is not
+/// finite and positive, no path), a slice without a request that has
+/// prompt tokens, a request larger than the pool ([`check_pool`]), a path
+/// that cannot run, no worker thread could start. Transfer failures and
+/// verification mismatches are counted per path (and listed in
+/// [`PathStats::failed_requests`]) and make the caller's exit status
+/// non-zero.
 pub fn replay_with(
     hand_off: &dyn HandOff,
     prefill_pool: &BlockPool,
@@ -432,15 +514,29 @@ pub fn replay_with(
     opts: &ReplayOptions,
 ) -> Result<ReplayReport, String> {
     let layout = &opts.layout;
-    for (i, r) in trace.iter().enumerate() {
-        let b = layout.blocks_for(r.input_length);
-        if b > u64::from(opts.pool_blocks) {
-            return Err(format!(
-                "trace request {i} needs {b} blocks ({} tokens); --pool-blocks is {}",
-                r.input_length, opts.pool_blocks
-            ));
-        }
+    if opts.concurrency == 0 {
+        return Err("concurrency: expected at least 1 request in flight, got 0".into());
     }
+    if let Some(speed) = opts.speed {
+        check_speed(speed)?;
+    }
+    if opts.paths.is_empty() {
+        return Err("paths: expected at least one of bounce, standard".into());
+    }
+    let demand = SliceDemand::of(layout, trace, opts.concurrency);
+    if demand.requests == 0 {
+        return Err(format!(
+            "none of the {} requests of the slice has prompt tokens: nothing to move",
+            trace.len()
+        ));
+    }
+    check_pool(layout, &demand, opts.pool_blocks)?;
+    // (index in the slice, record) of the requests that move something.
+    let replayed: Vec<(usize, &TraceRecord)> = trace
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| layout.blocks_for(r.input_length) > 0)
+        .collect();
     let mut stats = Vec::new();
     for (pi, &path) in opts.paths.iter().enumerate() {
         hand_off.check_path(path)?;
@@ -448,16 +544,18 @@ pub fn replay_with(
             hand_off,
             prefill_pool,
             decode_pool,
-            trace,
+            &replayed,
             opts,
             path,
             (pi as u64 + 1) << 40,
-        ));
+        )?);
     }
     let find = |p: BenchPath| stats.iter().find(|s| s.path == p);
     let ratio =
         |f: fn(&PathStats) -> f64| match (find(BenchPath::Bounce), find(BenchPath::Standard)) {
-            (Some(b), Some(s)) if f(s) > 0.0 => Some(f(b) / f(s)),
+            (Some(b), Some(s)) if b.requests > 0 && s.requests > 0 && f(s) > 0.0 => {
+                Some(f(b) / f(s))
+            }
             _ => None,
         };
     Ok(ReplayReport {
@@ -466,7 +564,8 @@ pub fn replay_with(
         tp: layout.tp,
         kv_split: layout.kv_split,
         descriptor_bytes: layout.descriptor_bytes(),
-        requests: trace.len(),
+        requests: replayed.len(),
+        skipped_empty_requests: trace.len() - replayed.len(),
         concurrency: opts.concurrency,
         pool_blocks: opts.pool_blocks,
         p99_ratio_bounce_over_standard: ratio(|s| s.p99_ms),
@@ -476,24 +575,170 @@ pub fn replay_with(
     })
 }
 
+/// Checks a `--speed` factor: finite and > 0.
+///
+/// # Errors
+/// Names the flag and the value otherwise.
+pub fn check_speed(speed: f64) -> Result<(), String> {
+    if speed.is_finite() && speed > 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "--speed: expected a finite factor > 0, got {speed}"
+        ))
+    }
+}
+
+/// What a slice of a trace asks of the KV pools, in blocks of a layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceDemand {
+    /// Requests with at least one prompt token (the others are skipped).
+    pub requests: usize,
+    /// The largest request: its index in the slice and its blocks.
+    pub largest: Option<(usize, u64)>,
+    /// Blocks the `concurrency` largest requests hold together: no set of
+    /// requests in flight at once holds more, so a pool of this many
+    /// blocks never makes a request wait (saturates at `u64::MAX`).
+    pub in_flight_blocks: u64,
+}
+
+/// Cap on the embedded bench's default KV pool per side: 1 GiB (bytes).
+/// A slice whose largest request is larger gets a pool of that request's
+/// size instead (rounded up to [`POOL_ROUND_BYTES`]).
+pub const DEFAULT_POOL_CAP_BYTES: u64 = 1 << 30;
+
+/// Default KV pool sizes are rounded up to a multiple of this: 64 MiB
+/// (bytes).
+pub const POOL_ROUND_BYTES: u64 = 64 << 20;
+
+impl SliceDemand {
+    /// The demand of `trace` replayed with at most `concurrency` requests
+    /// in flight (0 counts as 1).
+    pub fn of(layout: &KvLayout, trace: &[TraceRecord], concurrency: usize) -> Self {
+        let mut blocks: Vec<(usize, u64)> = trace
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i, layout.blocks_for(r.input_length)))
+            .filter(|&(_, b)| b > 0)
+            .collect();
+        let requests = blocks.len();
+        // Largest first; the earliest of equal ones.
+        blocks.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let in_flight_blocks = blocks
+            .iter()
+            .take(concurrency.max(1))
+            .fold(0u64, |acc, &(_, b)| acc.saturating_add(b));
+        Self {
+            requests,
+            largest: blocks.first().copied(),
+            in_flight_blocks,
+        }
+    }
+
+    /// The default KV pool per side for this slice, bytes: what the
+    /// requests in flight hold at once ([`Self::in_flight_blocks`]),
+    /// capped at `cap_bytes` but never below the largest request, rounded
+    /// up to a multiple of [`POOL_ROUND_BYTES`] (at least one block;
+    /// saturates at `u64::MAX`).
+    pub fn default_pool_bytes(&self, layout: &KvLayout, cap_bytes: u64) -> u64 {
+        let per_block = layout.bytes_per_block();
+        let in_flight = self.in_flight_blocks.saturating_mul(per_block);
+        let largest = self.largest.map_or(0, |(_, b)| b.saturating_mul(per_block));
+        let bytes = in_flight.min(cap_bytes).max(largest).max(per_block);
+        bytes
+            .checked_next_multiple_of(POOL_ROUND_BYTES)
+            .unwrap_or(u64::MAX)
+    }
+}
+
+/// Blocks of `layout` a pool of `pool_bytes` holds (rounded down; capped
+/// at `u32::MAX`, the block ids' range).
+pub fn pool_blocks_for(layout: &KvLayout, pool_bytes: u64) -> u32 {
+    u32::try_from(pool_bytes / layout.bytes_per_block()).unwrap_or(u32::MAX)
+}
+
+/// Checks that a pool of `pool_blocks` blocks per side holds the slice's
+/// largest request.
+///
+/// # Errors
+/// Names the request, the blocks and bytes it needs and the pool's, and
+/// `--pool` (the flag that sizes it).
+pub fn check_pool(layout: &KvLayout, demand: &SliceDemand, pool_blocks: u32) -> Result<(), String> {
+    let per_block = layout.bytes_per_block();
+    match demand.largest {
+        Some((i, b)) if b > u64::from(pool_blocks) => Err(format!(
+            "--pool: request {i} of the slice needs {b} KV blocks ({}) per side, the pool holds {pool_blocks} blocks ({}); pass --pool {}MiB or more",
+            human_bytes(b.saturating_mul(per_block)),
+            human_bytes(u64::from(pool_blocks) * per_block),
+            b.saturating_mul(per_block).div_ceil(1 << 20)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `bytes` for people: `512 B`, `3.5 KiB`, `64 MiB`, `2.66 GiB` (binary
+/// units; up to three significant digits, whole numbers without decimals).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 || v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else if v < 10.0 {
+        format!("{v:.2} {}", UNITS[u])
+    } else if v < 100.0 {
+        format!("{v:.1} {}", UNITS[u])
+    } else {
+        format!("{v:.0} {}", UNITS[u])
+    }
+}
+
+/// Most failed requests the summary table lists (the report has all).
+const TABLE_FAILURES: usize = 10;
+
 fn run_phase(
     hand_off: &dyn HandOff,
     ppool: &BlockPool,
     dpool: &BlockPool,
-    trace: &[TraceRecord],
+    trace: &[(usize, &TraceRecord)],
     opts: &ReplayOptions,
     path: BenchPath,
     seed_base: u64,
-) -> PathStats {
+) -> Result<PathStats, String> {
     let layout = &opts.layout;
     let tensors = layout.model.layers * layout.tensors_per_layer();
     let desc_bytes = layout.descriptor_bytes();
+    let sender = hand_off.sender();
     let next = AtomicUsize::new(0);
-    let failures = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
     let descs_total = AtomicU64::new(0);
     let latencies = Mutex::new(Vec::with_capacity(trace.len()));
-    let bar = if opts.progress {
+    let failed = Mutex::new(Vec::new());
+    let fail = |index: usize, request_id: Option<u64>, error: String| {
+        // The agent logs the request as `rid` (with its `agent` name); the
+        // same fields here find it there.
+        tracing::error!(
+            path = ?path,
+            agent = %sender,
+            rid = request_id,
+            request = index,
+            error = %error,
+            "request failed"
+        );
+        failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(FailedRequest {
+                request_id,
+                index,
+                error,
+            });
+    };
+    let bar = if opts.progress && std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(trace.len() as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
@@ -507,79 +752,107 @@ fn run_phase(
     } else {
         indicatif::ProgressBar::hidden()
     };
+    let workers = opts.concurrency.clamp(1, trace.len().max(1));
     let start = Instant::now();
-    std::thread::scope(|scope| {
-        for _ in 0..opts.concurrency.max(1) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(rec) = trace.get(i) else { break };
-                if let Some(speed) = opts.speed {
-                    let due = Duration::from_secs_f64(rec.timestamp as f64 / 1e3 / speed);
-                    let now = start.elapsed();
-                    if due > now {
-                        std::thread::sleep(due - now);
-                    }
+    let started = std::thread::scope(|scope| {
+        let worker = || loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(i, rec)) = trace.get(k) else { break };
+            if let Some(speed) = opts.speed {
+                // A due time past Duration's range is "never": the wait is
+                // as long as the user asked for.
+                let due = Duration::try_from_secs_f64(rec.timestamp as f64 / 1e3 / speed)
+                    .unwrap_or(Duration::MAX);
+                let now = start.elapsed();
+                if due > now {
+                    std::thread::sleep(due - now);
                 }
-                let nblocks = layout.blocks_for(rec.input_length) as u32;
-                let (pb, db) = match (ppool.allocate(nblocks), dpool.allocate(nblocks)) {
-                    (Ok(p), Ok(d)) => (p, d),
-                    (p, d) => {
-                        tracing::warn!(request = i, "KV block allocation failed");
-                        if let Ok(p) = p {
-                            ppool.release(p);
-                        }
-                        if let Ok(d) = d {
-                            dpool.release(d);
-                        }
-                        failures.fetch_add(1, Ordering::Relaxed);
-                        bar.inc(1);
-                        continue;
+            }
+            let nblocks = u32::try_from(layout.blocks_for(rec.input_length)).unwrap_or(u32::MAX);
+            let (pb, db) = match (ppool.allocate(nblocks), dpool.allocate(nblocks)) {
+                (Ok(p), Ok(d)) => (p, d),
+                (p, d) => {
+                    let why = [&p, &d]
+                        .into_iter()
+                        .find_map(|r| r.as_ref().err().cloned())
+                        .unwrap_or_default();
+                    if let Ok(p) = p {
+                        ppool.release(p);
                     }
-                };
-                let seed = seed_base + i as u64;
-                let mut descs = Vec::with_capacity(nblocks as usize * tensors as usize);
-                for t in 0..tensors {
-                    for (b, &p) in pb.iter().enumerate() {
-                        descs.push(Descriptor::new(
-                            ppool.addr(t, p),
-                            dpool.addr(t, db[b]),
-                            desc_bytes,
-                        ));
+                    if let Ok(d) = d {
+                        dpool.release(d);
                     }
+                    fail(i, None, format!("KV block allocation failed: {why}"));
+                    bar.inc(1);
+                    continue;
                 }
-                let n = descs.len() as u64;
-                let result = hand_off.hand_off(path, seed, descs);
-                ppool.release(pb);
-                dpool.release(db);
-                if let Err(e) = &result {
-                    tracing::error!(request = i, error = %e, "hand-off failed");
+            };
+            let seed = seed_base + i as u64;
+            let mut descs = Vec::with_capacity(nblocks as usize * tensors as usize);
+            for t in 0..tensors {
+                for (b, &p) in pb.iter().enumerate() {
+                    descs.push(Descriptor::new(
+                        ppool.addr(t, p),
+                        dpool.addr(t, db[b]),
+                        desc_bytes,
+                    ));
                 }
-                if let Ok(ms) = result {
+            }
+            let n = descs.len() as u64;
+            let result = hand_off.hand_off(path, seed, descs);
+            ppool.release(pb);
+            dpool.release(db);
+            match result.outcome {
+                Ok(ms) => {
                     latencies.lock().unwrap_or_else(|p| p.into_inner()).push(ms);
                     bytes.fetch_add(n * desc_bytes, Ordering::Relaxed);
                     descs_total.fetch_add(n, Ordering::Relaxed);
-                } else {
-                    failures.fetch_add(1, Ordering::Relaxed);
                 }
-                bar.inc(1);
-                let gb = bytes.load(Ordering::Relaxed) as f64 / 1e9;
-                bar.set_message(format!(
-                    "{:.1} GB, {:.2} GB/s",
-                    gb,
-                    gb / start.elapsed().as_secs_f64().max(1e-9)
-                ));
-            });
+                Err(e) => fail(i, result.request_id, e),
+            }
+            bar.inc(1);
+            let gb = bytes.load(Ordering::Relaxed) as f64 / 1e9;
+            bar.set_message(format!(
+                "{:.1} GB, {:.2} GB/s",
+                gb,
+                gb / start.elapsed().as_secs_f64().max(1e-9)
+            ));
+        };
+        let mut started = 0usize;
+        for w in 0..workers {
+            match std::thread::Builder::new()
+                .name(format!("replay-{w}"))
+                .spawn_scoped(scope, worker)
+            {
+                Ok(_) => started += 1,
+                Err(e) => {
+                    // Fewer workers than asked: the replay still runs, at
+                    // a lower concurrency (reported).
+                    tracing::warn!(error = %e, started, wanted = workers, "cannot start another replay worker");
+                    break;
+                }
+            }
         }
+        started
     });
     bar.finish();
+    if started == 0 {
+        return Err("could not start a replay worker thread".into());
+    }
+    if started < workers {
+        eprintln!(
+            "warning: {path:?} phase ran with {started} of {workers} worker threads (the others could not start)"
+        );
+    }
     let wall = start.elapsed().as_secs_f64();
     let mut l = latencies.into_inner().unwrap_or_else(|p| p.into_inner());
     l.sort_by(|a, b| a.total_cmp(b));
     let total = bytes.load(Ordering::Relaxed);
-    PathStats {
+    let failed_requests = failed.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(PathStats {
         path,
         requests: l.len(),
-        failures: failures.load(Ordering::Relaxed),
+        failures: failed_requests.len(),
         bytes: total,
         descriptors: descs_total.load(Ordering::Relaxed),
         wall_s: wall,
@@ -593,7 +866,8 @@ fn run_phase(
         } else {
             l.iter().sum::<f64>() / l.len() as f64
         },
-    }
+        failed_requests,
+    })
 }
 
 impl ReplayReport {
@@ -626,6 +900,31 @@ impl ReplayReport {
                 p.p90_ms,
                 p.p99_ms,
                 p.max_ms
+            );
+        }
+        for p in &self.paths {
+            for f in p.failed_requests.iter().take(TABLE_FAILURES) {
+                s += &format!(
+                    "{:>9} request {} (#{} of the slice) failed: {}\n",
+                    format!("{:?}", p.path).to_lowercase(),
+                    f.request_id
+                        .map_or("without an agent id".to_string(), |r| format!("rid {r}")),
+                    f.index,
+                    f.error
+                );
+            }
+            if p.failed_requests.len() > TABLE_FAILURES {
+                s += &format!(
+                    "{:>9} ... {} more failed requests in the JSON report\n",
+                    "",
+                    p.failed_requests.len() - TABLE_FAILURES
+                );
+            }
+        }
+        if self.skipped_empty_requests > 0 {
+            s += &format!(
+                "skipped {} requests with 0 prompt tokens (nothing to move)\n",
+                self.skipped_empty_requests
             );
         }
         if let (Some(r99), Some(r50)) = (
@@ -690,6 +989,213 @@ mod tests {
         assert_eq!(" bounce".parse::<BenchPath>(), Ok(BenchPath::Bounce));
         assert_eq!("standard".parse::<BenchPath>(), Ok(BenchPath::Standard));
         let e = "both".parse::<BenchPath>().unwrap_err();
-        assert!(e.contains("--paths") && e.contains("\"both\""), "{e}");
+        assert!(
+            e.contains("bounce or standard") && e.contains("\"both\""),
+            "{e}"
+        );
+    }
+
+    fn llama8b() -> KvLayout {
+        KvLayout::new(
+            kvfabric_core::model::preset("Llama-3.1-8B").unwrap(),
+            16,
+            4,
+            true,
+        )
+        .unwrap()
+    }
+
+    fn rec(tokens: u64) -> TraceRecord {
+        TraceRecord {
+            timestamp: 0,
+            input_length: tokens,
+            output_length: 1,
+            hash_ids: Vec::new(),
+        }
+    }
+
+    /// A hand-off that moves nothing: requests whose seed (index) is in
+    /// `fail` fail with an agent id of 100 + index; the rest succeed.
+    struct FakeHandOff {
+        fail: Vec<u64>,
+        seen: Mutex<Vec<u64>>,
+    }
+
+    impl HandOff for FakeHandOff {
+        fn check_path(&self, _: BenchPath) -> Result<(), String> {
+            Ok(())
+        }
+        fn sender(&self) -> String {
+            "fake-prefill".into()
+        }
+        fn hand_off(&self, _: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+            let i = seed & 0xff_ffff;
+            self.seen.lock().unwrap().push(i);
+            assert!(!descs.is_empty());
+            HandOffResult {
+                request_id: Some(100 + i),
+                outcome: if self.fail.contains(&i) {
+                    Err("transfer failed: injected".into())
+                } else {
+                    Ok(1.0 + i as f64)
+                },
+            }
+        }
+    }
+
+    fn opts(layout: &KvLayout, pool_blocks: u32) -> ReplayOptions {
+        ReplayOptions {
+            layout: layout.clone(),
+            concurrency: 3,
+            speed: None,
+            pool_blocks,
+            paths: vec![BenchPath::Bounce, BenchPath::Standard],
+            progress: false,
+        }
+    }
+
+    #[test]
+    fn failed_requests_carry_the_agents_request_id_and_empty_ones_are_skipped() {
+        let layout = llama8b();
+        let trace = [rec(100), rec(0), rec(33), rec(16), rec(0)];
+        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
+        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let h = FakeHandOff {
+            fail: vec![2],
+            seen: Mutex::new(Vec::new()),
+        };
+        let r = replay_with(&h, &p, &d, &trace, &opts(&layout, 64)).unwrap();
+        let mut seen = h.seen.into_inner().unwrap();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            [0, 0, 2, 2, 3, 3],
+            "0-token requests are not handed off"
+        );
+        assert_eq!((r.requests, r.skipped_empty_requests), (3, 2));
+        for p in &r.paths {
+            assert_eq!((p.requests, p.failures), (2, 1));
+            assert_eq!(
+                p.failed_requests,
+                [FailedRequest {
+                    request_id: Some(102),
+                    index: 2,
+                    error: "transfer failed: injected".into()
+                }]
+            );
+        }
+        let t = r.table();
+        assert!(
+            t.contains("request rid 102 (#2 of the slice) failed"),
+            "{t}"
+        );
+        assert!(t.contains("skipped 2 requests with 0 prompt tokens"), "{t}");
+        assert_eq!(r.failures(), 2);
+    }
+
+    #[test]
+    fn bad_options_and_small_pools_are_errors_naming_the_flag() {
+        let layout = llama8b();
+        let trace = [rec(100), rec(1000)];
+        let p = BlockPool::new(&layout, 8, 0, 1);
+        let d = BlockPool::new(&layout, 8, 1 << 30, 2);
+        let h = FakeHandOff {
+            fail: vec![],
+            seen: Mutex::new(Vec::new()),
+        };
+        let run = |o: &ReplayOptions, t: &[TraceRecord]| replay_with(&h, &p, &d, t, o);
+        let e = run(&opts(&layout, 8), &trace).unwrap_err();
+        assert!(
+            e.starts_with("--pool:") && !e.contains("--pool-blocks"),
+            "{e}"
+        );
+        assert!(
+            e.contains("request 1 ") && e.contains("63 KV blocks"),
+            "{e}"
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let o = ReplayOptions {
+                speed: Some(bad),
+                ..opts(&layout, 8)
+            };
+            let e = run(&o, &trace[..1]).unwrap_err();
+            assert!(e.starts_with("--speed"), "{e}");
+        }
+        let o = ReplayOptions {
+            concurrency: 0,
+            ..opts(&layout, 8)
+        };
+        assert!(run(&o, &trace[..1]).unwrap_err().contains("concurrency"));
+        let e = run(&opts(&layout, 8), &[rec(0)]).unwrap_err();
+        assert!(e.contains("prompt tokens"), "{e}");
+        // A tiny positive speed waits "forever" for a late request, never
+        // panics: only the due time of timestamp 0 is reached here.
+        let o = ReplayOptions {
+            speed: Some(f64::MIN_POSITIVE),
+            ..opts(&layout, 8)
+        };
+        assert!(run(&o, &trace[..1]).is_ok());
+    }
+
+    #[test]
+    fn default_pool_covers_the_requests_in_flight_capped_but_never_below_the_largest() {
+        let layout = llama8b(); // 512 KiB per block
+        let mib = 1u64 << 20;
+        // 10 requests of 100 blocks (50 MiB), concurrency 4: 200 MiB in
+        // flight, rounded up to 256 MiB.
+        let trace: Vec<TraceRecord> = (0..10).map(|_| rec(1600)).collect();
+        let d = SliceDemand::of(&layout, &trace, 4);
+        assert_eq!(d.in_flight_blocks, 400);
+        assert_eq!(d.default_pool_bytes(&layout, 1 << 30), 256 * mib);
+        // Capped at 128 MiB.
+        assert_eq!(d.default_pool_bytes(&layout, 128 * mib), 128 * mib);
+        // One request of 3000 blocks (1500 MiB) beats the cap.
+        let mut big = trace.clone();
+        big[7] = rec(48_000);
+        let d = SliceDemand::of(&layout, &big, 4);
+        assert_eq!(d.largest, Some((7, 3000)));
+        assert_eq!(d.default_pool_bytes(&layout, 1 << 30), 1536 * mib);
+        assert!(check_pool(&layout, &d, pool_blocks_for(&layout, 1536 * mib)).is_ok());
+        // Empty slices still get one block's worth (rounded).
+        let d = SliceDemand::of(&layout, &[rec(0)], 4);
+        assert_eq!((d.requests, d.largest), (0, None));
+        assert_eq!(d.default_pool_bytes(&layout, 1 << 30), 64 * mib);
+    }
+
+    #[test]
+    fn human_bytes_reads_well() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(64 << 20), "64 MiB");
+        assert_eq!(human_bytes(2_856_321_024), "2.66 GiB");
+        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
+        assert_eq!(human_bytes(u64::MAX), "16 EiB");
+    }
+
+    proptest::proptest! {
+        /// For any slice, the default pool holds its largest request, never
+        /// exceeds max(cap, largest) by more than the rounding, and the
+        /// pool check accepts it.
+        #[test]
+        fn default_pool_always_fits_the_slice(
+            tokens in proptest::collection::vec(
+                proptest::prop_oneof![0u64..100_000, proptest::num::u64::ANY], 0..50),
+            concurrency in 0usize..200,
+            cap in proptest::prop_oneof![0u64..(8 << 30), proptest::num::u64::ANY],
+        ) {
+            let layout = llama8b();
+            let trace: Vec<TraceRecord> = tokens.iter().map(|&t| rec(t)).collect();
+            let d = SliceDemand::of(&layout, &trace, concurrency);
+            let bytes = d.default_pool_bytes(&layout, cap);
+            let per_block = layout.bytes_per_block();
+            let largest = d.largest.map_or(0, |(_, b)| b.saturating_mul(per_block));
+            proptest::prop_assert!(bytes >= largest.min(u64::MAX - POOL_ROUND_BYTES));
+            proptest::prop_assert!(bytes >= per_block);
+            let bound = cap.max(largest).max(per_block);
+            proptest::prop_assert!(bytes <= bound.saturating_add(POOL_ROUND_BYTES));
+            let blocks = pool_blocks_for(&layout, bytes);
+            if d.largest.is_some_and(|(_, b)| b <= u64::from(u32::MAX)) {
+                proptest::prop_assert!(check_pool(&layout, &d, blocks).is_ok());
+            }
+        }
     }
 }

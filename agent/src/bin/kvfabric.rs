@@ -15,12 +15,19 @@
 //!   shutdown on SIGTERM/SIGINT.
 //! * `kvfabric peer` — the receiver process the bench spawns (internal).
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvfabric_agent::bench::cli::{
+    bench_path, concurrency, geometry, model_preset, non_empty, nonzero_byte_size, positive_finite,
+    ReportFile, MAX_WAIT_S,
+};
 use kvfabric_agent::bench::dataplane::{self, DataplaneOptions};
-use kvfabric_agent::core::config::{is_config_env, parse_byte_size, BounceConfig};
+use kvfabric_agent::bench::trace::{human_bytes, BenchPath, SliceDemand};
+use kvfabric_agent::core::config::{is_config_env, BounceConfig};
+use kvfabric_agent::core::model::{KvLayout, ModelGeometry, TraceRecord};
 
 #[derive(Parser)]
 #[command(
@@ -38,35 +45,7 @@ enum Cmd {
     /// Replay a request trace prefill -> decode, bounce vs standard path, every byte verified.
     Bench(BenchArgs),
     /// Data-plane bench: standard path vs bounce vs one descriptor, two processes.
-    DataplaneBench {
-        /// Bytes per transfer (suffixes K/M/G accepted).
-        #[arg(long, default_value = "64MiB", value_parser = byte_size)]
-        total: u64,
-        /// Descriptor sizes, comma-separated (suffixes accepted).
-        #[arg(long, default_value = "4KiB,8KiB,64KiB", value_delimiter = ',', value_parser = byte_size)]
-        sizes: Vec<u64>,
-        /// Timed iterations per path and size (median reported).
-        #[arg(long, default_value_t = 5)]
-        iterations: usize,
-        /// Untimed (still verified) warm-up iterations per path and size.
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        /// Bounce chunk size.
-        #[arg(long, default_value = "4MiB", value_parser = byte_size)]
-        chunk: u64,
-        /// In-flight chunks per request (W).
-        #[arg(long, default_value_t = 8)]
-        inflight: u32,
-        /// Arena size.
-        #[arg(long, default_value = "64MiB", value_parser = byte_size)]
-        arena: u64,
-        /// Skip the (slow) standard per-descriptor path.
-        #[arg(long)]
-        skip_standard: bool,
-        /// Write the JSON report here.
-        #[arg(long)]
-        json: Option<PathBuf>,
-    },
+    DataplaneBench(DataplaneArgs),
     /// Run the agent daemon (config: --config YAML, KVFABRIC_* env, flags; flags win).
     Agent(AgentArgs),
     /// Receiver process of the data-plane bench (spawned by it).
@@ -76,9 +55,45 @@ enum Cmd {
         #[arg(long)]
         dir: PathBuf,
         /// Pool size in bytes.
-        #[arg(long)]
+        #[arg(long, value_parser = nonzero_byte_size)]
         pool_bytes: u64,
     },
+}
+
+/// Most descriptors per transfer `dataplane-bench` builds (`--total` /
+/// the smallest of `--sizes`): 4 Mi.
+const MAX_DATAPLANE_DESCRIPTORS: u64 = 1 << 22;
+
+#[derive(clap::Args)]
+struct DataplaneArgs {
+    /// Bytes per transfer (suffixes K/M/G accepted).
+    #[arg(long, default_value = "64MiB", value_parser = nonzero_byte_size)]
+    total: u64,
+    /// Descriptor sizes, comma-separated (suffixes accepted), each at most
+    /// --total.
+    #[arg(long, default_value = "4KiB,8KiB,64KiB", value_delimiter = ',', value_parser = nonzero_byte_size)]
+    sizes: Vec<u64>,
+    /// Timed iterations per path and size (median reported; at least 1).
+    #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    iterations: usize,
+    /// Untimed (still verified) warm-up iterations per path and size.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1_000_000))]
+    warmup: usize,
+    /// Bounce chunk size.
+    #[arg(long, default_value = "4MiB", value_parser = nonzero_byte_size)]
+    chunk: u64,
+    /// In-flight chunks per request (W; at least 1).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    inflight: u32,
+    /// Arena size.
+    #[arg(long, default_value = "64MiB", value_parser = nonzero_byte_size)]
+    arena: u64,
+    /// Skip the (slow) standard per-descriptor path.
+    #[arg(long)]
+    skip_standard: bool,
+    /// Write the JSON report here (checked for writing before the run).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -89,41 +104,45 @@ struct BenchArgs {
     /// First trace line to replay (0-based).
     #[arg(long, default_value_t = 0)]
     start: usize,
-    /// Number of consecutive requests to replay.
-    #[arg(long, default_value_t = 40)]
-    requests: usize,
+    /// Number of consecutive requests to replay (at least 1).
+    #[arg(long, default_value = "40")]
+    requests: NonZeroUsize,
     /// Model preset: Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b.
-    #[arg(long, default_value = "Llama-3.1-8B")]
-    model: String,
-    /// Custom geometry instead of a preset: layers,kv_heads,head_dim,dtype_bytes.
-    #[arg(long)]
-    geometry: Option<String>,
+    #[arg(long, default_value = "Llama-3.1-8B", value_parser = model_preset)]
+    model: ModelGeometry,
+    /// Custom geometry instead of a preset: layers,kv_heads,head_dim,dtype_bytes (each at least 1).
+    #[arg(long, value_parser = geometry, conflicts_with = "model")]
+    geometry: Option<ModelGeometry>,
     /// Tensor parallelism (divides the KV heads).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     tp: u32,
     /// Tokens per paged block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     block: u32,
     /// K and V in one tensor (default: separate K and V tensors).
     #[arg(long)]
     no_kv_split: bool,
-    /// Concurrent requests.
-    #[arg(long, default_value_t = 32)]
+    /// Concurrent requests (1 to 4096).
+    #[arg(long, default_value_t = 32, value_parser = concurrency)]
     concurrency: usize,
-    /// Replay by trace timestamps divided by this factor (default: fixed concurrency).
-    #[arg(long)]
+    /// Replay by trace timestamps divided by this factor (finite, > 0;
+    /// default: fixed concurrency).
+    #[arg(long, value_parser = positive_finite)]
     speed: Option<f64>,
-    /// KV pool size per side (prefill, decode); requests wait for free blocks.
-    /// Default 4GiB; in distributed mode the agents' pools, capped by this.
-    #[arg(long, value_parser = byte_size)]
+    /// KV pool size per side (prefill, decode); requests wait for free
+    /// blocks. Default: what the slice's requests in flight hold at once,
+    /// capped at 1GiB but at least its largest request (the memory is
+    /// printed before the run). In distributed mode: the agents' pools,
+    /// capped by this.
+    #[arg(long, value_parser = nonzero_byte_size)]
     pool: Option<u64>,
     /// Paths to run, in order.
-    #[arg(long, default_value = "bounce,standard", value_delimiter = ',')]
-    paths: Vec<String>,
+    #[arg(long, default_value = "bounce,standard", value_delimiter = ',', value_parser = bench_path)]
+    paths: Vec<BenchPath>,
     /// Bounce config YAML (BounceConfig keys); KVFABRIC_BOUNCE_* env overrides it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// JSON report path.
+    /// JSON report path (checked for writing before the run).
     #[arg(long, default_value = "kvfabric-bench-report.json")]
     json: PathBuf,
     /// No progress bar.
@@ -132,20 +151,20 @@ struct BenchArgs {
     /// Distributed mode: etcd endpoints (comma-separated). The bench then
     /// runs no agents itself: it drives the `kvfabric agent` daemons named
     /// by --prefill / --decode over their HTTP APIs.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = non_empty)]
     etcd: Option<Vec<String>>,
     /// Fabric name of the agents (distributed mode).
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "default", value_parser = non_empty)]
     fabric: String,
     /// Logical id of the prefill (sending) agent (distributed mode).
-    #[arg(long, default_value = "prefill")]
+    #[arg(long, default_value = "prefill", value_parser = non_empty)]
     prefill: String,
     /// Logical id of the decode (receiving) agent (distributed mode).
-    #[arg(long, default_value = "decode")]
+    #[arg(long, default_value = "decode", value_parser = non_empty)]
     decode: String,
     /// Seconds to wait for both agents to be registered, ready and loaded
-    /// by each other (distributed mode).
-    #[arg(long, default_value_t = 60)]
+    /// by each other (distributed mode; at most 86400).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_S))]
     wait: u64,
 }
 
@@ -166,14 +185,14 @@ struct AgentArgs {
     /// Role: prefill, decode or both.
     #[arg(long)]
     role: Option<String>,
-    /// KV pool size (suffixes accepted).
-    #[arg(long, value_parser = byte_size)]
+    /// KV pool size (suffixes accepted; at least 1 byte).
+    #[arg(long, value_parser = nonzero_byte_size)]
     pool_size: Option<u64>,
     /// etcd endpoints, comma-separated (none = embedded in-process discovery).
     #[arg(long, value_delimiter = ',')]
     etcd: Option<Vec<String>>,
-    /// Discovery lease TTL in seconds.
-    #[arg(long)]
+    /// Discovery lease TTL in seconds (1 to 86400).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     lease_ttl: Option<u64>,
     /// Control channel bind: routable, loopback, interface:NIC or an IP.
     #[arg(long)]
@@ -244,55 +263,67 @@ fn default_trace() -> PathBuf {
         .unwrap_or_else(|| candidates[0].clone())
 }
 
-fn run_bench(a: BenchArgs) -> Result<(), String> {
-    use kvfabric_agent::bench::trace::BenchPath;
-    use kvfabric_agent::core::model::{parse_trace, preset, KvLayout, ModelGeometry};
+/// The KV layout the flags give (preset or `--geometry`, `--tp`,
+/// `--block`, `--no-kv-split`).
+fn bench_layout(a: &BenchArgs) -> Result<KvLayout, String> {
+    let model = a.geometry.clone().unwrap_or_else(|| a.model.clone());
+    KvLayout::new(model, a.block, a.tp, !a.no_kv_split)
+        .map_err(|e| format!("--model/--geometry, --tp, --block: {e}"))
+}
 
-    let model = match &a.geometry {
-        None => preset(&a.model)?,
-        Some(g) => {
-            let v: Vec<u32> = g
-                .split(',')
-                .map(|x| x.trim().parse::<u32>())
-                .collect::<Result<_, _>>()
-                .map_err(|_| format!("--geometry: expected layers,kv_heads,head_dim,dtype_bytes as integers, got {g:?}"))?;
-            let [layers, kv_heads, head_dim, dtype_bytes] = v[..] else {
-                return Err(format!("--geometry: expected 4 integers, got {g:?}"));
-            };
-            ModelGeometry {
-                name: format!("custom({g})"),
-                layers,
-                kv_heads,
-                head_dim,
-                dtype_bytes,
-            }
-        }
-    };
-    let layout = KvLayout::new(model, a.block, a.tp, !a.no_kv_split)?;
-    let paths = a
-        .paths
-        .iter()
-        .map(|p| p.parse::<BenchPath>())
-        .collect::<Result<Vec<_>, _>>()?;
-    let trace_path = a.trace.clone().unwrap_or_else(default_trace);
-    let text = std::fs::read_to_string(&trace_path)
-        .map_err(|e| format!("trace {}: {e} (pass --trace PATH)", trace_path.display()))?;
-    let trace = parse_trace(&text, a.start, a.requests)?;
+/// Reads `requests` records from line `start` of the trace at `path`.
+fn load_trace(
+    path: &std::path::Path,
+    start: usize,
+    requests: usize,
+) -> Result<Vec<TraceRecord>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--trace {}: {e} (pass --trace PATH)", path.display()))?;
+    let trace = kvfabric_agent::core::model::parse_trace(&text, start, requests)
+        .map_err(|e| format!("--trace {}: {e}", path.display()))?;
     if trace.is_empty() {
         return Err(format!(
-            "trace {}: no requests at line {}",
-            trace_path.display(),
-            a.start
+            "--start {start}: trace {} has no requests from line {start} on ({} lines)",
+            path.display(),
+            text.lines().count()
+        ));
+    }
+    Ok(trace)
+}
+
+fn run_bench(a: BenchArgs) -> Result<(), String> {
+    // Every flag is checked (here and by its value parser) before any
+    // memory is allocated or agent started.
+    let layout = bench_layout(&a)?;
+    if a.etcd.is_some() && a.config.is_some() {
+        return Err(
+            "--config applies to embedded mode; in distributed mode the agents use their own bounce config (KVFABRIC_BOUNCE_* / their --config)".into(),
+        );
+    }
+    if a.etcd.is_some() && a.prefill == a.decode {
+        return Err("--prefill and --decode must name two different agents".into());
+    }
+    let report_file = ReportFile::open("--json", &a.json)?;
+    let trace_path = a.trace.clone().unwrap_or_else(default_trace);
+    let trace = load_trace(&trace_path, a.start, a.requests.get())?;
+    let demand = SliceDemand::of(&layout, &trace, a.concurrency);
+    if demand.requests == 0 {
+        return Err(format!(
+            "--start {} --requests {}: none of the {} requests of the slice has prompt tokens; nothing to move",
+            a.start,
+            a.requests,
+            trace.len()
         ));
     }
     let report = match &a.etcd {
-        Some(endpoints) => run_distributed(&a, endpoints, layout, paths, &trace, &trace_path)?,
-        None => run_embedded(&a, layout, paths, &trace, &trace_path)?,
+        Some(endpoints) => run_distributed(&a, endpoints, layout, &demand, &trace, &trace_path)?,
+        None => run_embedded(&a, layout, &demand, &trace, &trace_path)?,
     };
     print!("{}", report.table());
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    std::fs::write(&a.json, text).map_err(|e| format!("{}: {e}", a.json.display()))?;
-    eprintln!("report written to {}", a.json.display());
+    let written = report_file.path().display().to_string();
+    report_file.write(&text)?;
+    eprintln!("report written to {written}");
     if report.failures() > 0 {
         return Err(format!(
             "{} requests failed or did not verify",
@@ -302,23 +333,77 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// The embedded bench's KV pool per side in blocks, and where its size
+/// came from: `--pool`, or [`SliceDemand::default_pool_bytes`] capped at
+/// [`DEFAULT_POOL_CAP_BYTES`](kvfabric_agent::bench::trace::DEFAULT_POOL_CAP_BYTES).
+fn embedded_pool(
+    a: &BenchArgs,
+    layout: &KvLayout,
+    demand: &SliceDemand,
+) -> Result<(u32, String), String> {
+    use kvfabric_agent::bench::trace::{check_pool, pool_blocks_for, DEFAULT_POOL_CAP_BYTES};
+    let per_block = layout.bytes_per_block();
+    let (bytes, how) = match a.pool {
+        Some(p) => (p, "--pool".to_string()),
+        None => {
+            let in_flight = demand.in_flight_blocks.saturating_mul(per_block);
+            let largest = demand
+                .largest
+                .map_or(0, |(_, b)| b.saturating_mul(per_block));
+            (
+                demand.default_pool_bytes(layout, DEFAULT_POOL_CAP_BYTES),
+                format!(
+                    "sized from the slice: up to {} in flight at once, capped at {}, its largest request {}; --pool sets it",
+                    human_bytes(in_flight),
+                    human_bytes(DEFAULT_POOL_CAP_BYTES),
+                    human_bytes(largest)
+                ),
+            )
+        }
+    };
+    let blocks = pool_blocks_for(layout, bytes);
+    if blocks == 0 {
+        return Err(format!(
+            "--pool {bytes}: less than one KV block ({} with this model, --tp and --block)",
+            human_bytes(per_block)
+        ));
+    }
+    check_pool(layout, demand, blocks)?;
+    Ok((blocks, how))
+}
+
+/// Bytes of memory available to new allocations (Linux `MemAvailable`),
+/// if known.
+fn mem_available() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()
+        .map(|kb| kb.saturating_mul(1024))
+}
+
 /// Embedded mode: both agents (and their pools) in this process.
 fn run_embedded(
     a: &BenchArgs,
-    layout: kvfabric_agent::core::model::KvLayout,
-    paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
-    trace: &[kvfabric_agent::core::model::TraceRecord],
+    layout: KvLayout,
+    demand: &SliceDemand,
+    trace: &[TraceRecord],
     trace_path: &std::path::Path,
 ) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
-    use kvfabric_agent::bench::trace::{replay, KvPool};
+    use kvfabric_agent::bench::trace::{replay, BlockPool, KvPool};
     use kvfabric_agent::runtime::control::zmq::BindAddr;
     use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
     use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
 
     let mut config = match &a.config {
         Some(p) => {
-            let y = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-            BounceConfig::from_yaml_str(&y).map_err(|e| format!("{}: {e}", p.display()))?
+            let y =
+                std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
+            BounceConfig::from_yaml_str(&y).map_err(|e| format!("--config {}: {e}", p.display()))?
         }
         None => BounceConfig {
             enabled: true,
@@ -330,8 +415,28 @@ fn run_embedded(
     }
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let pool = a.pool.unwrap_or(DEFAULT_POOL);
-    let pool_blocks = (pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    let (pool_blocks, how) = embedded_pool(a, &layout, demand)?;
+    let pool_bytes = BlockPool::bytes_for(&layout, pool_blocks);
+    let arena = eff.arena_size_bytes();
+    let total = pool_bytes
+        .saturating_mul(2)
+        .saturating_add(arena.saturating_mul(2));
+    let available = mem_available();
+    eprintln!(
+        "memory: 2 KV pools x {} ({how}) + 2 bounce arenas x {} = {}{}",
+        human_bytes(pool_bytes),
+        human_bytes(arena),
+        human_bytes(total),
+        available.map_or(String::new(), |m| format!(
+            " of {} available",
+            human_bytes(m)
+        ))
+    );
+    if available.is_some_and(|m| total > m) {
+        eprintln!(
+            "warning: that is more memory than is available; pass a smaller --pool (requests then wait for blocks) or fewer --requests"
+        );
+    }
     let ppool = KvPool::new(&layout, pool_blocks, 1)?;
     let dpool = KvPool::new(&layout, pool_blocks, 2)?;
     let mk = |role: &str, pool: &KvPool| {
@@ -365,42 +470,35 @@ fn run_embedded(
         return Err(format!("decode agent is not bounce-capable: {why:?}"));
     }
     print_replay_banner(trace, trace_path, &layout, pool_blocks);
+    eprintln!(
+        "failed requests are reported by the sending agent's request id (rid), as agent {} logs them",
+        prefill.name()
+    );
     replay(
         &prefill,
         &decode,
         &ppool,
         &dpool,
         trace,
-        &a.replay_options(layout, pool_blocks, paths),
+        &a.replay_options(layout, pool_blocks),
     )
 }
-
-/// Default `--pool` (embedded mode).
-const DEFAULT_POOL: u64 = 4 << 30;
 
 /// Distributed mode: the bench drives two agent daemons found in etcd.
 fn run_distributed(
     a: &BenchArgs,
     endpoints: &[String],
-    layout: kvfabric_agent::core::model::KvLayout,
-    paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
-    trace: &[kvfabric_agent::core::model::TraceRecord],
+    layout: KvLayout,
+    demand: &SliceDemand,
+    trace: &[TraceRecord],
     trace_path: &std::path::Path,
 ) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
     use kvfabric_agent::bench::remote::{
         lookup_agents, wait_until_paired, RemoteAgent, RemoteHandOff,
     };
-    use kvfabric_agent::bench::trace::{replay_with, BenchPath, BlockPool};
+    use kvfabric_agent::bench::trace::{check_pool, pool_blocks_for, replay_with, BlockPool};
     use std::time::Duration;
 
-    if a.config.is_some() {
-        return Err(
-            "--config applies to embedded mode; in distributed mode the agents use their own bounce config (KVFABRIC_BOUNCE_* / their --config)".into(),
-        );
-    }
-    if a.prefill == a.decode {
-        return Err("--prefill and --decode must name two different agents".into());
-    }
     let wait = Duration::from_secs(a.wait);
     eprintln!(
         "distributed mode: looking up agents {:?} (prefill) and {:?} (decode) in fabric {:?} at {}",
@@ -430,13 +528,25 @@ fn run_distributed(
             r.pool.len
         );
     }
-    wait_until_paired(&prefill, &decode, paths.contains(&BenchPath::Bounce), wait)?;
+    wait_until_paired(
+        &prefill,
+        &decode,
+        a.paths.contains(&BenchPath::Bounce),
+        wait,
+    )?;
     let pool = prefill
         .pool
         .len
         .min(decode.pool.len)
         .min(a.pool.unwrap_or(u64::MAX));
-    let pool_blocks = (pool / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
+    let pool_blocks = pool_blocks_for(&layout, pool);
+    check_pool(&layout, demand, pool_blocks).map_err(|e| {
+        format!(
+            "{e} (distributed mode: the pool is the smaller of the agents' pools, {} and {}, capped by --pool)",
+            human_bytes(prefill.pool.len),
+            human_bytes(decode.pool.len)
+        )
+    })?;
     let ppool = BlockPool::new(&layout, pool_blocks, prefill.pool.addr, 1);
     let dpool = BlockPool::new(&layout, pool_blocks, decode.pool.addr, 2);
     print_replay_banner(trace, trace_path, &layout, pool_blocks);
@@ -445,7 +555,7 @@ fn run_distributed(
         &ppool,
         &dpool,
         trace,
-        &a.replay_options(layout, pool_blocks, paths),
+        &a.replay_options(layout, pool_blocks),
     )
 }
 
@@ -453,16 +563,15 @@ impl BenchArgs {
     /// The replay options these flags give, for either mode.
     fn replay_options(
         &self,
-        layout: kvfabric_agent::core::model::KvLayout,
+        layout: KvLayout,
         pool_blocks: u32,
-        paths: Vec<kvfabric_agent::bench::trace::BenchPath>,
     ) -> kvfabric_agent::bench::trace::ReplayOptions {
         kvfabric_agent::bench::trace::ReplayOptions {
             layout,
             concurrency: self.concurrency,
             speed: self.speed,
             pool_blocks,
-            paths,
+            paths: self.paths.clone(),
             progress: !self.quiet,
         }
     }
@@ -470,9 +579,9 @@ impl BenchArgs {
 
 /// The one-line summary printed before a replay (embedded or distributed).
 fn print_replay_banner(
-    trace: &[kvfabric_agent::core::model::TraceRecord],
+    trace: &[TraceRecord],
     trace_path: &std::path::Path,
-    layout: &kvfabric_agent::core::model::KvLayout,
+    layout: &KvLayout,
     pool_blocks: u32,
 ) {
     eprintln!(
@@ -488,8 +597,66 @@ fn print_replay_banner(
     );
 }
 
-fn byte_size(s: &str) -> Result<u64, String> {
-    parse_byte_size(s).map_err(|e| format!("{s:?}: {e}"))
+fn run_dataplane(a: DataplaneArgs) -> Result<(), String> {
+    for &size in &a.sizes {
+        if size > a.total {
+            return Err(format!(
+                "--sizes: {size} bytes is more than --total ({} bytes)",
+                a.total
+            ));
+        }
+        if a.total / size > MAX_DATAPLANE_DESCRIPTORS {
+            return Err(format!(
+                "--sizes {size} with --total {}: {} descriptors per transfer, at most {MAX_DATAPLANE_DESCRIPTORS} supported",
+                a.total,
+                a.total / size
+            ));
+        }
+    }
+    let report_file = a
+        .json
+        .as_deref()
+        .map(|p| ReportFile::open("--json", p))
+        .transpose()?;
+    // Other settings come from KVFABRIC_BOUNCE_* (e.g.
+    // SCATTER_WORKER_COUNT); the flags win.
+    let (mut config, warnings) = BounceConfig::from_env();
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    for w in config.apply_env_vars([
+        ("KVFABRIC_BOUNCE_ENABLE", "1".to_string()),
+        ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", a.arena.to_string()),
+        ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", a.chunk.to_string()),
+        (
+            "KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST",
+            a.inflight.to_string(),
+        ),
+        ("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1".to_string()),
+    ]) {
+        eprintln!("warning: {w}");
+    }
+    config
+        .validate()
+        .map_err(|e| format!("--chunk, --inflight, --arena: {e}"))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let report = dataplane::run(
+        &exe,
+        &DataplaneOptions {
+            total_bytes: a.total,
+            block_sizes: a.sizes,
+            iterations: a.iterations,
+            warmup: a.warmup,
+            config,
+            skip_standard: a.skip_standard,
+        },
+    )?;
+    print!("{}", report.table());
+    if let Some(f) = report_file {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        f.write(&text)?;
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -502,60 +669,242 @@ fn main() -> ExitCode {
         Cmd::Agent(a) => run_agent(a),
         Cmd::Bench(a) => run_bench(a),
         Cmd::Peer { dir, pool_bytes } => dataplane::run_peer(&dir, pool_bytes),
-        Cmd::DataplaneBench {
-            total,
-            sizes,
-            iterations,
-            warmup,
-            chunk,
-            inflight,
-            arena,
-            skip_standard,
-            json,
-        } => (|| {
-            // Other settings come from KVFABRIC_BOUNCE_* (e.g.
-            // SCATTER_WORKER_COUNT); the flags win.
-            let (mut config, warnings) = BounceConfig::from_env();
-            for w in warnings {
-                eprintln!("warning: {w}");
-            }
-            for w in config.apply_env_vars([
-                ("KVFABRIC_BOUNCE_ENABLE", "1".to_string()),
-                ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", arena.to_string()),
-                ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", chunk.to_string()),
-                (
-                    "KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST",
-                    inflight.to_string(),
-                ),
-                ("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1".to_string()),
-            ]) {
-                eprintln!("warning: {w}");
-            }
-            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            let report = dataplane::run(
-                &exe,
-                &DataplaneOptions {
-                    total_bytes: total,
-                    block_sizes: sizes,
-                    iterations,
-                    warmup,
-                    config,
-                    skip_standard,
-                },
-            )?;
-            print!("{}", report.table());
-            if let Some(path) = json {
-                let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-                std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
-            }
-            Ok(())
-        })(),
+        Cmd::DataplaneBench(a) => run_dataplane(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The argument space of `kvfabric bench` and `dataplane-bench`:
+    //! whatever the flags, parsing and every check made before the run
+    //! return a value or an error, never a panic.
+
+    use super::*;
+    use clap::CommandFactory as _;
+    use proptest::prelude::*;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("kvfabric").chain(args.iter().copied()))
+    }
+
+    fn bench(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        let mut v = vec!["bench"];
+        v.extend_from_slice(args);
+        match parse(&v)?.cmd {
+            Cmd::Bench(b) => Ok(b),
+            _ => unreachable!("bench parses to Cmd::Bench"),
+        }
+    }
+
+    /// The error clap reports for `args`: its kind and rendered text.
+    fn rejected(args: &[&str]) -> String {
+        match bench(args) {
+            Ok(_) => panic!("{args:?} was accepted"),
+            Err(e) => {
+                assert_eq!(e.exit_code(), 2, "{e}");
+                e.to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn inputs_that_used_to_panic_are_usage_errors_naming_the_flag() {
+        for (args, flag) in [
+            (&["--speed", "0"][..], "--speed"),
+            (&["--speed", "nan"], "--speed"),
+            (&["--speed=-1"], "--speed"),
+            (&["--speed", "inf"], "--speed"),
+            (&["--geometry", "0,0,0,0"], "--geometry"),
+            (&["--concurrency", "0"], "--concurrency"),
+            (&["--concurrency", "100000000"], "--concurrency"),
+            (&["--requests", "0"], "--requests"),
+            (&["--tp", "0"], "--tp"),
+            (&["--block", "0"], "--block"),
+            (&["--pool", "0"], "--pool"),
+            (&["--paths", "both"], "--paths"),
+            (&["--model", "gpt-5"], "--model"),
+            (&["--wait", "18446744073709551615"], "--wait"),
+            (&["--etcd", ""], "--etcd"),
+        ] {
+            let e = rejected(args);
+            assert!(e.contains(flag), "{args:?}: {e}");
+        }
+        let e = rejected(&["--model", "Qwen2.5-7B", "--geometry", "1,1,1,1"]);
+        assert!(e.contains("--geometry") && e.contains("--model"), "{e}");
+    }
+
+    #[test]
+    fn defaults_parse_and_a_custom_geometry_replaces_the_preset() {
+        let a = bench(&[]).unwrap();
+        assert_eq!(
+            (a.requests.get(), a.concurrency, a.tp, a.block),
+            (40, 32, 4, 16)
+        );
+        assert_eq!(a.paths, [BenchPath::Bounce, BenchPath::Standard]);
+        assert_eq!(bench_layout(&a).unwrap().model.name, "Llama-3.1-8B");
+        let a = bench(&["--geometry", "2,2,64,2", "--tp", "2"]).unwrap();
+        assert_eq!(bench_layout(&a).unwrap().descriptor_bytes(), 16 * 64 * 2);
+        let e = bench_layout(&bench(&["--tp", "3"]).unwrap()).unwrap_err();
+        assert!(e.contains("--tp"), "{e}");
+    }
+
+    #[test]
+    fn a_pool_too_small_for_the_slice_names_pool() {
+        let a = bench(&["--pool", "1MiB"]).unwrap();
+        let layout = bench_layout(&a).unwrap();
+        let trace: Vec<TraceRecord> = [100u64, 5000]
+            .iter()
+            .map(|&t| TraceRecord {
+                timestamp: 0,
+                input_length: t,
+                output_length: 1,
+                hash_ids: vec![],
+            })
+            .collect();
+        let demand = SliceDemand::of(&layout, &trace, a.concurrency);
+        let e = embedded_pool(&a, &layout, &demand).unwrap_err();
+        assert!(
+            e.starts_with("--pool") && !e.contains("--pool-blocks"),
+            "{e}"
+        );
+        let a = bench(&["--pool", "1KiB"]).unwrap();
+        let e = embedded_pool(&a, &layout, &demand).unwrap_err();
+        assert!(e.contains("less than one KV block"), "{e}");
+        // The default fits: 2 requests in flight, 5000 + 100 tokens.
+        let a = bench(&[]).unwrap();
+        let (blocks, how) = embedded_pool(&a, &layout, &demand).unwrap();
+        assert_eq!(blocks, 384, "{how}"); // 192 MiB of 512 KiB blocks
+        assert!(how.contains("sized from the slice"), "{how}");
+    }
+
+    #[test]
+    fn dataplane_flags_are_checked() {
+        for (args, flag) in [
+            (&["--sizes", "0"][..], "--sizes"),
+            (&["--total", "0"], "--total"),
+            (&["--iterations", "0"], "--iterations"),
+            (&["--inflight", "0"], "--inflight"),
+            (&["--chunk", "0"], "--chunk"),
+            (&["--arena", "0"], "--arena"),
+        ] {
+            let mut v = vec!["dataplane-bench"];
+            v.extend_from_slice(args);
+            let e = parse(&v)
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} accepted"));
+            assert!(e.to_string().contains(flag), "{args:?}: {e}");
+        }
+        let Cmd::DataplaneBench(a) =
+            parse(&["dataplane-bench", "--sizes", "1MiB", "--total", "4KiB"])
+                .unwrap()
+                .cmd
+        else {
+            unreachable!()
+        };
+        let e = run_dataplane(a).unwrap_err();
+        assert!(e.starts_with("--sizes"), "{e}");
+    }
+
+    /// A flag of `kvfabric bench` with a value: mostly plausible, some
+    /// arbitrary text.
+    fn bench_flag() -> impl Strategy<Value = (String, String)> {
+        let num = prop_oneof![
+            Just("0".to_string()),
+            Just("-1".to_string()),
+            Just("nan".to_string()),
+            Just("inf".to_string()),
+            Just("1e308".to_string()),
+            Just("18446744073709551616".to_string()),
+            (0u64..5000).prop_map(|n| n.to_string()),
+            any::<u64>().prop_map(|n| n.to_string()),
+            any::<f64>().prop_map(|n| n.to_string()),
+            ".{0,12}",
+        ];
+        let geometry = prop_oneof![
+            proptest::collection::vec(0u64..300, 0..6).prop_map(|v| v
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",")),
+            proptest::collection::vec(any::<u32>(), 4).prop_map(|v| v
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")),
+            ".{0,16}",
+        ];
+        let size = prop_oneof![
+            (0u64..5000).prop_map(|n| format!("{n}MiB")),
+            any::<u64>().prop_map(|n| n.to_string()),
+            Just("99999999999999GiB".to_string()),
+            ".{0,8}",
+        ];
+        let flag = prop_oneof![
+            Just("--start"),
+            Just("--requests"),
+            Just("--tp"),
+            Just("--block"),
+            Just("--concurrency"),
+            Just("--speed"),
+            Just("--wait"),
+        ];
+        prop_oneof![
+            (flag, num).prop_map(|(f, v)| (f.to_string(), v)),
+            geometry.prop_map(|v| ("--geometry".to_string(), v)),
+            size.prop_map(|v| ("--pool".to_string(), v)),
+            prop_oneof![Just("Qwen2.5-7B".to_string()), ".{0,12}"]
+                .prop_map(|v| ("--model".to_string(), v)),
+            prop_oneof![
+                Just("bounce,standard".to_string()),
+                Just("standard".to_string()),
+                ".{0,12}"
+            ]
+            .prop_map(|v| ("--paths".to_string(), v)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Parsing, the layout, the slice's demand and the pool sizing
+        /// never panic, and what parses holds the parsers' promises.
+        #[test]
+        fn bench_argument_space_has_no_panics(
+            flags in proptest::collection::vec(bench_flag(), 0..6),
+            tokens in proptest::collection::vec(
+                prop_oneof![0u64..200_000, any::<u64>()], 1..20),
+        ) {
+            let mut args = Vec::new();
+            for (f, v) in &flags {
+                args.push(format!("{f}={v}"));
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let Ok(a) = bench(&args) else { return Ok(()) };
+            prop_assert!(a.speed.is_none_or(|s| s.is_finite() && s > 0.0));
+            prop_assert!((1..=kvfabric_agent::bench::cli::MAX_CONCURRENCY).contains(&a.concurrency));
+            prop_assert!(a.tp > 0 && a.block > 0 && a.pool != Some(0) && !a.paths.is_empty());
+            let Ok(layout) = bench_layout(&a) else { return Ok(()) };
+            let trace: Vec<TraceRecord> = tokens
+                .iter()
+                .map(|&t| TraceRecord { timestamp: t, input_length: t, output_length: 1, hash_ids: vec![] })
+                .collect();
+            let demand = SliceDemand::of(&layout, &trace, a.concurrency);
+            if let Ok((blocks, _)) = embedded_pool(&a, &layout, &demand) {
+                prop_assert!(blocks > 0);
+                prop_assert!(demand.largest.is_none_or(|(_, b)| b <= u64::from(blocks)));
+            }
         }
     }
 }
