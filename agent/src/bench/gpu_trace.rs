@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvfabric_core::config::BounceConfig;
-use kvfabric_core::model::{KvLayout, TraceRecord};
+use kvfabric_core::model::{parse_trace, KvLayout, ModelGeometry, TraceRecord};
 use kvfabric_core::Descriptor;
 
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
@@ -281,4 +281,87 @@ fn run_in(
     drop(prefill);
     drop(decode);
     report
+}
+
+/// The flags of `kvfabric-gpu bench`.
+#[derive(Clone, Debug)]
+pub struct GpuBenchArgs {
+    /// JSONL trace (Mooncake format).
+    pub trace: PathBuf,
+    /// First trace line (0-based).
+    pub start: usize,
+    /// Requests to replay (at least 1).
+    pub requests: usize,
+    /// Requests in flight (0 counts as 1).
+    pub concurrency: usize,
+    /// Model geometry (a preset).
+    pub model: ModelGeometry,
+    /// Tensor-parallel degree (KV heads per rank = heads / tp).
+    pub tp: u32,
+    /// Tokens per KV block.
+    pub block: u32,
+    /// Bytes of each KV pool.
+    pub pool_bytes: u64,
+    /// The prefill agent's GPU.
+    pub device: usize,
+    /// The decode agent's GPU.
+    pub peer_device: usize,
+    /// Paths, in order.
+    pub paths: Vec<BenchPath>,
+    /// Write the JSON report here.
+    pub json: Option<PathBuf>,
+}
+
+/// `kvfabric-gpu bench`: reads the trace slice, replays it with [`run`]
+/// (`exe` = this executable, bounce config from `KVFABRIC_BOUNCE_*`),
+/// prints the table and writes the JSON report.
+///
+/// # Errors
+/// A layout the flags make invalid, a trace that cannot be read or has no
+/// request at `start`, any setup failure of [`run`], a report that cannot
+/// be written, or failed requests (counted).
+pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
+    let layout = KvLayout::new(a.model.clone(), a.block, a.tp, true)?;
+    let text = std::fs::read_to_string(&a.trace)
+        .map_err(|e| format!("--trace {}: {e}", a.trace.display()))?;
+    let trace = parse_trace(&text, a.start, a.requests)?;
+    if trace.is_empty() {
+        return Err(format!(
+            "--trace {}: no requests at line {}",
+            a.trace.display(),
+            a.start
+        ));
+    }
+    let (config, warnings) = BounceConfig::from_env();
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let report = run(
+        &exe,
+        &trace,
+        &GpuReplayOptions {
+            layout,
+            concurrency: a.concurrency.max(1),
+            pool_bytes: a.pool_bytes,
+            device: a.device,
+            peer_device: a.peer_device,
+            config,
+            copy: CudaCopyConfig::default(),
+            paths: a.paths.clone(),
+            progress: false,
+        },
+    )?;
+    print!("{}", report.table());
+    if let Some(p) = &a.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    if report.failures() > 0 {
+        return Err(format!(
+            "{} requests failed or did not verify",
+            report.failures()
+        ));
+    }
+    Ok(())
 }

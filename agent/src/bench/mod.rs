@@ -1,12 +1,19 @@
-//! Benchmarks and demos that run the engine for real: the data-plane
-//! side-by-side bench (two processes) and its helpers.
+//! Benchmarks and demos that run the engine for real: the trace replay
+//! (`kvfabric bench`), the data-plane side-by-side bench (two processes),
+//! the GPU kernel tests and benchmarks and the VRAM benches of
+//! `kvfabric-gpu` (feature `cuda`), and their helpers. The binaries only
+//! parse arguments ([`cli`] holds the shared value parsers) and call in
+//! here.
 
 pub mod cli;
 pub mod dataplane;
+#[cfg(feature = "cuda")]
+pub mod gpu_kernel;
 #[cfg(feature = "cuda")]
 pub mod gpu_trace;
 pub mod pattern;
 pub mod remote;
 pub mod trace;
+pub mod ucx_tap;
 #[cfg(feature = "cuda")]
 pub mod vram;

@@ -499,3 +499,147 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
         rows,
     })
 }
+
+/// The flags of `kvfabric-gpu vram-bench` (sizes in bytes).
+#[derive(Clone, Debug)]
+pub struct VramBenchArgs {
+    /// Bytes per transfer.
+    pub total: u64,
+    /// Descriptor size, at most `total`.
+    pub block: u64,
+    /// The receiver's GPU (default: the sender's).
+    pub peer_device: Option<usize>,
+    /// Bounce max chunk sizes to run (one receiver process each; the first
+    /// also runs the other two paths); at least one.
+    pub chunks: Vec<u64>,
+    /// Bounce arena size of both agents (default:
+    /// `KVFABRIC_BOUNCE_ARENA_SIZE_BYTES`, else 256 MiB).
+    pub arena: Option<u64>,
+    /// Per-request in-flight chunk cap W (default:
+    /// `KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST`, else 8).
+    pub inflight: Option<u32>,
+    /// Timed iterations per path (after one warm-up).
+    pub iterations: usize,
+    /// Skip the standard per-descriptor path.
+    pub skip_standard: bool,
+    /// Per-descriptor scatter runs (no run merging).
+    pub no_merge: bool,
+    /// Copy worker threads per agent (default:
+    /// `KVFABRIC_BOUNCE_SCATTER_WORKER_COUNT`, else 4).
+    pub workers: Option<u32>,
+    /// Write the JSON report here.
+    pub json: Option<PathBuf>,
+}
+
+/// `kvfabric-gpu vram-bench` on `gpu` (ordinal `device`): layers the flags
+/// over the `KVFABRIC_BOUNCE_*` environment (the receiver process gets
+/// the result), reports peer access between the two GPUs, runs [`run`]
+/// with `exe` = this executable under a UCX [`OutputTap`](super::ucx_tap::OutputTap),
+/// and prints the table and the transport report (and writes them as JSON
+/// to `args.json`).
+///
+/// # Errors
+/// A bounce config the flags make invalid (named by chunk size), a block
+/// size of 0 or above the total, no chunk size, any failure of [`run`],
+/// a report that cannot be written.
+pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(), String> {
+    use super::ucx_tap::OutputTap;
+    use crate::core::config::ByteSize;
+    use cudarc::driver::sys;
+
+    let (total, block) = (a.total, a.block);
+    if block == 0 || block > total {
+        return Err(format!(
+            "--block: expected 1 to --total ({total}) bytes, got {block}"
+        ));
+    }
+    let peer_device = a.peer_device.unwrap_or(device);
+    // KVFABRIC_BOUNCE_* (e.g. CONTROL_TRANSPORT, IO_BUSY_POLL_US) under the
+    // flags; the receiver process gets the result.
+    let (base, warnings) = BounceConfig::from_env();
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+    let arena = a.arena.map_or(base.arena_size_bytes, ByteSize);
+    let inflight = a.inflight.unwrap_or(base.max_inflight_chunks_per_request);
+    let workers = a.workers.unwrap_or(base.scatter_worker_count);
+    let mut configs = Vec::new();
+    for &chunk in &a.chunks {
+        let cfg = BounceConfig {
+            enabled: true,
+            arena_size_bytes: arena,
+            max_chunk_size_bytes: ByteSize(chunk),
+            max_inflight_chunks_per_request: inflight,
+            disable_scatter_run_merging: a.no_merge || base.disable_scatter_run_merging,
+            scatter_worker_count: workers,
+            copy_stream_count: workers.max(base.copy_stream_count),
+            ..base.clone()
+        };
+        cfg.validate().map_err(|e| format!("chunk {chunk}: {e}"))?;
+        configs.push(cfg);
+    }
+    if configs.is_empty() {
+        return Err("--chunks names no size".into());
+    }
+    let mut p2p = None;
+    if peer_device != device {
+        let (mut can, mut back) = (0, 0);
+        // SAFETY: out-pointers to locals; ordinals are device handles
+        // (CUdevice is the ordinal).
+        unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, device as i32, peer_device as i32);
+            sys::cuDeviceCanAccessPeer(&mut back, peer_device as i32, device as i32);
+        }
+        println!(
+            "peer access GPU {device} -> GPU {}: {}, back: {}",
+            peer_device,
+            can != 0,
+            back != 0
+        );
+        p2p = Some(can != 0 && back != 0);
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // UCX prints the transports it picks at info level and its protocol
+    // choices with PROTO_INFO; the tap reads them back (before any NIXL
+    // agent exists, so UCX reads these settings).
+    for (k, v) in [("UCX_LOG_LEVEL", "info"), ("UCX_PROTO_INFO", "y")] {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
+    let tap = match OutputTap::start() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("warning: no transport report ({e})");
+            None
+        }
+    };
+    let opts = VramOptions {
+        total_bytes: total,
+        block_bytes: block,
+        iterations: a.iterations,
+        configs,
+        device,
+        peer_device,
+        copy: CudaCopyConfig::default(),
+        skip_standard: a.skip_standard,
+    };
+    let out = run(&exe, gpu, &opts);
+    let report_tp = tap.map(OutputTap::finish);
+    let report = out?;
+    println!("{}", report.table());
+    if let Some(t) = &report_tp {
+        println!("{}", t.summary());
+    }
+    if let Some(p) = &a.json {
+        let j = serde_json::json!({
+            "bench": "vram-bench",
+            "report": report,
+            "peer_access": p2p,
+            "transport": report_tp,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&j).unwrap_or_default())
+            .map_err(|e| format!("writing {}: {e}", p.display()))?;
+    }
+    Ok(())
+}
