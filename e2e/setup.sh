@@ -2,8 +2,10 @@
 # One-time set-up of a fresh machine for building and testing kvfabric.
 # Idempotent: re-running only installs what is missing.
 #   - Debian packages: libclang-dev (bindgen for nixl-sys), protobuf-compiler
-#     (etcd-client), etcd-server/etcd-client (discovery tests), cmake/g++
-#     (vendored libzmq), python3-pip (the NIXL wheel download).
+#     and libprotobuf-dev (etcd-client: protoc plus the well-known .proto
+#     files), etcd-server/etcd-client (discovery tests), cmake/g++
+#     (vendored libzmq), python3-pip (the NIXL wheel download), prometheus
+#     (promtool: `promtool check metrics` on a live /metrics).
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,8 +13,14 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 need=()
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+# protoc alone cannot build etcd-client: its protos import the well-known
+# types (google/protobuf/*.proto), which only libprotobuf-dev ships; with
+# --no-install-recommends protobuf-compiler leaves it out.
+[ -e /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server etcd-client)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
+# promtool (Debian prometheus): the metrics test checks a live /metrics.
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 # install-nixl.sh downloads the NIXL wheel with pip.
