@@ -45,6 +45,31 @@ pub enum ControlError {
 /// One received control message: the sending peer's name and the bytes.
 pub type Inbound = (String, Vec<u8>);
 
+/// Checks a peer-chosen identity (a ZMQ routing id, a TCP hello name)
+/// before it is used as a peer name or logged (issue 11, item 10): 1..=255
+/// bytes of UTF-8 with no control characters, whitespace or `/` — the
+/// rules of an agent name, which is what an honest peer sends.
+///
+/// # Errors
+/// A message saying what is wrong, with the identity shown escaped and
+/// bounded ([`kvfabric_core::text::LogSafe`]).
+pub fn valid_peer_identity(id: &[u8]) -> Result<&str, String> {
+    let shown = || kvfabric_core::text::log_safe_bytes(id);
+    let s = std::str::from_utf8(id).map_err(|_| format!("identity {} is not UTF-8", shown()))?;
+    if s.is_empty() || s.len() > 255 {
+        return Err(format!("identity of {} bytes: want 1..=255 bytes", s.len()));
+    }
+    if s.chars()
+        .any(|c| c == '/' || c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "identity {} holds whitespace, control characters or '/'",
+            shown()
+        ));
+    }
+    Ok(s)
+}
+
 /// The control channel seam (seed §4): `add_peer` / `remove_peer` /
 /// `send_to` / `recv` / `local_endpoint`.
 pub trait ControlChannel: Send {

@@ -452,12 +452,12 @@ impl TcpControlChannel {
                 None => {
                     let name = payload
                         .strip_prefix(HELLO_MAGIC.as_slice())
-                        .and_then(|n| std::str::from_utf8(n).ok())
-                        .filter(|n| !n.is_empty() && n.len() <= MAX_NAME_LEN);
+                        .ok_or_else(|| "no hello magic".to_string())
+                        .and_then(super::valid_peer_identity);
                     match name {
-                        Some(n) => c.peer = Some(n.to_string()),
-                        None => {
-                            tracing::warn!("control connection without a valid hello; closed");
+                        Ok(n) => c.peer = Some(n.to_string()),
+                        Err(why) => {
+                            tracing::warn!(reason = %why, "control connection without a valid hello; closed");
                             return false;
                         }
                     }

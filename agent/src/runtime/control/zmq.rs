@@ -396,6 +396,8 @@ pub struct ZmqControlChannel {
     routes: HashMap<String, Route>,
     endpoint: String,
     dropped: u64,
+    /// Messages discarded for an invalid sender identity.
+    bad_identities: u64,
     waker: Option<Arc<Waker>>,
     ctx: ::zmq::Context,
 }
@@ -458,6 +460,7 @@ impl ZmqControlChannel {
             routes: HashMap::new(),
             endpoint,
             dropped: 0,
+            bad_identities: 0,
             waker: None,
             ctx,
         })
@@ -624,12 +627,25 @@ impl ControlChannel for ZmqControlChannel {
             };
             let mut frames = frames.into_iter();
             match (frames.next(), frames.next(), frames.next()) {
-                (Some(id), Some(payload), None) => {
-                    return Ok(Some((String::from_utf8_lossy(&id).into_owned(), payload)));
-                }
+                (Some(id), Some(payload), None) => match super::valid_peer_identity(&id) {
+                    Ok(name) => return Ok(Some((name.to_string(), payload))),
+                    Err(why) => {
+                        self.bad_identities += 1;
+                        if self.bad_identities % 1024 == 1 {
+                            tracing::warn!(
+                                reason = %why,
+                                total = self.bad_identities,
+                                "control message from an invalid peer identity discarded"
+                            );
+                        }
+                        if Instant::now() >= deadline {
+                            return Ok(None);
+                        }
+                    }
+                },
                 (id, _, _) => {
                     tracing::warn!(
-                        from = %String::from_utf8_lossy(&id.unwrap_or_default()),
+                        from = %kvfabric_core::text::log_safe_bytes(&id.unwrap_or_default()),
                         "malformed control frame set discarded"
                     );
                     if Instant::now() >= deadline {
