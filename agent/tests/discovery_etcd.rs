@@ -508,3 +508,34 @@ fn embedded_registry_wires_agents_without_etcd() {
     assert_eq!(reg.peers().len(), 1);
     drop((sa, sb));
 }
+
+/// Issue 11 item 4: against an etcd started with its defaults
+/// (`--grpc-keepalive-min-time` 5 s), the connections stay up — no watch
+/// resync and no lease re-grant over 20 s, while keep-alives keep
+/// flowing. With 2 s HTTP/2 pings etcd closed the connection every ~8 s.
+#[test]
+fn default_etcd_keeps_the_connection_no_resyncs() {
+    let Some(etcd) = Etcd::start("keepalive") else {
+        return;
+    };
+    // Default options (TTL 10 s, default timeouts), as the daemon uses.
+    let d = EtcdDiscovery::start(EtcdOptions::new(
+        vec![etcd.endpoint()],
+        &fabric("keepalive"),
+    ))
+    .expect("discovery starts");
+    d.publish(fake_record("ka-1", "ka")).expect("published");
+    wait_true("watch up", Duration::from_secs(10), || d.is_watching());
+    let before = d.keepalives();
+    std::thread::sleep(Duration::from_secs(20));
+    assert_eq!(d.resyncs(), 0, "the watch was lost and re-read");
+    assert_eq!(d.lease_grants(), 1, "the lease was re-granted");
+    assert_eq!(d.lease_state(), LeaseState::Ok);
+    assert!(
+        d.keepalives() >= before + 4,
+        "keep-alives confirmed: {} → {}",
+        before,
+        d.keepalives()
+    );
+    assert!(d.is_watching());
+}

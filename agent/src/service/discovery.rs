@@ -468,18 +468,41 @@ pub trait Discovery: Send + Sync {
 
     /// The live peers as this instance sees them now (own record included).
     fn peers(&self) -> Vec<AgentRecord>;
+
+    /// Full re-reads of the store after the first (each a lost and
+    /// re-established watch); 0 for stores without a watch to lose.
+    fn resyncs(&self) -> u64 {
+        0
+    }
 }
 
 /// Turns raw per-key changes into [`PeerEvent`]s where each logical agent
-/// has at most one live incarnation: an `Upsert` whose `logical_id` matches
-/// a live peer with another name yields `Removed(old)` then `Upsert(new)`
-/// when the new one is [newer](AgentRecord::newer_than), and nothing when it
-/// is a stale older incarnation. A `Removed` of a name that is not live
-/// (already superseded, or never seen) yields nothing; an `Upsert` identical
-/// to the live record yields nothing.
+/// has at most one *active* incarnation, while remembering every live record
+/// of it.
+///
+/// * An `Upsert` whose `logical_id` has an active record with another name
+///   yields `Removed(active)` then `Upsert(new)` when the new one is
+///   [newer](AgentRecord::newer_than), and nothing when it is older (it is
+///   kept as a live fallback).
+/// * A `Removed` of the active record falls back to the newest remaining
+///   live record of that logical id: `Removed(old)` then `Upsert(fallback)`.
+///   So a short-lived duplicate started with the same logical id does not
+///   hide the original for good (issue 11, item 3), and an ordinary restart
+///   (the old record outliving its process until its lease expires) still
+///   ends on the new incarnation: the old record's removal is not the active
+///   one and yields nothing.
+/// * A `Removed` of a name that is not live, or an `Upsert` identical to the
+///   stored record, yields nothing.
+///
+/// Two live records with one logical id are logged at warn level when the
+/// second appears.
 #[derive(Debug, Default)]
 pub struct IncarnationTracker {
-    by_logical: HashMap<String, AgentRecord>,
+    /// logical id → (name → record): every live record.
+    by_logical: HashMap<String, BTreeMap<String, AgentRecord>>,
+    /// logical id → name of the active record.
+    active: HashMap<String, String>,
+    /// name → logical id.
     by_name: HashMap<String, String>,
 }
 
@@ -492,45 +515,92 @@ impl IncarnationTracker {
     /// Applies one raw change; returns the peer events it implies.
     pub fn apply(&mut self, event: PeerEvent) -> Vec<PeerEvent> {
         match event {
-            PeerEvent::Upsert(rec) => match self.by_logical.get(&rec.logical_id) {
-                None => {
-                    self.by_name
-                        .insert(rec.name.clone(), rec.logical_id.clone());
-                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
-                    vec![PeerEvent::Upsert(rec)]
-                }
-                Some(cur) if cur.name == rec.name => {
-                    if *cur == rec {
-                        return Vec::new();
-                    }
-                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
-                    vec![PeerEvent::Upsert(rec)]
-                }
-                Some(cur) => {
-                    if !rec.newer_than(cur) {
-                        return Vec::new();
-                    }
-                    let old = cur.name.clone();
-                    self.by_name.remove(&old);
-                    self.by_name
-                        .insert(rec.name.clone(), rec.logical_id.clone());
-                    self.by_logical.insert(rec.logical_id.clone(), rec.clone());
-                    vec![PeerEvent::Removed { name: old }, PeerEvent::Upsert(rec)]
-                }
-            },
-            PeerEvent::Removed { name } => match self.by_name.remove(&name) {
-                Some(logical) => {
-                    self.by_logical.remove(&logical);
-                    vec![PeerEvent::Removed { name }]
-                }
-                None => Vec::new(),
-            },
+            PeerEvent::Upsert(rec) => self.upsert(rec),
+            PeerEvent::Removed { name } => self.remove(name),
         }
     }
 
-    /// The live records, sorted by name.
+    fn upsert(&mut self, rec: AgentRecord) -> Vec<PeerEvent> {
+        let logical = rec.logical_id.clone();
+        // A record never changes its logical id under one name; if a store
+        // says otherwise, treat it as a removal of the old one first.
+        let mut out = Vec::new();
+        if let Some(prev) = self.by_name.get(&rec.name) {
+            if *prev != logical {
+                out = self.remove(rec.name.clone());
+            }
+        }
+        let live = self.by_logical.entry(logical.clone()).or_default();
+        if live.get(&rec.name) == Some(&rec) {
+            return out;
+        }
+        if !live.contains_key(&rec.name) && !live.is_empty() {
+            let others: Vec<&str> = live.keys().map(String::as_str).collect();
+            tracing::warn!(
+                logical_id = %kvfabric_core::text::LogSafe(&logical),
+                new = %kvfabric_core::text::LogSafe(&rec.name),
+                live = ?others,
+                "two live records share one logical id; the newest incarnation is used \
+                 (an agent restart, or a second agent started with the same --logical-id)"
+            );
+        }
+        live.insert(rec.name.clone(), rec.clone());
+        self.by_name.insert(rec.name.clone(), logical.clone());
+        match self.active.get(&logical).cloned() {
+            None => {
+                self.active.insert(logical, rec.name.clone());
+                out.push(PeerEvent::Upsert(rec));
+            }
+            Some(cur) if cur == rec.name => out.push(PeerEvent::Upsert(rec)),
+            Some(cur) => {
+                let cur_rec = &live[&cur];
+                if rec.newer_than(cur_rec) {
+                    self.active.insert(logical, rec.name.clone());
+                    out.push(PeerEvent::Removed { name: cur });
+                    out.push(PeerEvent::Upsert(rec));
+                }
+            }
+        }
+        out
+    }
+
+    fn remove(&mut self, name: String) -> Vec<PeerEvent> {
+        let Some(logical) = self.by_name.remove(&name) else {
+            return Vec::new();
+        };
+        let Some(live) = self.by_logical.get_mut(&logical) else {
+            return Vec::new();
+        };
+        live.remove(&name);
+        if self.active.get(&logical) != Some(&name) {
+            return Vec::new();
+        }
+        let mut out = vec![PeerEvent::Removed { name }];
+        let fallback = live
+            .values()
+            .reduce(|a, b| if b.newer_than(a) { b } else { a })
+            .cloned();
+        match fallback {
+            Some(rec) => {
+                self.active.insert(logical, rec.name.clone());
+                out.push(PeerEvent::Upsert(rec));
+            }
+            None => {
+                self.active.remove(&logical);
+                self.by_logical.remove(&logical);
+            }
+        }
+        out
+    }
+
+    /// The active records (one per logical id), sorted by name.
     pub fn live(&self) -> Vec<AgentRecord> {
-        let mut v: Vec<_> = self.by_logical.values().cloned().collect();
+        let mut v: Vec<_> = self
+            .active
+            .iter()
+            .filter_map(|(l, n)| self.by_logical.get(l).and_then(|m| m.get(n)))
+            .cloned()
+            .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
@@ -1004,6 +1074,58 @@ mod tests {
         assert_eq!(
             t.apply(PeerEvent::Removed { name: "d-2".into() }),
             vec![PeerEvent::Removed { name: "d-2".into() }]
+        );
+        assert!(t.live().is_empty());
+    }
+
+    /// Issue 11 item 3: a short-lived second agent with the same logical id
+    /// must not hide the live original once it is gone.
+    #[test]
+    fn tracker_falls_back_to_the_remaining_live_incarnation() {
+        let mut t = IncarnationTracker::new();
+        let orig = rec("p-1", "p", 10);
+        let dup = rec("p-2", "p", 20);
+        t.apply(PeerEvent::Upsert(orig.clone()));
+        assert_eq!(
+            t.apply(PeerEvent::Upsert(dup.clone())),
+            vec![
+                PeerEvent::Removed { name: "p-1".into() },
+                PeerEvent::Upsert(dup.clone())
+            ],
+            "the newest live incarnation wins"
+        );
+        assert_eq!(t.live(), vec![dup]);
+        // The original keeps renewing its record: still the fallback only.
+        let mut orig2 = orig.clone();
+        orig2.published_at_ms = 77;
+        assert_eq!(t.apply(PeerEvent::Upsert(orig2.clone())), vec![]);
+        // The duplicate exits: back to the original, which is still live.
+        assert_eq!(
+            t.apply(PeerEvent::Removed { name: "p-2".into() }),
+            vec![
+                PeerEvent::Removed { name: "p-2".into() },
+                PeerEvent::Upsert(orig2.clone())
+            ]
+        );
+        assert_eq!(t.live(), vec![orig2]);
+        // Three live records: removal of the active one falls back to the
+        // newest of the rest, not the oldest.
+        let mut t = IncarnationTracker::new();
+        for (n, at) in [("q-1", 1), ("q-3", 3), ("q-2", 2)] {
+            t.apply(PeerEvent::Upsert(rec(n, "q", at)));
+        }
+        assert_eq!(t.live(), vec![rec("q-3", "q", 3)]);
+        assert_eq!(
+            t.apply(PeerEvent::Removed { name: "q-3".into() }),
+            vec![
+                PeerEvent::Removed { name: "q-3".into() },
+                PeerEvent::Upsert(rec("q-2", "q", 2))
+            ]
+        );
+        assert_eq!(t.apply(PeerEvent::Removed { name: "q-1".into() }), vec![]);
+        assert_eq!(
+            t.apply(PeerEvent::Removed { name: "q-2".into() }),
+            vec![PeerEvent::Removed { name: "q-2".into() }]
         );
         assert!(t.live().is_empty());
     }

@@ -34,6 +34,7 @@ use etcd_client::{
     Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
     WatchOptions,
 };
+use kvfabric_core::text::LogSafe;
 use tokio::sync::{mpsc, watch};
 
 use super::{
@@ -100,10 +101,21 @@ impl EtcdOptions {
     fn connect_options(&self) -> ConnectOptions {
         ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive(GRPC_KEEPALIVE_INTERVAL, GRPC_KEEPALIVE_TIMEOUT)
             .with_keep_alive_while_idle(true)
     }
 }
+
+/// HTTP/2 keep-alive ping period of the etcd connections: 10 s. A stock
+/// etcd enforces `--grpc-keepalive-min-time` = 5 s and closes a connection
+/// that pings more often ("too_many_pings", issue 11 item 4: a 2 s ping
+/// broke the watch every ~8 s and the lease renewal with it).
+pub const GRPC_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long a keep-alive ping may go unanswered before the connection is
+/// considered dead: 5 s (requests are bounded separately by
+/// [`EtcdOptions::request_timeout`]).
+pub const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The key prefix of `fabric`: `/kvfabric/<fabric>/agents/`.
 pub fn agents_prefix(fabric: &str) -> String {
@@ -126,6 +138,8 @@ struct Shared {
     lease_id: AtomicI64,
     grants: AtomicU64,
     keepalives: AtomicU64,
+    /// Full re-reads of the prefix after the first (each watch loss).
+    resyncs: AtomicU64,
     watching: AtomicBool,
     own_name: Mutex<Option<String>>,
     /// etcd revision of the own record's last confirmed put (0: none).
@@ -182,6 +196,7 @@ impl EtcdDiscovery {
             lease_id: AtomicI64::new(0),
             grants: AtomicU64::new(0),
             keepalives: AtomicU64::new(0),
+            resyncs: AtomicU64::new(0),
             watching: AtomicBool::new(false),
             own_name: Mutex::new(None),
             published_rev: AtomicI64::new(0),
@@ -211,6 +226,7 @@ impl EtcdDiscovery {
             shared: shared.clone(),
             cmd_tx: cmd_tx.clone(),
             client: None,
+            reads: 0,
         };
         let t_watch =
             spawn_runtime_thread(
@@ -254,6 +270,13 @@ impl EtcdDiscovery {
     /// Keep-alives confirmed by etcd so far.
     pub fn keepalives(&self) -> u64 {
         self.shared.keepalives.load(Ordering::SeqCst)
+    }
+
+    /// Full re-reads of the prefix after the first one: each is a watch
+    /// that was lost (stream error, cancel, compaction, connection closed)
+    /// and re-established. Stays 0 on a healthy connection.
+    pub fn resyncs(&self) -> u64 {
+        self.shared.resyncs.load(Ordering::SeqCst)
     }
 
     /// Whether the prefix watch is established now (for readiness).
@@ -338,6 +361,10 @@ impl Discovery for EtcdDiscovery {
 
     fn peers(&self) -> Vec<AgentRecord> {
         self.shared.hub.live()
+    }
+
+    fn resyncs(&self) -> u64 {
+        EtcdDiscovery::resyncs(self)
     }
 }
 
@@ -704,6 +731,8 @@ struct WatchTask {
     shared: Arc<Shared>,
     cmd_tx: mpsc::UnboundedSender<Cmd>,
     client: Option<Client>,
+    /// Full reads of the prefix done so far.
+    reads: u64,
 }
 
 impl WatchTask {
@@ -719,7 +748,17 @@ impl WatchTask {
                     self.shared.watching.store(false, Ordering::SeqCst);
                     self.client = None;
                     let wait = backoff.next();
-                    tracing::warn!(error = %e, retry_in = ?wait, "etcd watch interrupted; will resync");
+                    if self.reads == 0 {
+                        // Never connected yet: say what the agent waits for
+                        // (readiness stays 503 until then).
+                        tracing::warn!(
+                            endpoints = ?self.opts.endpoints, error = %e, retry_in = ?wait,
+                            "waiting for etcd: cannot read the discovery prefix yet; \
+                             /readyz answers 503 until it can (is etcd running at these endpoints?)"
+                        );
+                    } else {
+                        tracing::warn!(error = %e, retry_in = ?wait, "etcd watch interrupted; will resync");
+                    }
                     tokio::select! {
                         _ = stop.changed() => return,
                         _ = tokio::time::sleep(wait) => {}
@@ -741,11 +780,11 @@ impl WatchTask {
         match AgentRecord::decode(value) {
             Ok(rec) if rec.name == name => Some(rec),
             Ok(rec) => {
-                tracing::warn!(key = name, record = %rec.name, "discovery record names another agent; ignored");
+                tracing::warn!(key = %LogSafe(name), record = %LogSafe(&rec.name), "discovery record names another agent; ignored");
                 None
             }
             Err(e) => {
-                tracing::warn!(key = name, error = %e, "undecodable discovery record; ignored");
+                tracing::warn!(key = %LogSafe(name), error = %e, "undecodable discovery record; ignored");
                 None
             }
         }
@@ -784,6 +823,10 @@ impl WatchTask {
         .await
         .map_err(|e| format!("{e:?}"))?;
         let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
+        if self.reads > 0 {
+            self.shared.resyncs.fetch_add(1, Ordering::Relaxed);
+        }
+        self.reads += 1;
         let mut snapshot = Vec::new();
         for kv in resp.kvs() {
             if let Some(name) = self.name_of(kv.key()) {
@@ -814,7 +857,11 @@ impl WatchTask {
         .map_err(|e| format!("{e:?}"))?;
         self.shared.watching.store(true, Ordering::SeqCst);
         backoff.reset();
-        tracing::debug!(prefix = %self.prefix, revision = rev, "etcd watch established");
+        if self.reads == 1 {
+            tracing::info!(endpoints = ?self.opts.endpoints, prefix = %self.prefix, revision = rev, "etcd connected; watching peers");
+        } else {
+            tracing::debug!(prefix = %self.prefix, revision = rev, "etcd watch established");
+        }
         loop {
             let msg = tokio::select! {
                 _ = stop.changed() => return Ok(()),
