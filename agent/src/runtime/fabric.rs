@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::config::EffectiveBounceConfig;
+use kvfabric_core::text::LogSafe;
 use kvfabric_core::wire::{self, Handshake, WIRE_VERSION};
 use kvfabric_core::{ControlKind, Descriptor};
 
@@ -179,6 +180,8 @@ pub struct FabricStats {
     pub fallbacks: AtomicU64,
     /// Standard-path transfers that failed.
     pub standard_failed: AtomicU64,
+    /// Standard-path transfers posted and not yet resolved (a gauge).
+    pub standard_in_flight: AtomicU64,
     /// Peers loaded.
     pub peers_loaded: AtomicU64,
     /// Peers forgotten.
@@ -201,6 +204,11 @@ pub struct FabricOptions {
 }
 
 struct StdXfer {
+    /// The destination agent (named in failure reasons).
+    peer: String,
+    /// Posted at; the transfer fails when it has not completed by
+    /// `posted + timeout` (`requestTimeoutMs`, seed R5).
+    deadline: Instant,
     handle: super::engine::XferHandle,
     lists: (super::engine::PreparedList, super::engine::PreparedList),
     completion: Arc<Completion>,
@@ -223,6 +231,9 @@ pub struct FabricAgent {
     /// How long a standard-path handle's wait polls before blocking (the
     /// busy-poll window, as for bounce handles).
     wait_spin: Duration,
+    /// Bound on one standard-path transfer: the config's
+    /// `requestTimeoutMs` (seed R5: every path resolves within it).
+    std_timeout: Duration,
     /// Why bounce is off, if it is.
     pub bounce_unavailable: Option<String>,
 }
@@ -289,6 +300,7 @@ impl FabricAgent {
             } else {
                 Duration::ZERO
             },
+            std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             bounce_unavailable: None,
         };
         if opts.config.enabled() {
@@ -687,13 +699,13 @@ impl FabricAgent {
             .collect();
         let l = match self.engine.prepare_local(lm.kind, &local) {
             Ok(l) => l,
-            Err(e) => return fail(format!("standard path: {e}")),
+            Err(e) => return fail(format!("standard path to peer {}: {e}", LogSafe(peer))),
         };
         let r = match self.engine.prepare_remote(peer, rm.kind, &remote) {
             Ok(r) => r,
             Err(e) => {
                 self.engine.release_prepared(l);
-                return fail(format!("standard path: {e}"));
+                return fail(format!("standard path to peer {}: {e}", LogSafe(peer)));
             }
         };
         let idx: Vec<i32> = (0..descs.len() as i32).collect();
@@ -702,17 +714,36 @@ impl FabricAgent {
             Err(e) => {
                 self.engine.release_prepared(l);
                 self.engine.release_prepared(r);
-                return fail(format!("standard path: {e}"));
+                return fail(format!("standard path to peer {}: {e}", LogSafe(peer)));
             }
         };
         let completion = Arc::new(Completion::with_spin(self.wait_spin));
         let handle = TransferHandle::from_completion(completion.clone());
-        if let Some(tx) = &self.std_tx {
-            let _ = tx.send(StdXfer {
-                handle: h,
-                lists: (l, r),
-                completion,
-            });
+        self.stats
+            .standard_in_flight
+            .fetch_add(1, Ordering::Relaxed);
+        let x = StdXfer {
+            peer: peer.to_string(),
+            deadline: Instant::now() + self.std_timeout,
+            handle: h,
+            lists: (l, r),
+            completion,
+        };
+        let sent = match &self.std_tx {
+            Some(tx) => tx.send(x).map_err(|e| e.0),
+            None => Err(x),
+        };
+        if let Err(x) = sent {
+            // The poller is gone (a shutdown raced this submit).
+            self.stats
+                .standard_in_flight
+                .fetch_sub(1, Ordering::Relaxed);
+            self.engine.release(x.handle);
+            self.engine.release_prepared(x.lists.0);
+            self.engine.release_prepared(x.lists.1);
+            self.stats.standard_failed.fetch_add(1, Ordering::Relaxed);
+            x.completion
+                .resolve(TransferOutcome::Failure("agent shut down".into()));
         }
         handle
     }
@@ -760,16 +791,13 @@ fn host_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Bound on a standard-path transfer (no progress means failure).
-const STANDARD_TIMEOUT: Duration = Duration::from_secs(60);
-
 fn standard_poller(
     engine: Arc<dyn TransferEngine>,
     rx: Receiver<StdXfer>,
     stats: Arc<FabricStats>,
     progress: bool,
 ) {
-    let mut live: Vec<(StdXfer, Instant)> = Vec::new();
+    let mut live: Vec<StdXfer> = Vec::new();
     loop {
         let incoming = if live.is_empty() {
             match rx.recv_timeout(Duration::from_millis(5)) {
@@ -786,30 +814,35 @@ fn standard_poller(
             rx.try_recv().ok()
         };
         if let Some(x) = incoming {
-            live.push((x, Instant::now()));
+            live.push(x);
         }
         if progress {
             let _ = engine.progress();
         }
         let mut k = 0;
         while k < live.len() {
-            let (x, t0) = &live[k];
+            let x = &live[k];
+            let peer = LogSafe(&x.peer);
             let done = match engine.poll(x.handle) {
-                Ok(XferState::InProgress) if t0.elapsed() < STANDARD_TIMEOUT => None,
-                Ok(XferState::InProgress) => Some(TransferOutcome::Failure(
-                    "standard path: no completion within 60 s".into(),
-                )),
+                Ok(XferState::InProgress) if Instant::now() < x.deadline => None,
+                Ok(XferState::InProgress) => Some(TransferOutcome::Failure(format!(
+                    "standard path to peer {peer}: no completion within the request timeout \
+                     (peer unresponsive or gone)"
+                ))),
                 Ok(XferState::Success) => Some(TransferOutcome::Success),
-                Err(e) => Some(TransferOutcome::Failure(format!("standard path: {e}"))),
+                Err(e) => Some(TransferOutcome::Failure(format!(
+                    "standard path to peer {peer}: {e} (peer forgotten or failed)"
+                ))),
             };
             if let Some(outcome) = done {
-                let (x, _) = live.swap_remove(k);
+                let x = live.swap_remove(k);
                 engine.release(x.handle);
                 engine.release_prepared(x.lists.0);
                 engine.release_prepared(x.lists.1);
                 if outcome != TransferOutcome::Success {
                     stats.standard_failed.fetch_add(1, Ordering::Relaxed);
                 }
+                stats.standard_in_flight.fetch_sub(1, Ordering::Relaxed);
                 x.completion.resolve(outcome);
             } else {
                 k += 1;
@@ -819,7 +852,8 @@ fn standard_poller(
             std::thread::yield_now();
         }
     }
-    for (x, _) in live {
+    for x in live {
+        stats.standard_in_flight.fetch_sub(1, Ordering::Relaxed);
         engine.release(x.handle);
         x.completion
             .resolve(TransferOutcome::Failure("agent shut down".into()));

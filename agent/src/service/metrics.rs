@@ -22,7 +22,7 @@
 //! | `kvfabric_bounce_timeouts_total` | counter | | bounce requests failed by the no-progress timeout |
 //! | `kvfabric_standard_failures_total` | counter | | standard-path transfers that failed |
 //! | `kvfabric_transfer_latency_seconds` | histogram | `path`, `outcome` | submit → resolution, seconds (buckets [`LATENCY_BUCKETS_SECONDS`]; recorded by [`AgentMetrics::submit_timed`] / [`AgentMetrics::observe_transfer`]) |
-//! | `kvfabric_requests_in_flight` | gauge | `path` = bounce | bounce requests submitted and not yet resolved (the standard path has no count yet) |
+//! | `kvfabric_requests_in_flight` | gauge | `path` = bounce/standard | requests submitted and not yet resolved |
 //! | `kvfabric_credit_grants_total` | counter | | credits granted by the receiver role |
 //! | `kvfabric_credit_wait_seconds_total` | counter | | summed submit → first GRANT wait of bounce requests, seconds (µs resolution) |
 //! | `kvfabric_chunks_written_total` | counter | | chunk writes completed |
@@ -471,12 +471,16 @@ impl AgentMetrics {
             &sources,
             "kvfabric.requests_in_flight",
             None,
-            "Transfer requests submitted and not yet resolved, by path (bounce only so far)",
+            "Transfer requests submitted and not yet resolved, by path",
             |a, o, kv| {
                 o.observe(
                     tcount(a, bounce_in_flight),
                     &[kv.clone(), KeyValue::new("path", "bounce")],
-                )
+                );
+                o.observe(
+                    ld(&a.stats().standard_in_flight),
+                    &[kv.clone(), KeyValue::new("path", "standard")],
+                );
             },
         );
         {
