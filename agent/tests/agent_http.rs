@@ -184,6 +184,7 @@ fn start_node(
             }],
             config: serde_json::to_value(cfg).unwrap(),
             bounce_requested: cfg.bounce.enabled,
+            debug_api: true,
         },
     )
     .expect("node starts");
@@ -574,10 +575,11 @@ fn live_metrics_pass_promtool_and_gauges_read_zero_at_quiesce() {
     let sb = Server::start(nb.state().clone());
     let (an, bn) = (a.name(), b.name());
     // The gauges that must read 0 at quiesce: (name, extra label).
-    const GAUGES: [(&str, (&str, &str)); 3] = [
+    const GAUGES: [(&str, (&str, &str)); 4] = [
         ("kvfabric_requests_in_flight", ("path", "bounce")),
         ("kvfabric_flows", ("side", "sender")),
         ("kvfabric_flows", ("side", "receiver")),
+        ("kvfabric_requests_in_flight", ("path", "standard")),
     ];
     // Polls `agent`'s gauge until it reads `want` (bounded by `within`: the
     // IO thread stores them once per tick); the last scrape on failure.
@@ -732,7 +734,8 @@ fn agent_config_layers_yaml_env_and_flags() {
             "http://127.0.0.1:2379, http://127.0.0.1:22379",
         ),
         ("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", "2MiB"),
-        ("KVFABRIC_LEASE_TTL_SECONDS", "soon"),
+        // A bad byte size keeps the YAML value, with a warning (seed §10).
+        ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "huge"),
         ("KVFABRIC_LOG", "debug"),
         ("OTHER", "x"),
     ];
@@ -747,9 +750,21 @@ fn agent_config_layers_yaml_env_and_flags() {
     assert_eq!(cfg.logical_id, "from-flag", "flags beat YAML");
     assert_eq!(cfg.role, "decode");
     assert_eq!(cfg.pool_size_bytes.get(), 8 << 20);
-    assert_eq!(cfg.lease_ttl_seconds, 7, "garbage env keeps the YAML value");
+    assert_eq!(cfg.lease_ttl_seconds, 7);
     assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert!(warnings[0].contains("KVFABRIC_LEASE_TTL_SECONDS"));
+    assert!(warnings[0].contains("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES"));
+    assert_eq!(cfg.env_warnings, warnings, "kept for /v1/config");
+    // Any other unparsable value stops the load, naming the variable.
+    let e = AgentConfig::load(
+        Some(&path),
+        [("KVFABRIC_LEASE_TTL_SECONDS", "soon")],
+        &flags,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("KVFABRIC_LEASE_TTL_SECONDS") && e.contains("whole number of seconds"),
+        "{e}"
+    );
     assert_eq!(
         cfg.etcd_endpoints,
         vec!["http://127.0.0.1:2379", "http://127.0.0.1:22379"]

@@ -10,17 +10,16 @@
 //! "SKIP: etcd not installed" and passes (fails instead under `.ci/run`,
 //! which installs etcd and sets `KVFABRIC_REQUIRE_SERVICES`).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::Receiver;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 mod common;
 
 use common::etcd::Etcd;
+use common::proc::{Agent, Proc};
 use kvfabric_agent::bench::remote::{http_json, lookup_agents, RemoteAgent};
 use serde_json::{json, Value};
 
@@ -29,137 +28,6 @@ use serde_json::{json, Value};
 const TRACE_START: usize = 8087;
 const TRACE_LENGTHS: [u64; 6] = [909, 897, 900, 896, 895, 1459];
 const REQUESTS: usize = TRACE_LENGTHS.len();
-
-/// A child process killed (and reaped) on drop unless already waited for.
-struct Proc {
-    child: Option<Child>,
-}
-
-impl Proc {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// Waits at most `bound` for the exit; kills it and returns `None` past
-    /// the bound.
-    fn wait_for(&mut self, bound: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + bound;
-        let child = self.child.as_mut()?;
-        loop {
-            if let Some(s) = child.try_wait().expect("try_wait") {
-                self.child = None;
-                return Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                self.child = None;
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// A running `kvfabric agent` with its announced address and stderr.
-struct Agent {
-    proc: Proc,
-    addr: Receiver<SocketAddr>,
-    stderr: Option<JoinHandle<String>>,
-}
-
-impl Agent {
-    fn spawn(etcd: &str, fabric: &str, logical: &str, role: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
-            .args([
-                "agent",
-                "--etcd",
-                etcd,
-                "--fabric",
-                fabric,
-                "--logical-id",
-                logical,
-                "--role",
-                role,
-                "--listen",
-                "127.0.0.1:0",
-                "--pool-size",
-                "64MiB",
-                "--control-bind",
-                "loopback",
-                "--lease-ttl",
-                "5",
-            ])
-            .env("KVFABRIC_BOUNCE_ENABLE", "1")
-            .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "16MiB")
-            .env(
-                "KVFABRIC_BOUNCE_ARENA_ALLOCATION_GRANULARITY_BYTES",
-                "64KiB",
-            )
-            .env("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", "2MiB")
-            .env("KVFABRIC_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvfabric agent");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, addr) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(a) = line.split("listening on http://").nth(1) {
-                    if let Ok(a) = a.trim().parse() {
-                        let _ = tx.send(a);
-                    }
-                }
-            }
-        });
-        let mut err = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        });
-        Self {
-            proc: Proc { child: Some(child) },
-            addr,
-            stderr: Some(stderr),
-        }
-    }
-
-    /// Kills the agent (if running) and returns its stderr.
-    fn kill_and_log(&mut self) -> String {
-        self.proc.wait_for(Duration::ZERO);
-        self.stderr
-            .take()
-            .map(|h| h.join().unwrap_or_default())
-            .unwrap_or_default()
-    }
-
-    /// SIGTERM, then the exit status (≤ 20 s) and stderr.
-    fn terminate(&mut self) -> (Option<ExitStatus>, String) {
-        // SAFETY: plain kill(2) on our own child's pid.
-        let rc = unsafe { libc::kill(self.proc.pid() as libc::pid_t, libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill(SIGTERM)");
-        let status = self.proc.wait_for(Duration::from_secs(20));
-        let log = self
-            .stderr
-            .take()
-            .map(|h| h.join().unwrap_or_default())
-            .unwrap_or_default();
-        (status, log)
-    }
-}
 
 /// The real trace when present, else a synthetic one with the same input
 /// lengths; returns (path, --start).

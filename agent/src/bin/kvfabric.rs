@@ -200,6 +200,10 @@ struct AgentArgs {
     /// Log format: text or json.
     #[arg(long)]
     log_format: Option<String>,
+    /// Serve the unauthenticated /v1/debug/transfer and /v1/debug/verify
+    /// endpoints (the distributed bench uses them); loopback --listen only.
+    #[arg(long)]
+    debug_api: bool,
     /// Print the effective config as YAML and exit.
     #[arg(long)]
     print_config: bool,
@@ -228,13 +232,15 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         lease_ttl_seconds: a.lease_ttl,
         control_bind: a.control_bind,
         log_format,
+        debug_api: a.debug_api.then_some(true),
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);
-    for w in warnings {
-        tracing::warn!("{w}");
-    }
     if a.print_config {
+        // (daemon::run logs them otherwise.)
+        for w in &warnings {
+            tracing::error!("config: {w}");
+        }
         print!(
             "{}",
             serde_yaml::to_string(&cfg).map_err(|e| e.to_string())?

@@ -28,7 +28,9 @@ use super::discovery::{
 };
 use super::http::{ServiceInit, ServiceState, VerifyRegion};
 use super::metrics::AgentMetrics;
-use crate::core::config::{is_config_env, parse_byte_size, BounceConfig, ByteSize};
+use crate::core::config::{
+    is_config_env, parse_byte_size, BounceConfig, ByteSize, ConfigWarning, EXPECTED_BYTE_SIZE,
+};
 use crate::runtime::arena::HostArena;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::engine::{MemDesc, MemKind};
@@ -86,9 +88,20 @@ pub struct AgentConfig {
     /// Log format. Env `KVFABRIC_LOG_FORMAT`, flag `--log-format`
     /// (the filter is `KVFABRIC_LOG`, default `info`).
     pub log_format: LogFormat,
+    /// Serve `POST /v1/debug/transfer` and `/v1/debug/verify` (fill and
+    /// write this agent's KV pool on request; check a peer's). Default off;
+    /// only allowed on a loopback `listen` address, since the endpoints are
+    /// unauthenticated and can overwrite any part of a peer's KV pool.
+    /// Env `KVFABRIC_DEBUG_API`, flag `--debug-api`.
+    pub debug_api: bool,
     /// The bounce engine's configuration (core schema; env
     /// `KVFABRIC_BOUNCE_*`).
     pub bounce: BounceConfig,
+    /// Environment problems that did not stop start-up (kept byte sizes,
+    /// unknown or deprecated names), set by [`AgentConfig::load`]; logged
+    /// at error level at start and served in `/v1/config` as `warnings`.
+    #[serde(skip)]
+    pub env_warnings: Vec<String>,
 }
 
 impl Default for AgentConfig {
@@ -104,9 +117,23 @@ impl Default for AgentConfig {
             control_bind: "routable".into(),
             shutdown_timeout_ms: 10_000,
             log_format: LogFormat::Text,
+            debug_api: false,
             bounce: BounceConfig::default(),
+            env_warnings: Vec::new(),
         }
     }
+}
+
+/// What [`AgentConfig::apply_env_vars`] found wrong in the environment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EnvReport {
+    /// Values that do not parse: start-up fails, each names its variable
+    /// and the accepted forms.
+    pub errors: Vec<String>,
+    /// Kept-previous-value byte sizes (seed §10), unknown
+    /// `KVFABRIC_BOUNCE_*` names and deprecated names: the daemon logs them
+    /// at error level and serves them in `/v1/config`.
+    pub warnings: Vec<String>,
 }
 
 /// Command-line overrides (`None` = not given); they win over YAML and env.
@@ -130,6 +157,8 @@ pub struct AgentOverrides {
     pub control_bind: Option<String>,
     /// `--log-format`.
     pub log_format: Option<LogFormat>,
+    /// `--debug-api` (`Some(true)` when given).
+    pub debug_api: Option<bool>,
 }
 
 fn split_list(v: &str) -> Vec<String> {
@@ -158,15 +187,21 @@ impl AgentConfig {
     /// `_POOL_SIZE_BYTES`, `_ETCD_ENDPOINTS`, `_LEASE_TTL_SECONDS`,
     /// `_CONTROL_BIND`, `_SHUTDOWN_TIMEOUT_MS`, `_LOG_FORMAT`) and
     /// `KVFABRIC_BOUNCE_*` (through [`BounceConfig::apply_env_vars`]). Other
-    /// `KVFABRIC_*` variables (e.g. `KVFABRIC_LOG`) are left alone. An
-    /// unparsable value keeps the previous one and yields a warning.
-    pub fn apply_env_vars<I, K, V>(&mut self, vars: I) -> Vec<String>
+    /// `KVFABRIC_*` variables (e.g. `KVFABRIC_LOG`) are left alone.
+    ///
+    /// An unparsable value is an [`EnvReport::errors`] entry naming the
+    /// variable and the accepted forms — a daemon must not start on a
+    /// setting it silently replaced (issue 11, item 6) — except for the
+    /// bounce byte sizes, which the seed (§10) keeps at their previous value
+    /// with a diagnostic: those, unknown `KVFABRIC_BOUNCE_*` names and
+    /// deprecated names are [`EnvReport::warnings`].
+    pub fn apply_env_vars<I, K, V>(&mut self, vars: I) -> EnvReport
     where
         I: IntoIterator<Item = (K, V)>,
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut warnings = Vec::new();
+        let mut report = EnvReport::default();
         let mut bounce = Vec::new();
         for (k, v) in vars {
             let (k, v) = (k.as_ref(), v.as_ref().trim());
@@ -174,9 +209,9 @@ impl AgentConfig {
                 continue;
             };
             let mut bad = |expected: &str| {
-                warnings.push(format!(
-                    "{k}={v:?}: expected {expected}; keeping the previous value"
-                ))
+                report
+                    .errors
+                    .push(format!("{k}={v:?} is invalid: expected {expected}"))
             };
             match suffix {
                 "LISTEN" => self.listen = v.to_string(),
@@ -202,18 +237,25 @@ impl AgentConfig {
                     "json" => self.log_format = LogFormat::Json,
                     _ => bad("text or json"),
                 },
+                "DEBUG_API" => match v.to_ascii_lowercase().as_str() {
+                    "1" | "true" | "on" | "yes" => self.debug_api = true,
+                    "0" | "false" | "off" | "no" => self.debug_api = false,
+                    _ => bad("1/0/true/false/on/off/yes/no"),
+                },
                 // KVFABRIC_BOUNCE_* and the deprecated names of two of them.
                 _ if is_config_env(k) => bounce.push((k.to_string(), v.to_string())),
                 _ => {}
             }
         }
-        warnings.extend(
-            self.bounce
-                .apply_env_vars(bounce)
-                .into_iter()
-                .map(|w| w.to_string()),
-        );
-        warnings
+        for w in self.bounce.apply_env_vars(bounce) {
+            match &w {
+                ConfigWarning::InvalidValue { expected, .. } if *expected != EXPECTED_BYTE_SIZE => {
+                    report.errors.push(w.to_string())
+                }
+                _ => report.warnings.push(w.to_string()),
+            }
+        }
+        report
     }
 
     /// Applies command-line overrides.
@@ -246,15 +288,19 @@ impl AgentConfig {
         if let Some(v) = o.log_format {
             self.log_format = v;
         }
+        if let Some(v) = o.debug_api {
+            self.debug_api = v;
+        }
     }
 
     /// The full pipeline: defaults → `yaml` file (if given) → `env`
     /// (`KVFABRIC_*`) → `overrides`, then [`resolve`](Self::resolve) and
     /// [`validate`](Self::validate). Returns the config and the env
-    /// warnings.
+    /// warnings (kept byte sizes, unknown or deprecated names).
     ///
     /// # Errors
-    /// An unreadable or invalid YAML file, or a failed validation.
+    /// An unreadable or invalid YAML file, any unparsable environment value
+    /// ([`EnvReport::errors`], all listed), or a failed validation.
     pub fn load<I, K, V>(
         yaml: Option<&Path>,
         env: I,
@@ -273,11 +319,18 @@ impl AgentConfig {
             }
             None => Self::default(),
         };
-        let warnings = cfg.apply_env_vars(env);
+        let report = cfg.apply_env_vars(env);
+        if !report.errors.is_empty() {
+            return Err(format!(
+                "invalid environment:\n  {}",
+                report.errors.join("\n  ")
+            ));
+        }
         cfg.apply_overrides(overrides);
         cfg.resolve();
         cfg.validate()?;
-        Ok((cfg, warnings))
+        cfg.env_warnings = report.warnings.clone();
+        Ok((cfg, report.warnings))
     }
 
     /// Fills in the logical id when empty: `$POD_NAME`, else `$HOSTNAME`,
@@ -323,6 +376,13 @@ impl AgentConfig {
         if let Err(e) = self.bind_addr() {
             errs.push(e);
         }
+        if self.debug_api && !listen_is_loopback(&self.listen) {
+            errs.push(format!(
+                "debugApi: the debug endpoints are unauthenticated and write KV memory; \
+                 they need a loopback listen address (127.0.0.1:PORT or [::1]:PORT), got {:?}",
+                self.listen
+            ));
+        }
         if let Err(e) = self.bounce.validate() {
             errs.push(format!("bounce: {e}"));
         }
@@ -344,7 +404,17 @@ impl AgentConfig {
             "loopback" => Ok(BindAddr::Loopback),
             _ => {
                 if let Some(nic) = v.strip_prefix("interface:") {
-                    return Ok(BindAddr::Interface(nic.to_string()));
+                    let bind = BindAddr::Interface(nic.to_string());
+                    // Resolved here, at start-up: an interface that does
+                    // not exist (or has no address) is a settings error,
+                    // not a reason to run without bounce.
+                    return bind.resolve().map(|_| bind).map_err(|e| {
+                        format!(
+                            "controlBind: interface {nic:?} has no usable address ({e}); \
+                             expected interface:<nic> naming an interface of this host \
+                             (see `ip addr`)"
+                        )
+                    });
                 }
                 v.parse().map(BindAddr::Ip).map_err(|_| {
                     format!(
@@ -354,6 +424,43 @@ impl AgentConfig {
             }
         }
     }
+}
+
+/// Makes NIXL's UCX backend use the network device the control channel
+/// binds (issue 11, item 10): `UCX_NET_DEVICES=lo` for `loopback`, the NIC
+/// for `interface:<nic>`, so an agent on loopback does not listen on the
+/// routable address through UCX either. Shared-memory and CUDA transports
+/// (cma, cuda_ipc) are not network devices and stay available. A
+/// `UCX_NET_DEVICES` already set wins. (NIXL's own `device_list` backend
+/// param also filters those other transports and breaks endpoint creation,
+/// hence the environment.) Called by [`run`] before any thread exists.
+fn limit_ucx_net_devices(bind: &BindAddr) {
+    const VAR: &str = "UCX_NET_DEVICES";
+    let dev = match bind {
+        BindAddr::Loopback => "lo".to_string(),
+        BindAddr::Interface(nic) => nic.clone(),
+        BindAddr::Routable | BindAddr::Ip(_) => return,
+    };
+    match std::env::var(VAR) {
+        Ok(v) => tracing::info!(%v, "{VAR} set by the environment; kept"),
+        Err(_) => {
+            tracing::info!(device = %dev, "UCX network devices limited to the control bind");
+            // Single-threaded here: run() calls this before starting NIXL,
+            // discovery or the HTTP runtime.
+            std::env::set_var(VAR, dev);
+        }
+    }
+}
+
+/// Whether `listen` (`host:port`) names a loopback address
+/// (`127.0.0.0/8`, `::1` or `localhost`).
+pub fn listen_is_loopback(listen: &str) -> bool {
+    if let Ok(a) = listen.parse::<std::net::SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    listen
+        .rsplit_once(':')
+        .is_some_and(|(h, _)| h.eq_ignore_ascii_case("localhost"))
 }
 
 /// `$POD_NAME`, else `$HOSTNAME`, else the host name, else
@@ -408,6 +515,8 @@ pub struct NodeOptions {
     pub config: serde_json::Value,
     /// Whether bounce was requested (readiness needs the arena then).
     pub bounce_requested: bool,
+    /// Serve the `/v1/debug/*` endpoints (see [`AgentConfig::debug_api`]).
+    pub debug_api: bool,
 }
 
 /// How a [`Node::shutdown`] went.
@@ -483,6 +592,7 @@ impl Node {
             logical_id: opts.logical_id,
             incarnation: Some(opts.incarnation),
             verify_regions: opts.verify_regions,
+            debug_api: opts.debug_api,
         });
         Ok(Self {
             agent,
@@ -640,10 +750,14 @@ pub fn run(
     announce: impl FnOnce(std::net::SocketAddr) + Send,
 ) -> Result<(), String> {
     cfg.validate()?;
+    for w in &cfg.env_warnings {
+        tracing::error!("config: {w}");
+    }
     let eff = cfg.bounce.validate().map_err(|e| format!("bounce: {e}"))?;
     for n in eff.notes() {
         tracing::info!("bounce config: {n}");
     }
+    limit_ucx_net_devices(&cfg.bind_addr()?);
     let incarnation = Incarnation::generate();
     let name = incarnation_name(&cfg.logical_id, incarnation);
     let pool_len = cfg.pool_size_bytes.get();
@@ -668,6 +782,7 @@ pub fn run(
         tracing::info!("no etcd endpoints: embedded (in-process) discovery");
         Arc::new(EmbeddedRegistry::new().handle())
     } else {
+        tracing::info!(endpoints = ?cfg.etcd_endpoints, fabric = %cfg.fabric, "connecting to etcd (discovery)");
         let mut o = EtcdOptions::new(cfg.etcd_endpoints.clone(), &cfg.fabric);
         o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
         Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
@@ -703,8 +818,13 @@ pub fn run(
             verify_regions: vec![unsafe {
                 VerifyRegion::new_writable(pool_addr, pool_len, Some(keep))
             }],
-            config: serde_json::to_value(&cfg).map_err(|e| e.to_string())?,
+            config: {
+                let mut v = serde_json::to_value(&cfg).map_err(|e| e.to_string())?;
+                v["warnings"] = serde_json::json!(cfg.env_warnings);
+                v
+            },
             bounce_requested: cfg.bounce.enabled,
+            debug_api: cfg.debug_api,
         },
     )?);
     drop(agent);

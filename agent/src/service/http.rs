@@ -6,11 +6,18 @@
 //! | `GET /readyz` | 200 when the NIXL agent is up, the bounce arena is up (or bounce is disabled by config), discovery has published (lease `ok` or `renewing`) and no shutdown began; else 503 with the failing checks and a `reason` |
 //! | `GET /metrics` | Prometheus text format ([`AgentMetrics`]) |
 //! | `GET /v1/peers` | loaded peers: name, logical id, incarnation, handshake compatibility (and why not), path in use |
-//! | `GET /v1/config` | the effective config (as given by the daemon) plus the bounce sizes in force |
+//! | `GET /v1/config` | the effective config (as given by the daemon; `config.warnings` lists environment values it did not apply) plus the bounce sizes in force |
+//!
+//! Only with [`ServiceInit::debug_api`] (the daemon's `--debug-api`, off by
+//! default, loopback listeners only; 404 otherwise):
+//!
+//! | route | answer |
+//! |---|---|
 //! | `POST /v1/debug/verify` | `{seed, descriptors:[{dst,len}]}` → `{ok, first_mismatch}`: checks the fast bench pattern ([`check_fast`] with `k` = descriptor index) over ranges that must lie inside this agent's registered pool (400 naming the first bad range otherwise) |
 //! | `POST /v1/debug/transfer` | `{peer, path, seed, descriptors:[{src,dst,len}]}` → `{outcome, latency_ms, ...}`: fills each source with the fast bench pattern ([`fill_fast`], `k` = descriptor index) and WRITEs the descriptors to `peer` (its agent name, or its logical id → its live incarnation) through `path` (`bounce` or `standard`), waiting at most [`TRANSFER_WAIT`]; sources must lie in this agent's writable pool and destinations in the peer's published buffers (400), the peer must be loaded (404) and, for `bounce`, the transport up and the peer bounce-compatible (409); 503 while shutting down. The distributed `kvfabric bench` drives hand-offs with it |
 //!
-//! All JSON errors have the shape `{"error": "..."}`.
+//! All JSON errors have the shape `{"error": "..."}`; a body over its limit
+//! is 413, any other malformed body 400.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -137,6 +144,9 @@ pub struct ServiceInit {
     pub incarnation: Option<Incarnation>,
     /// Ranges `/v1/debug/verify` may read.
     pub verify_regions: Vec<VerifyRegion>,
+    /// Serve `/v1/debug/verify` and `/v1/debug/transfer` (off by default
+    /// in the daemon: `--debug-api`, loopback listeners only).
+    pub debug_api: bool,
 }
 
 /// Shared state of the HTTP handlers.
@@ -149,6 +159,7 @@ pub struct ServiceState {
     logical_id: String,
     incarnation: Option<Incarnation>,
     regions: Vec<VerifyRegion>,
+    debug_api: bool,
     shutting_down: AtomicBool,
 }
 
@@ -185,6 +196,7 @@ impl ServiceState {
             logical_id: init.logical_id,
             incarnation: init.incarnation,
             regions: init.verify_regions,
+            debug_api: init.debug_api,
             shutting_down: AtomicBool::new(false),
         })
     }
@@ -559,7 +571,7 @@ async fn verify(
 ) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return json_error(rejection_status(&e), e.body_text()),
     };
     match tokio::task::spawn_blocking(move || verify_blocking(&s, &req)).await {
         Ok(Ok(r)) => Json(r).into_response(),
@@ -739,7 +751,7 @@ async fn transfer(
 ) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return json_error(rejection_status(&e), e.body_text()),
     };
     match tokio::task::spawn_blocking(move || transfer_blocking(&s, req)).await {
         Ok(Ok(r)) => Json(r).into_response(),
@@ -748,23 +760,38 @@ async fn transfer(
     }
 }
 
-/// The API's router over `state`.
+/// The status for a rejected JSON body: 413 when it is over the body
+/// limit, 400 for anything else wrong with it (syntax, shape, type).
+fn rejection_status(e: &axum::extract::rejection::JsonRejection) -> StatusCode {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        StatusCode::PAYLOAD_TOO_LARGE
+    } else {
+        StatusCode::BAD_REQUEST
+    }
+}
+
+/// The API's router over `state`: the read-only endpoints, plus
+/// `/v1/debug/verify` and `/v1/debug/transfer` only when the state was
+/// built with [`ServiceInit::debug_api`] (404 otherwise).
 pub fn router(state: Arc<ServiceState>) -> Router {
-    Router::new()
+    let mut r = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/peers", get(peers))
-        .route("/v1/config", get(config))
-        .route(
-            "/v1/debug/verify",
-            post(verify).layer(DefaultBodyLimit::max(VERIFY_BODY_LIMIT)),
-        )
-        .route(
-            "/v1/debug/transfer",
-            post(transfer).layer(DefaultBodyLimit::max(TRANSFER_BODY_LIMIT)),
-        )
-        .with_state(state)
+        .route("/v1/config", get(config));
+    if state.debug_api {
+        r = r
+            .route(
+                "/v1/debug/verify",
+                post(verify).layer(DefaultBodyLimit::max(VERIFY_BODY_LIMIT)),
+            )
+            .route(
+                "/v1/debug/transfer",
+                post(transfer).layer(DefaultBodyLimit::max(TRANSFER_BODY_LIMIT)),
+            );
+    }
+    r.with_state(state)
 }
 
 /// Serves the API on `listener` until `shutdown` resolves (then stops
