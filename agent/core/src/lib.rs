@@ -14,10 +14,12 @@
 //! | [`buddy`] | §4 | `BuddyAllocator` over arena byte offsets |
 //! | [`scheduler`] | §5 | `CreditScheduler`: round-robin credits, W cap, drain mode |
 //! | [`types`] | §3 | shared vocabulary: flow keys, scatter runs, descriptors |
+//! | [`layout`] | — | engine KV layouts: validation, fingerprint, TP head split, block → descriptors |
 //! | [`text`] | — | peer-controlled strings escaped and bounded for logs |
 
 pub mod buddy;
 pub mod config;
+pub mod layout;
 pub mod model;
 pub mod plan;
 pub mod scheduler;

@@ -7,7 +7,7 @@
 //! offset size field
 //!      0    4 magic        = b"KVFB"
 //!      4    2 version      = WIRE_VERSION
-//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE)
+//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE)
 //!      7    1 reserved     = 0
 //!      8    4 entry count  (number of fixed-size entries)
 //!     12    4 trailer len  (bytes of the variable trailer, e.g. the endpoint)
@@ -23,6 +23,13 @@
 //! | DATA | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | region_offset u64, addr u64, segment_len u64, region_stride u64, addr_stride u64, count u32, reserved u32 (48) | none |
 //! | ACK | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | none (count 0) | none |
 //! | HANDSHAKE | wire_version u16, control_kind u8, reserved u8, reserved u32, arena_usable_capacity_bytes u64, max_chunk_size_bytes u64, config_generation u64 (32) | none (count 0) | endpoint |
+//! | NOTICE | topic u64 (8) | none (count 0) | payload (≤ [`MAX_ENDPOINT_LEN`]) |
+//!
+//! NOTICE is kvfabric's own (not in the seed): an opaque, bounded payload
+//! the service layer sends between agents on the control channel, e.g. "the
+//! blocks of request R landed in engine E" ([`NOTICE_TOPIC_ARRIVAL`]), so a
+//! decode engine learns its KV arrived. The protocol machine never reads
+//! the payload.
 //!
 //! # Decoding is strict
 //!
@@ -87,6 +94,8 @@ pub enum MessageType {
     Ack,
     /// Capability handshake blob carried in the agent metadata.
     Handshake,
+    /// Service-layer notice between agents (kvfabric's own).
+    Notice,
 }
 
 impl MessageType {
@@ -98,6 +107,7 @@ impl MessageType {
             MessageType::Data => 3,
             MessageType::Ack => 4,
             MessageType::Handshake => 5,
+            MessageType::Notice => 6,
         }
     }
 
@@ -109,6 +119,7 @@ impl MessageType {
             3 => Some(MessageType::Data),
             4 => Some(MessageType::Ack),
             5 => Some(MessageType::Handshake),
+            6 => Some(MessageType::Notice),
             _ => None,
         }
     }
@@ -116,7 +127,7 @@ impl MessageType {
     /// Size in bytes of the type's fixed fields (after the header).
     pub const fn fixed_len(self) -> usize {
         match self {
-            MessageType::Want | MessageType::Grant => 8,
+            MessageType::Want | MessageType::Grant | MessageType::Notice => 8,
             MessageType::Data | MessageType::Ack => 24,
             MessageType::Handshake => 32,
         }
@@ -128,13 +139,17 @@ impl MessageType {
             MessageType::Want => WANT_ENTRY_LEN,
             MessageType::Grant => GRANT_ENTRY_LEN,
             MessageType::Data => DATA_ENTRY_LEN,
-            MessageType::Ack | MessageType::Handshake => 0,
+            MessageType::Ack | MessageType::Handshake | MessageType::Notice => 0,
         }
     }
 
-    /// Whether the type carries a trailer (the endpoint).
+    /// Whether the type carries a trailer (the endpoint, or a notice's
+    /// payload).
     pub const fn has_trailer(self) -> bool {
-        matches!(self, MessageType::Want | MessageType::Handshake)
+        matches!(
+            self,
+            MessageType::Want | MessageType::Handshake | MessageType::Notice
+        )
     }
 }
 
@@ -146,6 +161,7 @@ impl fmt::Display for MessageType {
             MessageType::Data => "DATA",
             MessageType::Ack => "ACK",
             MessageType::Handshake => "HANDSHAKE",
+            MessageType::Notice => "NOTICE",
         })
     }
 }
@@ -346,6 +362,21 @@ pub struct Handshake {
     pub config_generation: u64,
 }
 
+/// Topic of an arrival notice: the payload says which engine's request
+/// landed (the service layer's JSON; see `service::engines`).
+pub const NOTICE_TOPIC_ARRIVAL: u64 = 1;
+
+/// NOTICE: an opaque service-layer payload between agents (kvfabric's own,
+/// not in the seed). At most [`MAX_ENDPOINT_LEN`] bytes of payload.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Notice {
+    /// What the payload is ([`NOTICE_TOPIC_ARRIVAL`], ...); receivers drop
+    /// topics they do not know.
+    pub topic: u64,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+}
+
 /// Any control-plane message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
@@ -359,6 +390,8 @@ pub enum Message {
     Ack(Ack),
     /// See [`Handshake`].
     Handshake(Handshake),
+    /// See [`Notice`].
+    Notice(Notice),
 }
 
 // ---------------------------------------------------------------- encoding
@@ -435,6 +468,7 @@ impl Message {
             Message::Data(_) => MessageType::Data,
             Message::Ack(_) => MessageType::Ack,
             Message::Handshake(_) => MessageType::Handshake,
+            Message::Notice(_) => MessageType::Notice,
         }
     }
 
@@ -445,6 +479,7 @@ impl Message {
             Message::Data(d) => (d.runs.len(), 0),
             Message::Ack(_) => (0, 0),
             Message::Handshake(h) => (0, h.endpoint.len()),
+            Message::Notice(n) => (0, n.payload.len()),
         }
     }
 
@@ -551,6 +586,10 @@ impl Message {
                 put_u32(out, 0);
             }
             Message::Handshake(h) => put_handshake_body(out, h),
+            Message::Notice(n) => {
+                put_u64(out, n.topic);
+                out.extend_from_slice(&n.payload);
+            }
         }
     }
 
@@ -567,6 +606,7 @@ impl Message {
             MessageType::Data => frame.data().map(Message::Data),
             MessageType::Ack => frame.ack().map(Message::Ack),
             MessageType::Handshake => frame.handshake().map(Message::Handshake),
+            MessageType::Notice => frame.notice().map(Message::Notice),
         }
     }
 }
@@ -594,6 +634,11 @@ impl From<Ack> for Message {
 impl From<Handshake> for Message {
     fn from(m: Handshake) -> Self {
         Message::Handshake(m)
+    }
+}
+impl From<Notice> for Message {
+    fn from(m: Notice) -> Self {
+        Message::Notice(m)
     }
 }
 
@@ -937,6 +982,14 @@ impl<'a> Frame<'a> {
         })
     }
 
+    fn notice(mut self) -> Result<Notice, WireError> {
+        let topic = self.body.u64()?;
+        Ok(Notice {
+            topic,
+            payload: self.body.rest().to_vec(),
+        })
+    }
+
     fn handshake(mut self) -> Result<Handshake, WireError> {
         let wire_version = self.body.u16()?;
         let code = self.body.u8()?;
@@ -964,6 +1017,11 @@ mod tests {
 
     fn samples() -> Vec<Message> {
         vec![
+            Message::Notice(Notice {
+                topic: NOTICE_TOPIC_ARRIVAL,
+                payload: br#"{"request_id":7}"#.to_vec(),
+            }),
+            Message::Notice(Notice::default()),
             Message::Want(Want {
                 request_id: 7,
                 chunk_bytes: vec![4096, 1 << 25, 33],
