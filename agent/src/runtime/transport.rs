@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::scheduler::CreditScheduler;
-use kvfabric_core::wire::{self, Ack, Credit, Data, Grant, Message, Want};
+use kvfabric_core::wire::{self, Ack, Credit, Data, Grant, Message, Notice, Want};
 use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
 
 use super::control::{ControlChannel, ControlError};
@@ -406,6 +406,21 @@ enum Command {
         addr: u64,
         len: u64,
     },
+    DisallowScatter {
+        addr: u64,
+        len: u64,
+        reply: Sender<()>,
+    },
+    Cancel {
+        rid: u64,
+        why: String,
+        reply: Sender<bool>,
+    },
+    Notice {
+        peer: String,
+        notice: Notice,
+    },
+    NoticeSink(Sender<(String, Notice)>),
     Snapshot {
         reply: Sender<ArenaSnapshot>,
     },
@@ -415,6 +430,26 @@ enum Command {
         bytes: Vec<u8>,
     },
     Shutdown,
+}
+
+/// Destination bounds [start, end) of validated scatter runs (start =
+/// lowest run address, end = highest run end); (0, 0) for none.
+fn scatter_bounds(runs: &[ScatterRun]) -> (u64, u64) {
+    let mut lo = u64::MAX;
+    let mut hi = 0u64;
+    for r in runs {
+        let end = u64::from(r.count.saturating_sub(1))
+            .saturating_mul(r.addr_stride)
+            .saturating_add(r.addr)
+            .saturating_add(r.segment_len);
+        lo = lo.min(r.addr);
+        hi = hi.max(end);
+    }
+    if runs.is_empty() {
+        (0, 0)
+    } else {
+        (lo, hi)
+    }
 }
 
 /// The bounce transport: a handle to the IO thread. `Send + Sync`; every
@@ -540,6 +575,8 @@ impl BounceTransport {
             orphan_writes: Vec::new(),
             deferred_cancels: HashMap::new(),
             allowed: Vec::new(),
+            disallowed: Vec::new(),
+            notice_sink: None,
             faults: FaultPlan::default(),
             parked: false,
             reserve_block,
@@ -640,6 +677,66 @@ impl BounceTransport {
     /// (seed §9 "scatter input validation").
     pub fn allow_scatter_range(&self, addr: u64, len: u64) {
         let _ = self.send_cmd(Command::AllowScatter { addr, len });
+    }
+
+    /// Takes `[addr, addr + len)` out of the allowed scatter destinations
+    /// (an engine's pool going away) and waits at most `within` until no
+    /// queued or running scatter writes into it any more. Returns `true`
+    /// once that holds — only then may the memory be unmapped — and
+    /// `false` past the bound (keep the memory; try again later). DATA for
+    /// the range arriving after this call is rejected (seed §9 "scatter
+    /// input validation").
+    pub fn disallow_scatter_range(&self, addr: u64, len: u64, within: Duration) -> bool {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .send_cmd(Command::DisallowScatter {
+                addr,
+                len,
+                reply: tx,
+            })
+            .is_err()
+        {
+            // The IO thread is gone: nothing scatters any more.
+            return self.closed.load(Ordering::SeqCst);
+        }
+        rx.recv_timeout(within).is_ok()
+    }
+
+    /// Fails request `request_id` ("cancelled": its receiver reclaims the
+    /// flow; staging is released once no gather or write uses it, seed §9).
+    /// `false` when it was not in flight (already resolved, or unknown).
+    /// Waits at most 5 s for the IO thread.
+    pub fn cancel(&self, request_id: u64, why: &str) -> bool {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .send_cmd(Command::Cancel {
+                rid: request_id,
+                why: why.to_string(),
+                reply: tx,
+            })
+            .is_err()
+        {
+            return false;
+        }
+        rx.recv_timeout(SYNC_TIMEOUT).unwrap_or(false)
+    }
+
+    /// Sends a NOTICE (`topic`, `payload` of at most
+    /// [`wire::MAX_ENDPOINT_LEN`] bytes) to `peer` on the control channel,
+    /// in order after every message sent before it. Best effort: a full
+    /// queue or an unknown peer drops it (logged).
+    pub fn send_notice(&self, peer: &str, topic: u64, payload: Vec<u8>) {
+        let _ = self.send_cmd(Command::Notice {
+            peer: peer.to_string(),
+            notice: Notice { topic, payload },
+        });
+    }
+
+    /// Where NOTICE messages from peers go: `(peer name, notice)` on `tx`
+    /// (dropped with a warning when `tx` is full). Replaces an earlier
+    /// sink.
+    pub fn set_notice_sink(&self, tx: Sender<(String, Notice)>) {
+        let _ = self.send_cmd(Command::NoticeSink(tx));
     }
 
     /// Submits a WRITE of `descs` to `peer` through bounce. Never blocks;
@@ -843,6 +940,8 @@ enum JobRef {
         flow: FlowKey,
         offset: u64,
         chunk: u32,
+        /// Destination bounds [start, end) of the runs.
+        dst: (u64, u64),
     },
 }
 
@@ -867,6 +966,8 @@ struct PendingScatter {
     offset: u64,
     chunk: u32,
     runs: Vec<ScatterRun>,
+    /// Destination bounds [start, end) of the runs.
+    dst: (u64, u64),
 }
 
 struct PeerRoute {
@@ -918,6 +1019,11 @@ struct Io {
     deferred_cancels: HashMap<u64, (String, usize)>,
     /// Ranges scatters may write to.
     allowed: Vec<(u64, u64)>,
+    /// Ranges taken out of `allowed`, each answered once no queued or
+    /// running scatter writes into it (then its memory may be unmapped).
+    disallowed: Vec<(u64, u64, Sender<()>)>,
+    /// Where NOTICE messages go (the service layer), if anywhere.
+    notice_sink: Option<Sender<(String, Notice)>>,
     faults: FaultPlan,
     /// Some request could not stage (arena / exec full): retry each tick.
     parked: bool,
@@ -1022,6 +1128,7 @@ impl Io {
                 }
             }
             let done = self.drain_copies();
+            self.answer_disallowed();
             let polled = self.poll_writes();
             self.drain_scatter_queue();
             if self.parked {
@@ -1100,6 +1207,29 @@ impl Io {
                 let _ = reply.send(());
             }
             Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Command::DisallowScatter { addr, len, reply } => {
+                let end = addr.saturating_add(len);
+                self.allowed
+                    .retain(|&(a, l)| a.saturating_add(l) <= addr || a >= end);
+                self.disallowed.push((addr, end, reply));
+                self.answer_disallowed();
+            }
+            Command::Cancel { rid, why, reply } => {
+                let known = self.requests.contains_key(&rid);
+                if known {
+                    self.fail_request(rid, why);
+                }
+                let _ = reply.send(known);
+            }
+            Command::Notice { peer, notice } => {
+                if let Err(e) = self
+                    .channel
+                    .send_to(&peer, &Message::Notice(notice).encode())
+                {
+                    tracing::warn!(agent = %self.name, %peer, error = %e, "notice not sent");
+                }
+            }
+            Command::NoticeSink(tx) => self.notice_sink = Some(tx),
             Command::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
@@ -1912,11 +2042,13 @@ impl Io {
             return;
         }
         self.flow_seen.insert(flow.clone(), Instant::now());
+        let dst = scatter_bounds(&d.runs);
         self.scatter_queue.push_back(PendingScatter {
             flow,
             offset: d.region_handle,
             chunk: d.chunk_index,
             runs: d.runs,
+            dst,
         });
         self.drain_scatter_queue();
     }
@@ -1935,6 +2067,7 @@ impl Io {
                     flow: s.flow,
                     offset: s.offset,
                     chunk: s.chunk,
+                    dst: s.dst,
                 },
             );
             if let Some(w) = &self.workers {
@@ -1944,6 +2077,30 @@ impl Io {
                     region_addr,
                     plan: CopyPlan::Runs(s.runs),
                 });
+            }
+        }
+    }
+
+    /// Answers every [`Command::DisallowScatter`] whose range no queued or
+    /// running scatter writes into any more.
+    fn answer_disallowed(&mut self) {
+        if self.disallowed.is_empty() {
+            return;
+        }
+        let busy = |a: u64, e: u64, (s0, s1): (u64, u64)| s0 < e && a < s1;
+        let mut k = 0;
+        while k < self.disallowed.len() {
+            let (a, e, _) = self.disallowed[k];
+            let in_use = self.scatter_queue.iter().any(|p| busy(a, e, p.dst))
+                || self.jobs.values().any(|j| match j {
+                    JobRef::Scatter { dst, .. } => busy(a, e, *dst),
+                    _ => false,
+                });
+            if in_use {
+                k += 1;
+            } else {
+                let (_, _, reply) = self.disallowed.swap_remove(k);
+                let _ = reply.send(());
             }
         }
     }
@@ -1985,6 +2142,7 @@ impl Io {
                     flow,
                     offset,
                     chunk,
+                    dst: _,
                 }) => {
                     let live = self.scheduler.held_by_flow(&flow, offset);
                     let _ = self.scheduler.scatter_done(offset);
@@ -2027,6 +2185,14 @@ impl Io {
             Ok(Message::Handshake(_)) => {
                 tracing::warn!(agent = %self.name, peer, "handshake on the control channel; ignored")
             }
+            Ok(Message::Notice(n)) => match &self.notice_sink {
+                Some(tx) => {
+                    if tx.try_send((peer.to_string(), n)).is_err() {
+                        tracing::warn!(agent = %self.name, peer, "notice queue full or closed; notice dropped");
+                    }
+                }
+                None => tracing::debug!(agent = %self.name, peer, "notice without a sink; dropped"),
+            },
             Err(e) => {
                 tracing::warn!(agent = %self.name, peer, error = %e, "undecodable control message; dropped")
             }
