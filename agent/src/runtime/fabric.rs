@@ -204,6 +204,8 @@ pub struct FabricOptions {
 }
 
 struct StdXfer {
+    /// Request id (from [`STD_RID_BASE`] up), logged on failure.
+    rid: u64,
     /// The destination agent (named in failure reasons).
     peer: String,
     /// Posted at; the transfer fails when it has not completed by
@@ -231,6 +233,8 @@ pub struct FabricAgent {
     /// How long a standard-path handle's wait polls before blocking (the
     /// busy-poll window, as for bounce handles).
     wait_spin: Duration,
+    /// Next standard-path request id.
+    std_next_rid: AtomicU64,
     /// Bound on one standard-path transfer: the config's
     /// `requestTimeoutMs` (seed R5: every path resolves within it).
     std_timeout: Duration,
@@ -301,6 +305,7 @@ impl FabricAgent {
                 Duration::ZERO
             },
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
+            std_next_rid: AtomicU64::new(STD_RID_BASE),
             bounce_unavailable: None,
         };
         if opts.config.enabled() {
@@ -718,11 +723,14 @@ impl FabricAgent {
             }
         };
         let completion = Arc::new(Completion::with_spin(self.wait_spin));
-        let handle = TransferHandle::from_completion(completion.clone());
+        let rid = self.std_next_rid.fetch_add(1, Ordering::Relaxed);
+        let mut handle = TransferHandle::from_completion(completion.clone());
+        handle.request_id = rid;
         self.stats
             .standard_in_flight
             .fetch_add(1, Ordering::Relaxed);
         let x = StdXfer {
+            rid,
             peer: peer.to_string(),
             deadline: Instant::now() + self.std_timeout,
             handle: h,
@@ -786,6 +794,11 @@ impl Drop for FabricAgent {
     }
 }
 
+/// First request id of the standard path (2^63): standard and bounce ids
+/// (bounce counts from 1) never collide, so a request id in a log or a
+/// bench report names one request of one agent.
+pub const STD_RID_BASE: u64 = 1 << 63;
+
 /// CPUs available to this process (1 when unknown).
 fn host_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -839,8 +852,9 @@ fn standard_poller(
                 engine.release(x.handle);
                 engine.release_prepared(x.lists.0);
                 engine.release_prepared(x.lists.1);
-                if outcome != TransferOutcome::Success {
+                if let TransferOutcome::Failure(why) = &outcome {
                     stats.standard_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(agent = %engine.agent_name(), peer = %LogSafe(&x.peer), rid = x.rid, reason = %why, "standard transfer failed");
                 }
                 stats.standard_in_flight.fetch_sub(1, Ordering::Relaxed);
                 x.completion.resolve(outcome);

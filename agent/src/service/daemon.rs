@@ -124,6 +124,10 @@ impl Default for AgentConfig {
     }
 }
 
+/// Largest accepted discovery lease TTL: 3600 s (a dead agent stays a
+/// peer for at most this long without the operator's help).
+pub const MAX_LEASE_TTL_SECONDS: u64 = 3600;
+
 /// What [`AgentConfig::apply_env_vars`] found wrong in the environment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EnvReport {
@@ -370,8 +374,11 @@ impl AgentConfig {
         if self.pool_size_bytes.get() == 0 {
             errs.push("poolSizeBytes: expected a byte size greater than 0".into());
         }
-        if self.lease_ttl_seconds == 0 {
-            errs.push("leaseTtlSeconds: expected an integer ≥ 1".into());
+        if !(1..=MAX_LEASE_TTL_SECONDS).contains(&self.lease_ttl_seconds) {
+            errs.push(format!(
+                "leaseTtlSeconds: expected 1-{MAX_LEASE_TTL_SECONDS} seconds, got {}",
+                self.lease_ttl_seconds
+            ));
         }
         if let Err(e) = self.bind_addr() {
             errs.push(e);

@@ -393,6 +393,8 @@ pub struct TransferResponse {
     pub error: Option<String>,
     /// The peer's agent name the transfer went to.
     pub peer: String,
+    /// The agent's request id (as in its logs).
+    pub request_id: u64,
     /// The path used.
     pub path: String,
     /// Descriptors sent.
@@ -708,6 +710,7 @@ fn transfer_blocking(
     } else {
         s.agent.submit_standard(&peer, descs)
     };
+    let request_id = handle.request_id;
     let outcome = handle.wait(TRANSFER_WAIT);
     let elapsed = t0.elapsed();
     let latency_ms = elapsed.as_secs_f64() * 1e3;
@@ -732,12 +735,13 @@ fn transfer_blocking(
         ),
     };
     if let Some(e) = &error {
-        tracing::warn!(agent = %s.agent.name(), %peer, path = %req.path, outcome, error = %e, "debug transfer did not succeed");
+        tracing::warn!(agent = %s.agent.name(), %peer, rid = request_id, path = %req.path, outcome, error = %e, "debug transfer did not succeed");
     }
     Ok(TransferResponse {
         outcome: outcome.into(),
         error,
         peer,
+        request_id,
         path: req.path,
         descriptors: n,
         bytes,
