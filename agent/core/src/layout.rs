@@ -37,8 +37,9 @@ pub fn dtype_bytes(dtype: &str) -> Option<u64> {
     }
 }
 
-/// An engine's KV geometry (the engine API's `KvLayout`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// An engine's KV geometry (the engine API's `KvLayout`; serialized with
+/// these field names in the agents' discovery records).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct EngineLayout {
     /// Transformer layers in the pool.
     pub layers: u32,

@@ -1455,6 +1455,9 @@ impl TransferEngine for CudaBoundEngine {
         self.bind();
         self.inner.forget_peer(peer)
     }
+    fn deregister_region(&self, addr: u64) -> bool {
+        self.inner.deregister_region(addr)
+    }
     fn register_region(&self, kind: MemKind, desc: MemDesc) -> Result<(), EngineError> {
         self.bind();
         self.inner.register_region(kind, desc)

@@ -118,8 +118,12 @@ pub trait TransferEngine: Send + Sync {
     fn load_peer(&self, metadata: &[u8]) -> Result<String, EngineError>;
     /// Forgets a peer's metadata (NIXL invalidateRemoteMD).
     fn forget_peer(&self, peer: &str) -> Result<(), EngineError>;
-    /// Registers `desc` (once, at start-up; never on the request path).
+    /// Registers `desc` (once, at start-up or when an engine attaches a
+    /// pool; never on the request path).
     fn register_region(&self, kind: MemKind, desc: MemDesc) -> Result<(), EngineError>;
+    /// Deregisters the region registered at `addr` (an engine's pool going
+    /// away, once nothing reads or writes it). `false` when none was.
+    fn deregister_region(&self, addr: u64) -> bool;
     /// Posts one WRITE of `local[i]` → `remote[i]` on `peer` (lists of equal
     /// length and per-pair equal sizes).
     fn post_write(
@@ -189,7 +193,8 @@ impl NixlDescriptor for RawRegion {
 struct Inner {
     agent: Agent,
     backend: Backend,
-    regs: Vec<RegistrationHandle>,
+    /// Registrations by base address (dropping a handle deregisters).
+    regs: Vec<(u64, RegistrationHandle)>,
     xfers: HashMap<u64, XferRequest>,
     prepared: HashMap<u64, XferDlistHandle>,
 }
@@ -319,8 +324,20 @@ impl TransferEngine for NixlTransferEngine {
             .agent
             .register_memory(&RawRegion { kind, desc }, Some(&args))
             .map_err(nixl("register_memory"))?;
-        inner.regs.push(handle);
+        inner.regs.push((desc.addr, handle));
         Ok(())
+    }
+
+    fn deregister_region(&self, addr: u64) -> bool {
+        let mut inner = self.lock();
+        match inner.regs.iter().position(|(a, _)| *a == addr) {
+            Some(k) => {
+                let (_, handle) = inner.regs.swap_remove(k);
+                drop(handle);
+                true
+            }
+            None => false,
+        }
     }
 
     fn post_write(

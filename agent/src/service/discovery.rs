@@ -128,6 +128,31 @@ pub struct BufferRegion {
     pub len: u64,
 }
 
+/// A serving engine attached to an agent (issue 12), as published in the
+/// agent's record so peers can resolve hand-offs to it and the operator can
+/// invalidate it by pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineRecord {
+    /// Engine id (unique per agent among live sessions).
+    pub engine_id: String,
+    /// The engine pod's UID (may be empty outside Kubernetes).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_uid: String,
+    /// `prefill`, `decode` or `both`.
+    pub role: String,
+    /// KV geometry.
+    pub layout: kvfabric_core::layout::EngineLayout,
+    /// [`EngineLayout::fingerprint`](kvfabric_core::layout::EngineLayout::fingerprint).
+    pub fingerprint: String,
+    /// Pool base address in the publishing agent's address space (0 until
+    /// a pool is registered) and its length in bytes.
+    pub pool_addr: u64,
+    /// Pool length in bytes (0 until registered).
+    pub pool_len: u64,
+    /// Pool memory kind: `dram` or `vram`.
+    pub pool_kind: String,
+}
+
 /// What one agent publishes (serialized as JSON; byte blobs in base64).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentRecord {
@@ -165,6 +190,10 @@ pub struct AgentRecord {
     /// Config (rollout) generation.
     #[serde(default)]
     pub config_generation: u64,
+    /// Serving engines attached to this agent (issue 12); republished on
+    /// every attach, pool registration and detach.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engines: Vec<EngineRecord>,
     /// When this incarnation started, ms since the Unix epoch; orders
     /// incarnations of one `logical_id` (later wins, then the larger name).
     pub started_at_ms: u64,
@@ -215,6 +244,7 @@ impl AgentRecord {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            engines: Vec::new(),
             started_at_ms: now,
             published_at_ms: now,
         }
@@ -1005,6 +1035,7 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 7,
+            engines: Vec::new(),
             started_at_ms: started,
             published_at_ms: started,
         }

@@ -114,6 +114,7 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            engines: Vec::new(),
             started_at_ms: started,
             published_at_ms: started,
         }
