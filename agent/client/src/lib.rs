@@ -186,6 +186,23 @@ impl Client {
         &self.path
     }
 
+    /// Status of any session by id (e.g. to check that a session ended:
+    /// `NotFound` once the agent detached it).
+    ///
+    /// # Errors
+    /// [`ClientError::Rpc`] with `NotFound` for an unknown session.
+    pub async fn status_of(&self, session: &str) -> Result<pb::StatusResponse, ClientError> {
+        let mut api = self.api.clone();
+        bounded(
+            "Status",
+            self.timeout,
+            api.status(pb::StatusRequest {
+                session: session.to_string(),
+            }),
+        )
+        .await
+    }
+
     /// Attaches engine `engine_id` (pod `pod_uid`, `role`, `layout`) and
     /// returns its session, whose Attach stream a background task keeps
     /// open until [`Session::detach`] or drop.

@@ -200,6 +200,9 @@ struct AgentArgs {
     /// Log format: text or json.
     #[arg(long)]
     log_format: Option<String>,
+    /// Serve the engines' local API (gRPC) on this Unix socket (mode 0660).
+    #[arg(long, value_name = "PATH")]
+    engine_socket: Option<String>,
     /// Serve the unauthenticated /v1/debug/transfer and /v1/debug/verify
     /// endpoints (the distributed bench uses them); loopback --listen only.
     #[arg(long)]
@@ -233,6 +236,7 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         control_bind: a.control_bind,
         log_format,
         debug_api: a.debug_api.then_some(true),
+        engine_socket: a.engine_socket,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);

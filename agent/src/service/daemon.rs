@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::discovery::{
     incarnation_name, validate_name, AgentRecord, BufferRegion, Discovery, EmbeddedRegistry,
-    EtcdDiscovery, EtcdOptions, Incarnation, PeerSync,
+    EngineRecord, EtcdDiscovery, EtcdOptions, Incarnation, PeerSync,
 };
 use super::http::{ServiceInit, ServiceState, VerifyRegion};
 use super::metrics::AgentMetrics;
@@ -88,6 +88,11 @@ pub struct AgentConfig {
     /// Log format. Env `KVFABRIC_LOG_FORMAT`, flag `--log-format`
     /// (the filter is `KVFABRIC_LOG`, default `info`).
     pub log_format: LogFormat,
+    /// Unix socket of the engines' local API (gRPC; mode 0660; parent
+    /// directories created). Empty (default) = not served. The chart sets
+    /// `/run/kvfabric/engine.sock` on a hostPath the engine pods mount.
+    /// Env `KVFABRIC_ENGINE_SOCKET`, flag `--engine-socket`.
+    pub engine_socket: String,
     /// Serve `POST /v1/debug/transfer` and `/v1/debug/verify` (fill and
     /// write this agent's KV pool on request; check a peer's). Default off;
     /// only allowed on a loopback `listen` address, since the endpoints are
@@ -117,6 +122,7 @@ impl Default for AgentConfig {
             control_bind: "routable".into(),
             shutdown_timeout_ms: 10_000,
             log_format: LogFormat::Text,
+            engine_socket: String::new(),
             debug_api: false,
             bounce: BounceConfig::default(),
             env_warnings: Vec::new(),
@@ -163,6 +169,8 @@ pub struct AgentOverrides {
     pub log_format: Option<LogFormat>,
     /// `--debug-api` (`Some(true)` when given).
     pub debug_api: Option<bool>,
+    /// `--engine-socket`.
+    pub engine_socket: Option<String>,
 }
 
 fn split_list(v: &str) -> Vec<String> {
@@ -232,6 +240,7 @@ impl AgentConfig {
                     Err(_) => bad("a whole number of seconds"),
                 },
                 "CONTROL_BIND" => self.control_bind = v.to_string(),
+                "ENGINE_SOCKET" => self.engine_socket = v.to_string(),
                 "SHUTDOWN_TIMEOUT_MS" => match v.parse() {
                     Ok(n) => self.shutdown_timeout_ms = n,
                     Err(_) => bad("a whole number of milliseconds"),
@@ -294,6 +303,9 @@ impl AgentConfig {
         }
         if let Some(v) = o.debug_api {
             self.debug_api = v;
+        }
+        if let Some(v) = o.engine_socket {
+            self.engine_socket = v;
         }
     }
 
@@ -544,7 +556,7 @@ pub struct Node {
     discovery: Arc<dyn Discovery>,
     sync: Mutex<Option<PeerSync>>,
     state: Arc<ServiceState>,
-    record: AgentRecord,
+    record: Mutex<AgentRecord>,
 }
 
 impl Node {
@@ -606,7 +618,7 @@ impl Node {
             discovery,
             sync: Mutex::new(Some(sync)),
             state,
-            record,
+            record: Mutex::new(record),
         })
     }
 
@@ -625,9 +637,31 @@ impl Node {
         &self.discovery
     }
 
-    /// The published record.
-    pub fn record(&self) -> &AgentRecord {
-        &self.record
+    /// The published record (as last published).
+    pub fn record(&self) -> AgentRecord {
+        self.record
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Republishes the record with `engines` attached (issue 12) and the
+    /// agent's current NIXL metadata (an engine's pool registration adds
+    /// memory sections peers need for the standard path). A publish the
+    /// store did not confirm is retried in the background by the discovery.
+    pub fn publish_engines(&self, engines: Vec<EngineRecord>) {
+        let mut rec = self.record.lock().unwrap_or_else(|p| p.into_inner());
+        match self.agent.local_descriptor() {
+            Ok(d) => rec.nixl_metadata = d.nixl_metadata,
+            Err(e) => {
+                tracing::warn!(agent = %self.agent.name(), error = %e, "NIXL metadata not refreshed")
+            }
+        }
+        rec.engines = engines;
+        rec.published_at_ms = super::discovery::now_ms();
+        if let Err(e) = self.discovery.publish(rec.clone()) {
+            tracing::warn!(agent = %self.agent.name(), error = %e, "engine list not published yet; retrying in the background");
+        }
     }
 
     /// Names of the peers loaded through discovery.
@@ -840,6 +874,21 @@ pub fn run(
         pool_bytes = pool_len, bounce = node.agent().transport().is_some(), "agent started"
     );
 
+    let engine_socket = super::engines::socket_path(&cfg.engine_socket);
+    let hub = engine_socket.as_ref().map(|_| {
+        let weak = Arc::downgrade(&node);
+        super::engines::EngineHub::new(
+            node.agent().clone(),
+            Some(discovery.clone()),
+            Box::new(move |engines| {
+                if let Some(n) = weak.upgrade() {
+                    n.publish_engines(engines);
+                }
+            }),
+            Duration::from_millis(cfg.bounce.request_timeout_ms),
+        )
+    });
+
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -848,6 +897,17 @@ pub fn run(
     let result = rt.block_on(async {
         let listener = tokio::net::TcpListener::from_std(std_listener)
             .map_err(|e| format!("listening on {}: {e}", cfg.listen))?;
+        let (engine_stop_tx, engine_stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let engine_server = match (&engine_socket, &hub) {
+            (Some(path), Some(hub)) => {
+                let l = super::engines::bind_socket(path)?;
+                tracing::info!(socket = %path.display(), "engine API listening");
+                Some(tokio::spawn(super::engines::serve(l, hub.clone(), async move {
+                    let _ = engine_stop_rx.await;
+                })))
+            }
+            _ => None,
+        };
         tracing::info!(%addr, url = %node.record().http, "HTTP API listening");
         announce(addr);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -874,6 +934,20 @@ pub fn run(
             tracing::warn!(signal = sig, "second signal: exiting without draining");
             std::process::exit(1);
         });
+        if let Some(hub) = &hub {
+            // Engines first: their requests fail, their pools are let go.
+            let hub = hub.clone();
+            let _ = tokio::task::spawn_blocking(move || hub.shutdown()).await;
+        }
+        let _ = engine_stop_tx.send(());
+        if let Some(s) = engine_server {
+            if tokio::time::timeout(HTTP_DRAIN, s).await.is_err() {
+                tracing::warn!("engine API connections still open after {HTTP_DRAIN:?}; closing");
+            }
+        }
+        if let Some(path) = &engine_socket {
+            let _ = std::fs::remove_file(path);
+        }
         let n = node.clone();
         let report = tokio::task::spawn_blocking(move || n.shutdown(bound))
             .await
@@ -891,6 +965,7 @@ pub fn run(
     // Drops the runtime (and any connection tasks) before the agent and
     // the pool it registered.
     drop(rt);
+    drop(hub);
     drop(node);
     drop(discovery);
     drop(pool);

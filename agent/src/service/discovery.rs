@@ -975,6 +975,30 @@ fn upsert<S: PeerSink + ?Sized>(
                 .insert(rec.name.clone(), rec.clone());
             return true;
         }
+        Some(p)
+            if p.name == rec.name && p.handshake == rec.handshake && p.buffers == rec.buffers =>
+        {
+            // Only the NIXL metadata grew (an engine registered a pool on
+            // the peer): load it over the loaded one, without forgetting
+            // the peer — its flows and in-flight requests stay. NIXL merges
+            // the new memory sections; if it refuses, forget and reload.
+            match sink.load(&rec.descriptor()) {
+                Ok(()) => {
+                    stats.reloaded.fetch_add(1, Ordering::Relaxed);
+                    loaded
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(rec.name.clone(), rec.clone());
+                    tracing::debug!(agent = %me, peer = %rec.name, "peer metadata refreshed");
+                    return true;
+                }
+                Err(e) => {
+                    tracing::info!(agent = %me, peer = %rec.name, error = %e, "metadata refresh refused; reloading the peer");
+                    sink.forget(&rec.name);
+                    true
+                }
+            }
+        }
         Some(_) => {
             sink.forget(&rec.name);
             true

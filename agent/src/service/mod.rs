@@ -1,7 +1,8 @@
-//! Agent services around the runtime: peer discovery, the HTTP API, metrics
-//! and the `kvfabric agent` daemon.
+//! Agent services around the runtime: peer discovery, the engines' local
+//! API, the HTTP API, metrics and the `kvfabric agent` daemon.
 
 pub mod daemon;
 pub mod discovery;
+pub mod engines;
 pub mod http;
 pub mod metrics;

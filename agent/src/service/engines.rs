@@ -1,0 +1,1156 @@
+//! The engines' local API (issue 12): serving engines (one per prefill or
+//! decode pod) attach their paged KV pools to the agent on their node over
+//! gRPC on a Unix socket (`agent/proto/kvfabric/v1/engine.proto`) and ask
+//! for hand-offs by block id.
+//!
+//! * [`EngineHub`] holds the sessions: engine id, pod UID, role, layout,
+//!   the mapped pool, the requests in flight. Sessions are tenants: a
+//!   session reads only its own pool as a source and writes another
+//!   engine's pool only as the named destination of its own transfer,
+//!   inside that engine's published layout.
+//! * A session lives as long as its Attach stream: the client dropping it
+//!   (process exit, crash) ends the session at once (the stream's receiver
+//!   goes away). Its requests are cancelled, it is withdrawn from the
+//!   agent's discovery record, and its pool is unregistered and unmapped
+//!   only once no scatter writes into it and no transfer reads it
+//!   (seed 004, "freed while read").
+//! * Hand-offs resolve through the destination engine's record: on this
+//!   agent (a local copy between the two mapped pools), or on a peer agent
+//!   found in discovery (bounce or the standard path through
+//!   [`FabricAgent::submit_write`]). When the sender's transfer resolves it
+//!   sends the destination agent a NOTICE ([`NOTICE_TOPIC_ARRIVAL`]) —
+//!   after the last ACK, so after the last byte was scattered — which
+//!   resolves the decode engine's `AwaitArrival`.
+//!
+//! Host pools are named POSIX shm objects mapped by the agent. CUDA IPC
+//! pools are answered `Unimplemented` by this build (see
+//! docs/architecture.md, "Engines").
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use kvfabric_client::pb;
+use kvfabric_client::pb::engine_api_server::{EngineApi, EngineApiServer};
+use kvfabric_core::layout::{block_descriptors, extent_descriptors, head_map, EngineLayout};
+use kvfabric_core::text::LogSafe;
+use kvfabric_core::wire::{Notice, NOTICE_TOPIC_ARRIVAL};
+use kvfabric_core::Descriptor;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, Notify};
+use tonic::{Request, Response, Status};
+
+use super::discovery::{Discovery, EngineRecord};
+use crate::runtime::engine::{MemDesc, MemKind};
+use crate::runtime::fabric::{FabricAgent, PathKind};
+use crate::runtime::transport::{TransferHandle, TransferOutcome};
+
+/// How long an arrival is kept for an `AwaitArrival` that has not come yet.
+pub const ARRIVAL_TTL: Duration = Duration::from_secs(300);
+
+/// Most arrivals kept waiting for their `AwaitArrival` (oldest dropped).
+pub const MAX_PENDING_ARRIVALS: usize = 65_536;
+
+/// Period of the Attach stream's heartbeat events.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// Longest engine id accepted (bytes): it is a key in records and logs.
+pub const MAX_ENGINE_ID_LEN: usize = 128;
+
+/// Most block ids (or extents) one `Transfer` may name.
+pub const MAX_BLOCKS_PER_TRANSFER: usize = 1 << 20;
+
+/// The arrival NOTICE payload (JSON), sender agent → destination agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrivalNotice {
+    /// The source engine.
+    pub src_engine: String,
+    /// The destination engine (attached to the receiving agent).
+    pub dst_engine: String,
+    /// The source engine's request id.
+    pub request_id: u64,
+    /// Payload bytes moved.
+    pub bytes: u64,
+    /// `success` or `failure`.
+    pub outcome: String,
+    /// Why, for a failure.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+}
+
+/// A pool mapped into the agent: registered with NIXL and allowed as a
+/// scatter destination while the owning session lives; unregistered and
+/// unmapped when the last user (session, transfer) lets go.
+struct MappedPool {
+    addr: u64,
+    len: u64,
+    agent: Weak<FabricAgent>,
+}
+
+impl Drop for MappedPool {
+    fn drop(&mut self) {
+        if let Some(a) = self.agent.upgrade() {
+            a.engine().deregister_region(self.addr);
+        }
+        // SAFETY: `addr`/`len` is the mapping made in `map_shm`; nothing
+        // uses it any more (this is the last reference, and scatters into
+        // it were drained by `disallow_scatter_range` before the session
+        // let go).
+        unsafe {
+            libc::munmap(self.addr as *mut libc::c_void, self.len as usize);
+        }
+    }
+}
+
+/// Maps shm object `name` (read-write, `len` bytes from offset 0).
+fn map_shm(name: &str, len: u64) -> Result<u64, String> {
+    if !name.starts_with('/') || name.len() < 2 || name.len() > 251 || name[1..].contains('/') {
+        return Err(format!(
+            "shm name {:?}: want \"/name\" (1-250 characters, no other '/')",
+            LogSafe(name)
+        ));
+    }
+    let len_usize = usize::try_from(len).map_err(|_| "pool length overflows".to_string())?;
+    let cname = std::ffi::CString::new(name).map_err(|_| "NUL in shm name".to_string())?;
+    // SAFETY: FFI with a valid NUL-terminated name.
+    let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
+    if fd < 0 {
+        return Err(format!(
+            "shm_open({}): {}",
+            LogSafe(name),
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: `st` is plain old data filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is valid; st is writable.
+    let size_ok = unsafe { libc::fstat(fd, &mut st) } == 0 && (st.st_size as u64) >= len;
+    if !size_ok {
+        // SAFETY: closing our own fd.
+        unsafe { libc::close(fd) };
+        return Err(format!(
+            "shm object {} is {} bytes, smaller than the {len} the layout needs",
+            LogSafe(name),
+            st.st_size
+        ));
+    }
+    // SAFETY: mapping `len` bytes of a shm object at least that large.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len_usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    // SAFETY: the mapping keeps its own reference.
+    unsafe { libc::close(fd) };
+    if ptr == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    Ok(ptr as u64)
+}
+
+/// One request in flight from a session.
+struct InFlight {
+    dst_engine: String,
+    path: &'static str,
+    bytes: u64,
+    started: Instant,
+    /// Transport request id and path, for cancellation.
+    handle: Option<(PathKind, TransferHandle)>,
+}
+
+/// One attached engine.
+struct Session {
+    id: String,
+    engine_id: String,
+    pod_uid: String,
+    role: String,
+    layout: EngineLayout,
+    fingerprint: String,
+    pool: Mutex<Option<Arc<MappedPool>>>,
+    in_flight: Mutex<HashMap<u64, InFlight>>,
+    succeeded: AtomicU64,
+    failed: AtomicU64,
+    bytes_sent: AtomicU64,
+    arrivals: AtomicU64,
+    /// Closed by Detach or the hub's shutdown (ends the Attach stream).
+    close: Notify,
+}
+
+impl Session {
+    fn pool(&self) -> Option<Arc<MappedPool>> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Key of an arrival: (destination engine, source engine, request id).
+type ArrivalKey = (String, String, u64);
+
+#[derive(Default)]
+struct Arrivals {
+    done: HashMap<ArrivalKey, (ArrivalNotice, Instant)>,
+}
+
+/// Sessions, arrivals and the glue to the agent (see the module docs).
+pub struct EngineHub {
+    agent: Arc<FabricAgent>,
+    discovery: Option<Arc<dyn Discovery>>,
+    /// Called with the engine list whenever it changes (republishes the
+    /// agent's record).
+    publish: Box<dyn Fn(Vec<EngineRecord>) + Send + Sync>,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    arrivals: Mutex<Arrivals>,
+    arrived: Notify,
+    request_timeout: Duration,
+    next_session: AtomicU64,
+}
+
+fn status_of(e: kvfabric_core::layout::LayoutError) -> Status {
+    match e {
+        kvfabric_core::layout::LayoutError::Invalid(m) => Status::invalid_argument(m),
+        kvfabric_core::layout::LayoutError::OutOfRange(m) => Status::invalid_argument(m),
+        m @ kvfabric_core::layout::LayoutError::Mismatch { .. } => {
+            Status::failed_precondition(m.to_string())
+        }
+    }
+}
+
+fn role_name(r: i32) -> Result<&'static str, Status> {
+    match pb::Role::try_from(r) {
+        Ok(pb::Role::Prefill) => Ok("prefill"),
+        Ok(pb::Role::Decode) => Ok("decode"),
+        Ok(pb::Role::Both) => Ok("both"),
+        _ => Err(Status::invalid_argument(
+            "role: expected ROLE_PREFILL, ROLE_DECODE or ROLE_BOTH",
+        )),
+    }
+}
+
+fn layout_of(l: &pb::KvLayout) -> EngineLayout {
+    EngineLayout {
+        layers: l.layers,
+        num_blocks: l.num_blocks,
+        block_bytes: l.block_bytes,
+        kv_split: l.kv_split,
+        dtype: l.dtype.clone(),
+        tp_rank: l.tp_rank,
+        tp_size: l.tp_size,
+        block_tokens: l.block_tokens,
+        kv_heads: l.kv_heads,
+        head_dim: l.head_dim,
+        device: l.device,
+    }
+}
+
+/// Where a hand-off goes.
+enum Target {
+    /// An engine attached to this agent.
+    Local(Arc<Session>),
+    /// An engine attached to peer agent `agent`.
+    Remote {
+        agent: String,
+        record: Box<EngineRecord>,
+    },
+}
+
+impl EngineHub {
+    /// A hub serving `agent`; `discovery` resolves engines on other agents
+    /// (none: local hand-offs only); `publish` is called with the engine
+    /// list on every change; `request_timeout` bounds a transfer without its
+    /// own timeout (the config's `requestTimeoutMs`).
+    pub fn new(
+        agent: Arc<FabricAgent>,
+        discovery: Option<Arc<dyn Discovery>>,
+        publish: Box<dyn Fn(Vec<EngineRecord>) + Send + Sync>,
+        request_timeout: Duration,
+    ) -> Arc<Self> {
+        let hub = Arc::new(Self {
+            agent,
+            discovery,
+            publish,
+            sessions: Mutex::new(HashMap::new()),
+            arrivals: Mutex::new(Arrivals::default()),
+            arrived: Notify::new(),
+            request_timeout,
+            next_session: AtomicU64::new(1),
+        });
+        if let Some(t) = hub.agent.transport() {
+            let (tx, rx) = crossbeam_channel::bounded::<(String, Notice)>(4096);
+            t.set_notice_sink(tx);
+            let weak = Arc::downgrade(&hub);
+            let _ = std::thread::Builder::new()
+                .name("kvfabric-notices".into())
+                .spawn(move || {
+                    while let Ok((peer, n)) = rx.recv() {
+                        let Some(hub) = weak.upgrade() else { return };
+                        hub.on_notice(&peer, n);
+                    }
+                });
+        }
+        hub
+    }
+
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn session(&self, id: &str) -> Result<Arc<Session>, Status> {
+        self.lock_sessions().get(id).cloned().ok_or_else(|| {
+            Status::not_found(format!(
+                "no session {:?} (detached or never attached)",
+                LogSafe(id)
+            ))
+        })
+    }
+
+    /// The engine records this agent publishes.
+    pub fn records(&self) -> Vec<EngineRecord> {
+        let mut v: Vec<EngineRecord> = self
+            .lock_sessions()
+            .values()
+            .map(|s| {
+                let pool = s.pool();
+                EngineRecord {
+                    engine_id: s.engine_id.clone(),
+                    pod_uid: s.pod_uid.clone(),
+                    role: s.role.clone(),
+                    layout: s.layout.clone(),
+                    fingerprint: s.fingerprint.clone(),
+                    pool_addr: pool.as_ref().map_or(0, |p| p.addr),
+                    pool_len: pool.as_ref().map_or(0, |p| p.len),
+                    pool_kind: "dram".into(),
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.engine_id.cmp(&b.engine_id));
+        v
+    }
+
+    fn republish(&self) {
+        (self.publish)(self.records());
+    }
+
+    /// Live sessions (for status and tests).
+    pub fn session_count(&self) -> usize {
+        self.lock_sessions().len()
+    }
+
+    /// Attaches an engine.
+    fn attach(&self, req: &pb::AttachRequest) -> Result<Arc<Session>, Status> {
+        let id = req.engine_id.as_str();
+        if id.is_empty()
+            || id.len() > MAX_ENGINE_ID_LEN
+            || id
+                .chars()
+                .any(|c| c == '/' || c.is_whitespace() || c.is_control())
+        {
+            return Err(Status::invalid_argument(format!(
+                "engine_id {}: want 1-{MAX_ENGINE_ID_LEN} printable characters without '/' or spaces",
+                LogSafe(id)
+            )));
+        }
+        if req.pod_uid.len() > MAX_ENGINE_ID_LEN || req.pod_uid.chars().any(char::is_control) {
+            return Err(Status::invalid_argument(
+                "pod_uid: too long or not printable",
+            ));
+        }
+        let role = role_name(req.role)?;
+        let layout = layout_of(
+            req.layout
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("layout: missing"))?,
+        );
+        layout.validate().map_err(status_of)?;
+        if layout.device >= 0 {
+            return Err(Status::unimplemented(
+                "GPU pools (layout.device >= 0) need an agent built with GPU engine support; this agent serves host pools",
+            ));
+        }
+        let s = {
+            let mut g = self.lock_sessions();
+            if g.values().any(|s| s.engine_id == id) {
+                return Err(Status::already_exists(format!(
+                    "engine {} is attached already (one session per engine id)",
+                    LogSafe(id)
+                )));
+            }
+            let sid = format!(
+                "{}-{}",
+                self.next_session.fetch_add(1, Ordering::Relaxed),
+                crate::service::discovery::Incarnation::generate()
+            );
+            let s = Arc::new(Session {
+                id: sid.clone(),
+                engine_id: id.to_string(),
+                pod_uid: req.pod_uid.clone(),
+                role: role.to_string(),
+                fingerprint: layout.fingerprint(),
+                layout,
+                pool: Mutex::new(None),
+                in_flight: Mutex::new(HashMap::new()),
+                succeeded: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+                bytes_sent: AtomicU64::new(0),
+                arrivals: AtomicU64::new(0),
+                close: Notify::new(),
+            });
+            g.insert(sid, s.clone());
+            s
+        };
+        tracing::info!(agent = %self.agent.name(), engine = %LogSafe(id), session = %s.id, role, layout = %s.layout, "engine attached");
+        self.republish();
+        Ok(s)
+    }
+
+    /// Ends a session: fails its requests, withdraws it, and lets its pool
+    /// go once no scatter writes into it. Idempotent.
+    pub fn detach(&self, session: &str, why: &str) {
+        let Some(s) = self.lock_sessions().remove(session) else {
+            return;
+        };
+        tracing::info!(agent = %self.agent.name(), engine = %LogSafe(&s.engine_id), session, reason = why, "engine detached");
+        s.close.notify_waiters();
+        s.close.notify_one();
+        let inflight: Vec<(u64, Option<(PathKind, TransferHandle)>)> = s
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(r, f)| (*r, f.handle.clone()))
+            .collect();
+        for (rid, h) in inflight {
+            if let (Some((PathKind::Bounce, h)), Some(t)) = (h, self.agent.transport()) {
+                if t.cancel(h.request_id, &format!("engine detached: {why}")) {
+                    tracing::info!(engine = %LogSafe(&s.engine_id), request = rid, "in-flight request cancelled");
+                }
+            }
+        }
+        self.republish();
+        let pool = s.pool.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(pool) = pool {
+            // Drain scatters into the pool before letting it go (a reaper
+            // thread: never block the caller).
+            let agent = self.agent.clone();
+            let _ = std::thread::Builder::new()
+                .name("kvfabric-pool-reaper".into())
+                .spawn(move || {
+                    if let Some(t) = agent.transport() {
+                        while !t.disallow_scatter_range(pool.addr, pool.len, Duration::from_secs(5)) {
+                            tracing::warn!(addr = pool.addr, "a detached engine's pool still has scatters in flight; keeping it mapped");
+                        }
+                    }
+                    drop(pool);
+                });
+        }
+    }
+
+    /// Detaches every session (agent shutdown).
+    pub fn shutdown(&self) {
+        let ids: Vec<String> = self.lock_sessions().keys().cloned().collect();
+        for id in ids {
+            self.detach(&id, "agent shutting down");
+        }
+    }
+
+    fn register_shm(&self, s: &Arc<Session>, name: &str, len: u64) -> Result<u64, Status> {
+        let need = s.layout.pool_bytes().unwrap_or(u64::MAX);
+        if len < need {
+            return Err(Status::invalid_argument(format!(
+                "pool of {len} bytes is smaller than the layout's {need} bytes"
+            )));
+        }
+        let mut slot = s.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return Err(Status::failed_precondition(
+                "a pool is registered already (one pool per session)",
+            ));
+        }
+        let addr = map_shm(name, need).map_err(Status::invalid_argument)?;
+        let pool = Arc::new(MappedPool {
+            addr,
+            len: need,
+            agent: Arc::downgrade(&self.agent),
+        });
+        self.agent
+            .engine()
+            .register_region(MemKind::Dram, MemDesc::host(addr, need))
+            .map_err(|e| Status::internal(format!("NIXL registration of the pool: {e}")))?;
+        if let Some(t) = self.agent.transport() {
+            t.allow_scatter_range(addr, need);
+        }
+        *slot = Some(pool);
+        drop(slot);
+        tracing::info!(engine = %LogSafe(&s.engine_id), shm = %LogSafe(name), bytes = need, "pool registered");
+        self.republish();
+        Ok(need)
+    }
+
+    /// Finds `engine` on this agent or in a peer's record.
+    fn resolve(&self, engine: &str) -> Result<Target, Status> {
+        if let Some(s) = self
+            .lock_sessions()
+            .values()
+            .find(|s| s.engine_id == engine)
+            .cloned()
+        {
+            return Ok(Target::Local(s));
+        }
+        if let Some(d) = &self.discovery {
+            for rec in d.peers() {
+                if rec.name == self.agent.name() {
+                    continue;
+                }
+                if let Some(e) = rec.engines.iter().find(|e| e.engine_id == engine) {
+                    return Ok(Target::Remote {
+                        agent: rec.name.clone(),
+                        record: Box::new(e.clone()),
+                    });
+                }
+            }
+        }
+        Err(Status::not_found(format!(
+            "destination engine {} is not attached to this agent or any agent in discovery",
+            LogSafe(engine)
+        )))
+    }
+
+    fn on_notice(&self, peer: &str, n: Notice) {
+        if n.topic != NOTICE_TOPIC_ARRIVAL {
+            tracing::debug!(peer = %LogSafe(peer), topic = n.topic, "notice of an unknown topic dropped");
+            return;
+        }
+        let Ok(a) = serde_json::from_slice::<ArrivalNotice>(&n.payload) else {
+            tracing::warn!(peer = %LogSafe(peer), "undecodable arrival notice dropped");
+            return;
+        };
+        let known = self
+            .lock_sessions()
+            .values()
+            .find(|s| s.engine_id == a.dst_engine)
+            .cloned();
+        match known {
+            Some(s) => {
+                s.arrivals.fetch_add(1, Ordering::Relaxed);
+                self.record_arrival(a);
+            }
+            None => {
+                tracing::debug!(peer = %LogSafe(peer), engine = %LogSafe(&a.dst_engine), "arrival for an engine not attached here dropped")
+            }
+        }
+    }
+
+    fn record_arrival(&self, a: ArrivalNotice) {
+        let mut g = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        g.done
+            .retain(|_, (_, t)| now.duration_since(*t) < ARRIVAL_TTL);
+        if g.done.len() >= MAX_PENDING_ARRIVALS {
+            if let Some(oldest) = g
+                .done
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| k.clone())
+            {
+                g.done.remove(&oldest);
+            }
+        }
+        g.done.insert(
+            (a.dst_engine.clone(), a.src_engine.clone(), a.request_id),
+            (a, now),
+        );
+        drop(g);
+        self.arrived.notify_waiters();
+    }
+
+    /// Takes the arrival of (`dst`, `src` or any, `rid`), if there.
+    fn take_arrival(
+        &self,
+        dst: &str,
+        src: &str,
+        rid: u64,
+    ) -> Result<Option<ArrivalNotice>, Status> {
+        let mut g = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        if !src.is_empty() {
+            return Ok(g
+                .done
+                .remove(&(dst.to_string(), src.to_string(), rid))
+                .map(|(a, _)| a));
+        }
+        let keys: Vec<ArrivalKey> = g
+            .done
+            .keys()
+            .filter(|(d, _, r)| d == dst && *r == rid)
+            .cloned()
+            .collect();
+        match keys.len() {
+            0 => Ok(None),
+            1 => Ok(g.done.remove(&keys[0]).map(|(a, _)| a)),
+            _ => Err(Status::failed_precondition(format!(
+                "request {rid} arrived from {} source engines; name src_engine",
+                keys.len()
+            ))),
+        }
+    }
+
+    /// Runs one hand-off to its end (blocking; call off the async runtime).
+    fn transfer_blocking(
+        self: &Arc<Self>,
+        s: &Arc<Session>,
+        req: pb::TransferRequest,
+        received: Instant,
+    ) -> Result<pb::TransferResponse, Status> {
+        let src_pool = s
+            .pool()
+            .ok_or_else(|| Status::failed_precondition("no pool registered on this session"))?;
+        if req.src_blocks.len() > MAX_BLOCKS_PER_TRANSFER
+            || req
+                .extents
+                .as_ref()
+                .is_some_and(|e| e.extents.len() > MAX_BLOCKS_PER_TRANSFER)
+        {
+            return Err(Status::invalid_argument(format!(
+                "more than {MAX_BLOCKS_PER_TRANSFER} blocks or extents in one transfer"
+            )));
+        }
+        let target = self.resolve(&req.dst_engine)?;
+        let (dst_layout, dst_base, dst_len) = match &target {
+            Target::Local(d) => {
+                let p = d.pool().ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "destination engine {} has no pool registered",
+                        LogSafe(&d.engine_id)
+                    ))
+                })?;
+                (d.layout.clone(), p.addr, p.len)
+            }
+            Target::Remote { record, .. } => {
+                if record.pool_len == 0 {
+                    return Err(Status::failed_precondition(format!(
+                        "destination engine {} has no pool registered",
+                        LogSafe(&record.engine_id)
+                    )));
+                }
+                (record.layout.clone(), record.pool_addr, record.pool_len)
+            }
+        };
+        let descs: Vec<Descriptor> = match &req.extents {
+            Some(ex) if !ex.extents.is_empty() => {
+                if !req.src_blocks.is_empty() || !req.dst_blocks.is_empty() {
+                    return Err(Status::invalid_argument("give blocks or extents, not both"));
+                }
+                let v: Vec<(u64, u64, u64)> = ex
+                    .extents
+                    .iter()
+                    .map(|e| (e.src_offset, e.dst_offset, e.len))
+                    .collect();
+                head_map(&s.layout, &dst_layout).map_err(status_of)?;
+                extent_descriptors(src_pool.addr, src_pool.len, dst_base, dst_len, &v)
+                    .map_err(status_of)?
+            }
+            _ => {
+                if req.src_blocks.is_empty() {
+                    return Err(Status::invalid_argument("no blocks to transfer"));
+                }
+                block_descriptors(
+                    &s.layout,
+                    src_pool.addr,
+                    &dst_layout,
+                    dst_base,
+                    &req.src_blocks,
+                    &req.dst_blocks,
+                )
+                .map_err(status_of)?
+            }
+        };
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let timeout = if req.timeout_ms == 0 {
+            self.request_timeout
+        } else {
+            Duration::from_millis(u64::from(req.timeout_ms))
+        };
+        {
+            let mut inf = s.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            if inf.contains_key(&req.request_id) {
+                return Err(Status::already_exists(format!(
+                    "request {} is in flight already on this session",
+                    req.request_id
+                )));
+            }
+            inf.insert(
+                req.request_id,
+                InFlight {
+                    dst_engine: req.dst_engine.clone(),
+                    path: "pending",
+                    bytes,
+                    started: Instant::now(),
+                    handle: None,
+                },
+            );
+        }
+        let result = match target {
+            Target::Local(dst) => {
+                self.local_copy(s, req.request_id, &src_pool, &dst, &descs, received)
+            }
+            Target::Remote { agent, record } => {
+                self.remote_write(s, &req, &agent, &record, descs, timeout, received)
+            }
+        };
+        s.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&req.request_id);
+        let mut r = result?;
+        r.bytes = bytes;
+        if r.outcome == pb::Outcome::Success as i32 {
+            s.succeeded.fetch_add(1, Ordering::Relaxed);
+            s.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        } else {
+            s.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(r)
+    }
+
+    /// Both engines on this agent: copy between the two mapped pools.
+    fn local_copy(
+        &self,
+        s: &Arc<Session>,
+        request_id: u64,
+        src: &Arc<MappedPool>,
+        dst: &Arc<Session>,
+        descs: &[Descriptor],
+        received: Instant,
+    ) -> Result<pb::TransferResponse, Status> {
+        let dst_pool = dst
+            .pool()
+            .ok_or_else(|| Status::failed_precondition("destination pool went away"))?;
+        let submit_us = received.elapsed().as_micros() as u64;
+        let t0 = Instant::now();
+        for d in descs {
+            // SAFETY: every descriptor was range-checked against both pools'
+            // layouts (block ids / extents), and both mappings are held
+            // alive (`src`, `dst_pool`) for the copy.
+            unsafe {
+                std::ptr::copy(d.src as *const u8, d.dst as *mut u8, d.len as usize);
+            }
+        }
+        let transfer_us = t0.elapsed().as_micros() as u64;
+        drop(dst_pool);
+        let _ = src;
+        let bytes = descs.iter().map(|d| d.len).sum();
+        dst.arrivals.fetch_add(1, Ordering::Relaxed);
+        self.record_arrival(ArrivalNotice {
+            src_engine: s.engine_id.clone(),
+            dst_engine: dst.engine_id.clone(),
+            request_id,
+            bytes,
+            outcome: "success".into(),
+            reason: String::new(),
+        });
+        Ok(pb::TransferResponse {
+            outcome: pb::Outcome::Success as i32,
+            reason: String::new(),
+            path: "local".into(),
+            bytes,
+            descriptors: descs.len() as u32,
+            submit_us,
+            transfer_us,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn remote_write(
+        &self,
+        s: &Arc<Session>,
+        req: &pb::TransferRequest,
+        agent: &str,
+        record: &EngineRecord,
+        descs: Vec<Descriptor>,
+        timeout: Duration,
+        received: Instant,
+    ) -> Result<pb::TransferResponse, Status> {
+        let n = descs.len() as u32;
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let (path, handle) = match pb::Path::try_from(req.path).unwrap_or(pb::Path::Auto) {
+            pb::Path::Auto => self.agent.submit_write(agent, descs),
+            pb::Path::Standard => (PathKind::Standard, self.agent.submit_standard(agent, descs)),
+            pb::Path::Bounce => match self.agent.transport() {
+                Some(t) if self.agent.has_peer_handshake(agent) => {
+                    (PathKind::Bounce, t.submit(agent, descs))
+                }
+                _ => {
+                    return Err(Status::failed_precondition(format!(
+                        "bounce is not available to agent {} (not running here, or the peer is not bounce-compatible)",
+                        LogSafe(agent)
+                    )))
+                }
+            },
+        };
+        let submit_us = received.elapsed().as_micros() as u64;
+        let path_name = crate::service::metrics::path_label(path);
+        if let Some(f) = s
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&req.request_id)
+        {
+            f.path = path_name;
+            f.handle = Some((path, handle.clone()));
+        }
+        let t0 = Instant::now();
+        let (outcome, reason) = match handle.wait(timeout) {
+            Some(TransferOutcome::Success) => (pb::Outcome::Success, String::new()),
+            Some(TransferOutcome::Failure(why)) => {
+                let cancelled = why.contains("cancelled") || why.contains("engine detached");
+                (
+                    if cancelled {
+                        pb::Outcome::Cancelled
+                    } else {
+                        pb::Outcome::Failure
+                    },
+                    why,
+                )
+            }
+            None => {
+                if let (PathKind::Bounce, Some(t)) = (path, self.agent.transport()) {
+                    t.cancel(handle.request_id, "engine request timeout");
+                }
+                (
+                    pb::Outcome::Timeout,
+                    format!("not resolved within {timeout:?}"),
+                )
+            }
+        };
+        let transfer_us = t0.elapsed().as_micros() as u64;
+        // Tell the destination agent (after the last ACK for bounce, after
+        // NIXL completion for the standard path).
+        if let Some(t) = self.agent.transport() {
+            let notice = ArrivalNotice {
+                src_engine: s.engine_id.clone(),
+                dst_engine: record.engine_id.clone(),
+                request_id: req.request_id,
+                bytes,
+                outcome: if outcome == pb::Outcome::Success {
+                    "success".into()
+                } else {
+                    "failure".into()
+                },
+                reason: reason.clone(),
+            };
+            if let Ok(payload) = serde_json::to_vec(&notice) {
+                t.send_notice(agent, NOTICE_TOPIC_ARRIVAL, payload);
+            }
+        }
+        if outcome != pb::Outcome::Success {
+            tracing::warn!(engine = %LogSafe(&s.engine_id), request = req.request_id, rid = handle.request_id, dst = %LogSafe(&record.engine_id), path = path_name, reason = %reason, "engine transfer did not succeed");
+        }
+        Ok(pb::TransferResponse {
+            outcome: outcome as i32,
+            reason,
+            path: path_name.into(),
+            bytes,
+            descriptors: n,
+            submit_us,
+            transfer_us,
+        })
+    }
+}
+
+/// The gRPC service over an [`EngineHub`].
+#[derive(Clone)]
+pub struct EngineService {
+    hub: Arc<EngineHub>,
+}
+
+impl EngineService {
+    /// The service for `hub`.
+    pub fn new(hub: Arc<EngineHub>) -> Self {
+        Self { hub }
+    }
+}
+
+type EventStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::SessionEvent, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl EngineApi for EngineService {
+    type AttachStream = EventStream;
+
+    async fn attach(
+        &self,
+        req: Request<pb::AttachRequest>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let hub = self.hub.clone();
+        let req = req.into_inner();
+        // attach() republishes the agent's record (a bounded, blocking
+        // store call): off the async threads.
+        let s = tokio::task::spawn_blocking(move || hub.attach(&req))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        let (tx, rx) = mpsc::channel::<Result<pb::SessionEvent, Status>>(4);
+        let attached = pb::SessionEvent {
+            event: Some(pb::session_event::Event::Attached(pb::Attached {
+                session: s.id.clone(),
+                agent: self.hub.agent.name().to_string(),
+                layout_fingerprint: s.fingerprint.clone(),
+            })),
+        };
+        let _ = tx.send(Ok(attached)).await;
+        let hub = self.hub.clone();
+        tokio::spawn(async move {
+            let mut beat = tokio::time::interval(HEARTBEAT);
+            beat.tick().await;
+            let why = loop {
+                tokio::select! {
+                    _ = tx.closed() => break "client gone (Attach stream closed)",
+                    _ = s.close.notified() => {
+                        let _ = tx
+                            .send(Ok(pb::SessionEvent {
+                                event: Some(pb::session_event::Event::Closing(pb::Closing {
+                                    reason: "detached".into(),
+                                })),
+                            }))
+                            .await;
+                        break "detached";
+                    }
+                    _ = beat.tick() => {
+                        let hb = pb::SessionEvent { event: Some(pb::session_event::Event::Heartbeat(pb::Heartbeat {})) };
+                        if tx.send(Ok(hb)).await.is_err() {
+                            break "client gone (heartbeat failed)";
+                        }
+                    }
+                }
+            };
+            let id = s.id.clone();
+            drop(s);
+            let _ = tokio::task::spawn_blocking(move || hub.detach(&id, why)).await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn register_pool(
+        &self,
+        req: Request<pb::RegisterPoolRequest>,
+    ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
+        let req = req.into_inner();
+        let s = self.hub.session(&req.session)?;
+        match req.memory {
+            Some(pb::register_pool_request::Memory::Shm(shm)) => {
+                let hub = self.hub.clone();
+                let len =
+                    tokio::task::spawn_blocking(move || hub.register_shm(&s, &shm.name, shm.len))
+                        .await
+                        .map_err(|e| Status::internal(e.to_string()))??;
+                Ok(Response::new(pb::RegisterPoolResponse { len }))
+            }
+            Some(pb::register_pool_request::Memory::CudaIpc(_)) => Err(Status::unimplemented(
+                "CUDA IPC pools are not served by this build (host shm pools only)",
+            )),
+            None => Err(Status::invalid_argument(
+                "memory: missing (shm or cuda_ipc)",
+            )),
+        }
+    }
+
+    async fn transfer(
+        &self,
+        req: Request<pb::TransferRequest>,
+    ) -> Result<Response<pb::TransferResponse>, Status> {
+        let received = Instant::now();
+        let req = req.into_inner();
+        let s = self.hub.session(&req.session)?;
+        let hub = self.hub.clone();
+        let r = tokio::task::spawn_blocking(move || hub.transfer_blocking(&s, req, received))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(r))
+    }
+
+    async fn await_arrival(
+        &self,
+        req: Request<pb::AwaitArrivalRequest>,
+    ) -> Result<Response<pb::AwaitArrivalResponse>, Status> {
+        let req = req.into_inner();
+        let s = self.hub.session(&req.session)?;
+        let timeout = if req.timeout_ms == 0 {
+            self.hub.request_timeout
+        } else {
+            Duration::from_millis(u64::from(req.timeout_ms))
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.hub.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(a) = self
+                .hub
+                .take_arrival(&s.engine_id, &req.src_engine, req.request_id)?
+            {
+                let ok = a.outcome == "success";
+                return Ok(Response::new(pb::AwaitArrivalResponse {
+                    outcome: if ok {
+                        pb::Outcome::Success
+                    } else {
+                        pb::Outcome::Failure
+                    } as i32,
+                    reason: a.reason,
+                    src_engine: a.src_engine,
+                    bytes: a.bytes,
+                }));
+            }
+            if self.hub.session(&req.session).is_err() {
+                return Err(Status::not_found("session detached while waiting"));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(Response::new(pb::AwaitArrivalResponse {
+                    outcome: pb::Outcome::Timeout as i32,
+                    reason: format!(
+                        "request {} did not arrive within {timeout:?}",
+                        req.request_id
+                    ),
+                    src_engine: req.src_engine,
+                    bytes: 0,
+                }));
+            }
+        }
+    }
+
+    async fn cancel(
+        &self,
+        req: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::CancelResponse>, Status> {
+        let req = req.into_inner();
+        let s = self.hub.session(&req.session)?;
+        let h = s
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&req.request_id)
+            .and_then(|f| f.handle.clone());
+        // Bounce requests are cancelled in the transport (the receiver
+        // reclaims the flow); a standard-path write cannot be recalled and
+        // resolves by itself within the request timeout.
+        let cancelled = match h {
+            Some((PathKind::Bounce, h)) => {
+                let t_req = h.request_id;
+                let agent = self.hub.agent.clone();
+                tokio::task::spawn_blocking(move || {
+                    agent
+                        .transport()
+                        .is_some_and(|t| t.cancel(t_req, "cancelled by the engine"))
+                })
+                .await
+                .unwrap_or(false)
+            }
+            _ => false,
+        };
+        Ok(Response::new(pb::CancelResponse { cancelled }))
+    }
+
+    async fn status(
+        &self,
+        req: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        let s = self.hub.session(&req.get_ref().session)?;
+        let in_flight = s
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(rid, f)| pb::InFlight {
+                request_id: *rid,
+                dst_engine: f.dst_engine.clone(),
+                path: f.path.into(),
+                bytes: f.bytes,
+                age_us: f.started.elapsed().as_micros() as u64,
+            })
+            .collect();
+        Ok(Response::new(pb::StatusResponse {
+            engine_id: s.engine_id.clone(),
+            in_flight,
+            transfers_succeeded: s.succeeded.load(Ordering::Relaxed),
+            transfers_failed: s.failed.load(Ordering::Relaxed),
+            bytes_sent: s.bytes_sent.load(Ordering::Relaxed),
+            arrivals: s.arrivals.load(Ordering::Relaxed),
+            pool_len: s.pool().map_or(0, |p| p.len),
+        }))
+    }
+
+    async fn detach(
+        &self,
+        req: Request<pb::DetachRequest>,
+    ) -> Result<Response<pb::DetachResponse>, Status> {
+        let id = req.into_inner().session;
+        self.hub.session(&id)?;
+        let hub = self.hub.clone();
+        let _ = tokio::task::spawn_blocking(move || hub.detach(&id, "Detach")).await;
+        Ok(Response::new(pb::DetachResponse {}))
+    }
+}
+
+/// Binds the engine API socket at `path` (mode 0660; parent directories
+/// created; a stale socket file left by a dead agent replaced).
+///
+/// # Errors
+/// A message naming the path when it exists and is not a socket, is served
+/// by a live process, or cannot be bound.
+pub fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let shown = path.display();
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("engineSocket {shown}: creating {}: {e}", dir.display()))?;
+        }
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(format!("engineSocket {shown}: exists and is not a socket"));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("engineSocket {shown}: another agent is serving it"));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| format!("engineSocket {shown}: removing the stale socket: {e}"))?;
+    }
+    let l =
+        tokio::net::UnixListener::bind(path).map_err(|e| format!("engineSocket {shown}: {e}"))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| format!("engineSocket {shown}: chmod 0660: {e}"))?;
+    Ok(l)
+}
+
+/// Serves the engine API on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// The transport error tonic reports.
+pub async fn serve(
+    listener: tokio::net::UnixListener,
+    hub: Arc<EngineHub>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .add_service(EngineApiServer::new(EngineService::new(hub)))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+        .map_err(|e| format!("engine API: {e}"))
+}
+
+/// The socket path as configured, or `None` for "off".
+pub fn socket_path(configured: &str) -> Option<PathBuf> {
+    let t = configured.trim();
+    (!t.is_empty()).then(|| PathBuf::from(t))
+}

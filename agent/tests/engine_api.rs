@@ -1,0 +1,337 @@
+//! The engines' local API end to end (issue 12): a real etcd, two real
+//! `kvfabric agent` processes serving `--engine-socket`, and engines (this
+//! test process, through `kvfabric-client`) attaching shm pools and handing
+//! blocks off by id — byte-exact on the decode side, `AwaitArrival`
+//! resolving after the last byte, TP 1 → TP 2 head slices, bad requests
+//! answered with errors while the agents keep running, and an engine that
+//! goes away detached at once (its session gone, its record withdrawn)
+//! while another engine keeps transferring.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::etcd::Etcd;
+use common::proc::Agent;
+use kvfabric_client::{pb, Client, ClientError, Session, ShmPool};
+
+fn layout(tp_rank: u32, tp_size: u32, blocks: u32) -> pb::KvLayout {
+    let kv_heads = 4 / tp_size;
+    pb::KvLayout {
+        layers: 3,
+        num_blocks: blocks,
+        block_bytes: 16 * u64::from(kv_heads) * 32 * 2,
+        kv_split: true,
+        dtype: "bf16".into(),
+        tp_rank,
+        tp_size,
+        block_tokens: 16,
+        kv_heads,
+        head_dim: 32,
+        device: -1,
+    }
+}
+
+/// Offset of (layer, plane, block) — the proto's layer-major formula.
+fn block_offset(l: &pb::KvLayout, layer: u32, plane: u64, block: u32) -> usize {
+    let planes = if l.kv_split { 2 } else { 1 };
+    (((u64::from(layer) * planes + plane) * u64::from(l.num_blocks) + u64::from(block))
+        * l.block_bytes) as usize
+}
+
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 13) as u8 | 1
+}
+
+struct Node {
+    agent: Agent,
+    socket: PathBuf,
+}
+
+fn spawn_agent(
+    etcd: &Etcd,
+    fabric: &str,
+    logical: &str,
+    role: &str,
+    dir: &std::path::Path,
+) -> Option<Node> {
+    let socket = dir.join(format!("{logical}.sock"));
+    let sock = socket.to_string_lossy().into_owned();
+    let mut agent = Agent::spawn_with(
+        &etcd.endpoint(),
+        fabric,
+        logical,
+        role,
+        &["--engine-socket", &sock],
+        &[("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")],
+    );
+    if agent.addr.recv_timeout(Duration::from_secs(30)).is_err() {
+        let err = agent.kill_and_log();
+        if err.contains("NIXL runtime") {
+            common::skip(&format!("NIXL runtime not available: {err}"));
+            return None;
+        }
+        panic!("agent never announced its address; stderr:\n{err}");
+    }
+    Some(Node { agent, socket })
+}
+
+/// Retries `f` while it fails with NotFound (the destination's record is
+/// still propagating through etcd), at most 10 s.
+async fn until_found<T, F, Fut>(mut f: F) -> Result<T, ClientError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match f().await {
+            Err(e) if e.code() == Some(tonic::Code::NotFound) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn attach(node: &Node, id: &str, role: pb::Role, l: pb::KvLayout) -> (Session, ShmPool) {
+    let client = Client::connect(&node.socket).await.expect("connect");
+    let pool = ShmPool::create(
+        &format!("/kvf-test-{}-{id}", std::process::id()),
+        kvfabric_client::pool_bytes(&l),
+    )
+    .expect("shm pool");
+    let s = client
+        .attach(id, &format!("uid-{id}"), role, l)
+        .await
+        .expect("attach");
+    s.register_shm(&pool).await.expect("register");
+    (s, pool)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn engines_attach_and_hand_off_blocks_byte_exact() {
+    let Some(etcd) = Etcd::start("engines") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("eng-{}", std::process::id());
+    let Some(mut a) = spawn_agent(&etcd, &fabric, "node-a", "prefill", &dir) else {
+        return;
+    };
+    let mut b = spawn_agent(&etcd, &fabric, "node-b", "decode", &dir).expect("agent b");
+
+    let la = layout(0, 1, 32);
+    let (prefill, mut ppool) = attach(&a, "prefill-0", pb::Role::Prefill, la.clone()).await;
+    let (decode, dpool) = attach(&b, "decode-0", pb::Role::Decode, layout(0, 1, 48)).await;
+    for (i, x) in ppool.as_mut_slice().iter_mut().enumerate() {
+        *x = pattern(i);
+    }
+    let (src, dst) = ([3u32, 17, 4, 30], [40u32, 2, 9, 11]);
+    let r = until_found(|| prefill.transfer_blocks(7, "decode-0", &src, &dst))
+        .await
+        .expect("transfer");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+    assert_eq!(r.bytes, 3 * 2 * 4 * la.block_bytes);
+    let arr = decode
+        .await_arrival(7, "prefill-0", Duration::from_secs(10))
+        .await
+        .expect("await");
+    assert_eq!(arr.outcome(), pb::Outcome::Success, "{arr:?}");
+    assert_eq!(arr.bytes, r.bytes);
+    // Every destination block holds its source block, every layer and
+    // plane; every other block is untouched (zero).
+    let ld = layout(0, 1, 48);
+    let bb = la.block_bytes as usize;
+    let d = dpool.as_slice();
+    let p = ppool.as_slice();
+    for layer in 0..3 {
+        for plane in 0..2 {
+            for blk in 0..48u32 {
+                let doff = block_offset(&ld, layer, plane, blk);
+                match dst.iter().position(|&x| x == blk) {
+                    Some(k) => {
+                        let soff = block_offset(&la, layer, plane, src[k]);
+                        assert!(
+                            d[doff..doff + bb] == p[soff..soff + bb],
+                            "layer {layer} plane {plane} block {blk}"
+                        );
+                    }
+                    None => assert!(
+                        d[doff..doff + bb].iter().all(|&x| x == 0),
+                        "block {blk} was written"
+                    ),
+                }
+            }
+        }
+    }
+    // Both paths, forced.
+    for (rid, path) in [(8u64, pb::Path::Standard), (9, pb::Path::Bounce)] {
+        let r = prefill
+            .transfer(pb::TransferRequest {
+                request_id: rid,
+                dst_engine: "decode-0".into(),
+                src_blocks: vec![5, 6],
+                dst_blocks: vec![20, 21],
+                path: path as i32,
+                ..Default::default()
+            })
+            .await
+            .expect("transfer");
+        assert_eq!(r.outcome(), pb::Outcome::Success, "{path:?}: {r:?}");
+        let arr = decode
+            .await_arrival(rid, "", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(arr.outcome(), pb::Outcome::Success);
+        let soff = block_offset(&la, 2, 1, 6);
+        let doff = block_offset(&ld, 2, 1, 21);
+        assert!(
+            dpool.as_slice()[doff..doff + bb] == ppool.as_slice()[soff..soff + bb],
+            "{path:?}"
+        );
+    }
+    // An arrival that never comes times out (bounded).
+    let t0 = Instant::now();
+    let arr = decode
+        .await_arrival(999, "", Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!(arr.outcome(), pb::Outcome::Timeout);
+    assert!(t0.elapsed() < Duration::from_secs(3));
+
+    // TP 1 → TP 2: two decode ranks on agent b, each gets its two heads.
+    let (r0, p0) = attach(&b, "decode-r0", pb::Role::Decode, layout(0, 2, 8)).await;
+    let (r1, p1) = attach(&b, "decode-r1", pb::Role::Decode, layout(1, 2, 8)).await;
+    for (rank, eng, rs, pool) in [(0u32, "decode-r0", &r0, &p0), (1, "decode-r1", &r1, &p1)] {
+        let r = until_found(|| prefill.transfer_blocks(100 + u64::from(rank), eng, &[1], &[6]))
+            .await
+            .expect("tp transfer");
+        assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+        assert_eq!(
+            rs.await_arrival(100 + u64::from(rank), "prefill-0", Duration::from_secs(10))
+                .await
+                .unwrap()
+                .outcome(),
+            pb::Outcome::Success
+        );
+        let lr = layout(rank, 2, 8);
+        let head = 32 * 2;
+        for layer in 0..3 {
+            for plane in 0..2 {
+                for t in 0..16usize {
+                    for h in 0..2usize {
+                        let so = block_offset(&la, layer, plane, 1)
+                            + t * 4 * head
+                            + (rank as usize * 2 + h) * head;
+                        let dof = block_offset(&lr, layer, plane, 6) + t * 2 * head + h * head;
+                        assert!(
+                            pool.as_slice()[dof..dof + head] == ppool.as_slice()[so..so + head],
+                            "rank {rank} layer {layer} plane {plane} token {t} head {h}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    // Bad requests: errors, and the agents keep serving.
+    let code = |e: ClientError| e.code();
+    let e = prefill
+        .transfer_blocks(20, "decode-0", &[32], &[0])
+        .await
+        .unwrap_err();
+    assert_eq!(code(e), Some(tonic::Code::InvalidArgument));
+    let e = prefill
+        .transfer_blocks(21, "decode-0", &[0], &[48])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("dst_blocks[0] = 48"), "{e}");
+    let e = prefill
+        .transfer_blocks(22, "nobody", &[0], &[0])
+        .await
+        .unwrap_err();
+    assert_eq!(code(e), Some(tonic::Code::NotFound));
+    let mut bad = layout(0, 1, 8);
+    bad.block_tokens = 32;
+    bad.block_bytes *= 2;
+    let (odd, _op) = attach(&b, "decode-odd", pb::Role::Decode, bad).await;
+    let e = until_found(|| prefill.transfer_blocks(23, "decode-odd", &[0], &[0]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::FailedPrecondition), "{e}");
+    assert!(
+        e.to_string().contains("block_tokens differs")
+            && e.to_string().contains("source")
+            && e.to_string().contains("destination"),
+        "{e}"
+    );
+    drop(odd);
+    let client = Client::connect(&a.socket).await.unwrap();
+    let e = client
+        .attach("prefill-0", "", pb::Role::Prefill, la.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::AlreadyExists));
+    let mut zero = la.clone();
+    zero.layers = 0;
+    let e = client
+        .attach("x", "", pb::Role::Prefill, zero)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::InvalidArgument));
+    // Socket garbage: the agent survives it.
+    {
+        use std::io::Write;
+        let mut s = std::os::unix::net::UnixStream::connect(&a.socket).unwrap();
+        let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n\x00\xff garbage");
+    }
+
+    // An engine that goes away (its Attach stream ends) is detached at once:
+    // its session is gone, its record withdrawn; the other engines keep
+    // transferring.
+    let (gone, _gp) = attach(&a, "prefill-gone", pb::Role::Prefill, la.clone()).await;
+    let gone_id = gone.id().to_string();
+    let other = client.clone();
+    drop(gone);
+    let t0 = Instant::now();
+    loop {
+        match other.status_of(&gone_id).await {
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => break,
+            _ => {}
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "session still alive after {:?}",
+            t0.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = prefill
+        .transfer_blocks(30, "decode-0", &[1], &[1])
+        .await
+        .unwrap();
+    assert_eq!(r.outcome(), pb::Outcome::Success);
+    assert_eq!(
+        decode
+            .await_arrival(30, "", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .outcome(),
+        pb::Outcome::Success
+    );
+    let st = prefill.status().await.unwrap();
+    assert!(st.in_flight.is_empty(), "{st:?}");
+    assert!(st.transfers_succeeded >= 6, "{st:?}");
+
+    prefill.detach().await.unwrap();
+    decode.detach().await.unwrap();
+    for (who, n) in [("a", &mut a), ("b", &mut b)] {
+        let (status, log) = n.agent.terminate();
+        assert!(status.is_some_and(|s| s.success()), "agent {who}: {log}");
+        assert!(!n.socket.exists(), "socket removed at exit");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
