@@ -4,8 +4,9 @@
 #   - Debian packages: libclang-dev (bindgen for nixl-sys), protobuf-compiler
 #     and libprotobuf-dev (etcd-client: protoc plus the well-known .proto
 #     files), etcd-server/etcd-client (discovery tests), cmake/g++
-#     (vendored libzmq), python3-pip (the NIXL wheel download), prometheus
-#     (promtool: `promtool check metrics` on a live /metrics).
+#     (vendored libzmq), python3-pip (the NIXL wheel download), python3-venv
+#     (agent/python/run-tests.sh's venv), prometheus (promtool: `promtool
+#     check metrics` on a live /metrics).
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +27,9 @@ command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 # install-nixl.sh downloads the NIXL wheel with pip.
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+# agent/python/run-tests.sh makes a venv; Debian ships ensurepip (which
+# `python3 -m venv` needs) in python3-venv.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   sudo_cmd=""
