@@ -203,6 +203,10 @@ struct AgentArgs {
     /// Serve the engines' local API (gRPC) on this Unix socket (mode 0660).
     #[arg(long, value_name = "PATH")]
     engine_socket: Option<String>,
+    /// Put the bounce arena and the engines' pools on this CUDA device
+    /// (builds with the `cuda` feature).
+    #[arg(long, value_name = "ORDINAL")]
+    gpu: Option<u32>,
     /// Serve the unauthenticated /v1/debug/transfer and /v1/debug/verify
     /// endpoints (the distributed bench uses them); loopback --listen only.
     #[arg(long)]
@@ -237,6 +241,7 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         log_format,
         debug_api: a.debug_api.then_some(true),
         engine_socket: a.engine_socket,
+        gpu: a.gpu,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);

@@ -392,6 +392,133 @@ impl Drop for CudaGpu {
     }
 }
 
+/// Device memory another process exported with `cudaIpcGetMemHandle`
+/// (an engine's KV pool), opened in this process on `gpu`'s context
+/// (issue 12). The mapping is closed on drop. Per DESIGN.md it cannot be
+/// re-exported: NIXL/UCX `cuda_ipc` cannot write into it, only this
+/// process's kernels read and write it (bounce's gather and scatter).
+pub struct IpcMapping {
+    gpu: Arc<CudaGpu>,
+    base: u64,
+    offset: u64,
+    len: u64,
+}
+
+// SAFETY: a device address valid in the context; closed once, on drop,
+// with the context bound.
+unsafe impl Send for IpcMapping {}
+unsafe impl Sync for IpcMapping {}
+
+impl std::fmt::Debug for IpcMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcMapping")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl IpcMapping {
+    /// Opens `handle` (64 bytes of `cudaIpcMemHandle_t`) on `gpu` and
+    /// returns the mapping of `len` bytes from `offset` inside the exported
+    /// allocation (`cuIpcOpenMemHandle`, lazy peer access).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a handle that is not 64 bytes or a zero
+    /// length; the driver's error when the handle does not open (wrong
+    /// device, exporter gone, same process).
+    pub fn open(
+        gpu: &Arc<CudaGpu>,
+        handle: &[u8],
+        offset: u64,
+        len: u64,
+    ) -> Result<Self, CudaError> {
+        if handle.len() != 64 {
+            return Err(CudaError::Invalid(format!(
+                "CUDA IPC handle of {} bytes: expected 64",
+                handle.len()
+            )));
+        }
+        if len == 0 {
+            return Err(CudaError::Invalid("CUDA IPC pool of 0 bytes".into()));
+        }
+        gpu.bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as std::ffi::c_char;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local; context bound.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        })?;
+        Ok(Self {
+            gpu: gpu.clone(),
+            base,
+            offset,
+            len,
+        })
+    }
+
+    /// Device address of the pool's first byte (allocation base + offset).
+    pub fn addr(&self) -> u64 {
+        self.base + self.offset
+    }
+
+    /// Pool length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false (`open` refuses 0 bytes).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The GPU it is open on.
+    pub fn gpu(&self) -> &Arc<CudaGpu> {
+        &self.gpu
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `base` came from cuIpcOpenMemHandle; closed once.
+            let r = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!(?r, "cuIpcCloseMemHandle failed");
+            }
+        }
+    }
+}
+
+/// Copies `(src, dst, len)` device-to-device, one driver call per
+/// descriptor, synchronously, on `gpu` (same-agent hand-offs between two
+/// engines' GPU pools; the kernel-based direct path is issue 19).
+///
+/// # Errors
+/// The first driver error.
+pub fn copy_device_descriptors(
+    gpu: &Arc<CudaGpu>,
+    descs: &[(u64, u64, u64)],
+) -> Result<(), CudaError> {
+    gpu.bind()?;
+    for &(src, dst, len) in descs {
+        // SAFETY: the caller range-checked every descriptor against the
+        // two pools, both mapped on this context.
+        check("cuMemcpyDtoD", unsafe {
+            sys::cuMemcpyDtoD_v2(dst, src, len as usize)
+        })?;
+    }
+    Ok(())
+}
+
 /// Device memory from `cuMemAlloc` (seed §4 `BounceArena` on the GPU):
 /// allocated once at start-up and registered with the transfer engine as
 /// [`MemKind::Vram`] ([`CudaArena::mem_desc`]); regions are byte offsets.

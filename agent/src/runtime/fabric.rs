@@ -162,7 +162,7 @@ impl ArenaChoice {
 enum ArenaMem {
     Host(#[allow(dead_code)] HostArena),
     #[cfg(feature = "cuda")]
-    Cuda(#[allow(dead_code)] CudaArena),
+    Cuda(CudaArena),
 }
 
 /// Counters of the fabric agent (exported by the agent service).
@@ -650,12 +650,34 @@ impl FabricAgent {
         total / n <= self.config.max_average_descriptor_size_bytes()
     }
 
+    /// The GPU of the bounce arena, when it lives in device memory.
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&Arc<CudaGpu>> {
+        match &self._arena {
+            Some(ArenaMem::Cuda(a)) => Some(a.gpu()),
+            _ => None,
+        }
+    }
+
     /// Submits a WRITE of `descs` (src local, dst on `peer`) through the
     /// path the gate picks. Never blocks; the handle always resolves.
     pub fn submit_write(&self, peer: &str, descs: Vec<Descriptor>) -> (PathKind, TransferHandle) {
-        let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let remote = self.peer_memory(peer);
-        if self.should_use_bounce(peer, &descs, self.kv_memory.kind, remote.kind) {
+        self.submit_write_kinds(peer, descs, self.kv_memory.kind, remote.kind)
+    }
+
+    /// [`FabricAgent::submit_write`] for memory of the given kinds (an
+    /// engine's pool rather than the agent's own): the routing gate sees
+    /// `src_kind` / `dst_kind`. Never blocks; the handle always resolves.
+    pub fn submit_write_kinds(
+        &self,
+        peer: &str,
+        descs: Vec<Descriptor>,
+        src_kind: MemKind,
+        dst_kind: MemKind,
+    ) -> (PathKind, TransferHandle) {
+        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        if self.should_use_bounce(peer, &descs, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
             let t = self.transport.as_ref().expect("checked by the gate");

@@ -88,6 +88,11 @@ pub struct AgentConfig {
     /// Log format. Env `KVFABRIC_LOG_FORMAT`, flag `--log-format`
     /// (the filter is `KVFABRIC_LOG`, default `info`).
     pub log_format: LogFormat,
+    /// CUDA device ordinal whose memory holds the bounce arena and the
+    /// engines' pools (engines attach CUDA IPC handles of that GPU); unset
+    /// (default) = host memory. Needs a build with the `cuda` feature.
+    /// Env `KVFABRIC_GPU`, flag `--gpu`.
+    pub gpu: Option<u32>,
     /// Unix socket of the engines' local API (gRPC; mode 0660; parent
     /// directories created). Empty (default) = not served. The chart sets
     /// `/run/kvfabric/engine.sock` on a hostPath the engine pods mount.
@@ -122,6 +127,7 @@ impl Default for AgentConfig {
             control_bind: "routable".into(),
             shutdown_timeout_ms: 10_000,
             log_format: LogFormat::Text,
+            gpu: None,
             engine_socket: String::new(),
             debug_api: false,
             bounce: BounceConfig::default(),
@@ -171,6 +177,8 @@ pub struct AgentOverrides {
     pub debug_api: Option<bool>,
     /// `--engine-socket`.
     pub engine_socket: Option<String>,
+    /// `--gpu`.
+    pub gpu: Option<u32>,
 }
 
 fn split_list(v: &str) -> Vec<String> {
@@ -241,6 +249,10 @@ impl AgentConfig {
                 },
                 "CONTROL_BIND" => self.control_bind = v.to_string(),
                 "ENGINE_SOCKET" => self.engine_socket = v.to_string(),
+                "GPU" => match v.parse() {
+                    Ok(n) => self.gpu = Some(n),
+                    Err(_) => bad("a CUDA device ordinal (0, 1, ...)"),
+                },
                 "SHUTDOWN_TIMEOUT_MS" => match v.parse() {
                     Ok(n) => self.shutdown_timeout_ms = n,
                     Err(_) => bad("a whole number of milliseconds"),
@@ -306,6 +318,9 @@ impl AgentConfig {
         }
         if let Some(v) = o.engine_socket {
             self.engine_socket = v;
+        }
+        if let Some(v) = o.gpu {
+            self.gpu = Some(v);
         }
     }
 
@@ -394,6 +409,13 @@ impl AgentConfig {
         }
         if let Err(e) = self.bind_addr() {
             errs.push(e);
+        }
+        if self.gpu.is_some() && !cfg!(feature = "cuda") {
+            errs.push(
+                "gpu: this build has no GPU support; build with `--features cuda` \
+                 (cargo build --release -p kvfabric-agent --features cuda --bin kvfabric)"
+                    .into(),
+            );
         }
         if self.debug_api && !listen_is_loopback(&self.listen) {
             errs.push(format!(
@@ -806,16 +828,34 @@ pub fn run(
         HostArena::new_base_pages(pool_len as usize).map_err(|e| format!("KV pool: {e}"))?,
     );
     let pool_addr = pool.base_addr();
-    let agent = Arc::new(
-        FabricAgent::new(FabricOptions {
-            name: name.clone(),
-            config: eff,
-            kv_regions: vec![(MemKind::Dram, MemDesc::host(pool_addr, pool_len))],
-            bind: cfg.bind_addr()?,
-            copy: None,
-        })
-        .map_err(|e| format!("NIXL agent {name}: {e}"))?,
-    );
+    let opts = FabricOptions {
+        name: name.clone(),
+        config: eff,
+        kv_regions: vec![(MemKind::Dram, MemDesc::host(pool_addr, pool_len))],
+        bind: cfg.bind_addr()?,
+        copy: None,
+    };
+    let agent = Arc::new(match cfg.gpu {
+        None => FabricAgent::new(opts),
+        #[cfg(feature = "cuda")]
+        Some(ordinal) => {
+            let gpu = crate::runtime::cuda::CudaGpu::open(ordinal as usize)
+                .map_err(|e| format!("gpu {ordinal}: {e}"))?;
+            tracing::info!(gpu = ordinal, name = %gpu.info().name, "bounce arena and engine pools on the GPU");
+            FabricAgent::with_arena(
+                opts,
+                crate::runtime::fabric::ArenaChoice::Cuda {
+                    gpu,
+                    copy: crate::runtime::cuda::CudaCopyConfig::default(),
+                },
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        Some(_) => Err(crate::runtime::engine::EngineError::Failed(
+            "gpu: this build has no GPU support (the cuda feature)".into(),
+        )),
+    }
+    .map_err(|e| format!("NIXL agent {name}: {e}"))?);
     if let Some(why) = &agent.bounce_unavailable {
         tracing::warn!(agent = %name, reason = %why, "bounce is not running; standard path only");
     }

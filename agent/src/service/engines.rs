@@ -88,10 +88,30 @@ struct MappedPool {
     addr: u64,
     len: u64,
     agent: Weak<FabricAgent>,
+    /// A GPU pool: the CUDA IPC mapping (closed on drop); `None` = a host
+    /// shm mapping registered with NIXL.
+    #[cfg(feature = "cuda")]
+    ipc: Option<crate::runtime::cuda::IpcMapping>,
+}
+
+impl MappedPool {
+    fn kind(&self) -> MemKind {
+        #[cfg(feature = "cuda")]
+        if self.ipc.is_some() {
+            return MemKind::Vram;
+        }
+        MemKind::Dram
+    }
 }
 
 impl Drop for MappedPool {
     fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(ipc) = self.ipc.take() {
+            // Closes the CUDA IPC mapping (never registered with NIXL).
+            drop(ipc);
+            return;
+        }
         if let Some(a) = self.agent.upgrade() {
             a.engine().deregister_region(self.addr);
         }
@@ -325,7 +345,7 @@ impl EngineHub {
                     fingerprint: s.fingerprint.clone(),
                     pool_addr: pool.as_ref().map_or(0, |p| p.addr),
                     pool_len: pool.as_ref().map_or(0, |p| p.len),
-                    pool_kind: "dram".into(),
+                    pool_kind: if s.layout.device >= 0 { "vram" } else { "dram" }.into(),
                 }
             })
             .collect();
@@ -368,10 +388,16 @@ impl EngineHub {
                 .ok_or_else(|| Status::invalid_argument("layout: missing"))?,
         );
         layout.validate().map_err(status_of)?;
-        if layout.device >= 0 {
-            return Err(Status::unimplemented(
-                "GPU pools (layout.device >= 0) need an agent built with GPU engine support; this agent serves host pools",
-            ));
+        if layout.device >= 0 && self.gpu_ordinal() != Some(layout.device) {
+            return Err(Status::failed_precondition(format!(
+                "layout.device {}: this agent's arena is {} (one agent serves the GPU it runs bounce on; start it with --gpu {})",
+                layout.device,
+                match self.gpu_ordinal() {
+                    Some(g) => format!("on GPU {g}"),
+                    None => "in host memory".into(),
+                },
+                layout.device
+            )));
         }
         let s = {
             let mut g = self.lock_sessions();
@@ -459,7 +485,64 @@ impl EngineHub {
         }
     }
 
+    /// The CUDA ordinal of the agent's arena, if it lives on a GPU.
+    fn gpu_ordinal(&self) -> Option<i32> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.agent.gpu() {
+            return Some(g.info().ordinal as i32);
+        }
+        None
+    }
+
+    /// Registers a GPU pool given as a CUDA IPC handle.
+    #[cfg(feature = "cuda")]
+    fn register_cuda_ipc(&self, s: &Arc<Session>, pool: &pb::CudaIpcPool) -> Result<u64, Status> {
+        let need = s.layout.pool_bytes().unwrap_or(u64::MAX);
+        if s.layout.device < 0 {
+            return Err(Status::invalid_argument(
+                "a CUDA IPC pool needs layout.device >= 0 (the engine's GPU)",
+            ));
+        }
+        if pool.len < need {
+            return Err(Status::invalid_argument(format!(
+                "pool of {} bytes is smaller than the layout's {need} bytes",
+                pool.len
+            )));
+        }
+        let gpu = self
+            .agent
+            .gpu()
+            .ok_or_else(|| Status::failed_precondition("this agent has no GPU arena"))?;
+        let mut slot = s.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return Err(Status::failed_precondition(
+                "a pool is registered already (one pool per session)",
+            ));
+        }
+        let ipc = crate::runtime::cuda::IpcMapping::open(gpu, &pool.handle, pool.offset, need)
+            .map_err(|e| Status::invalid_argument(format!("opening the CUDA IPC handle: {e}")))?;
+        let addr = ipc.addr();
+        if let Some(t) = self.agent.transport() {
+            t.allow_scatter_range(addr, need);
+        }
+        *slot = Some(Arc::new(MappedPool {
+            addr,
+            len: need,
+            agent: Arc::downgrade(&self.agent),
+            ipc: Some(ipc),
+        }));
+        drop(slot);
+        tracing::info!(engine = %LogSafe(&s.engine_id), bytes = need, device = s.layout.device, "GPU pool registered (CUDA IPC)");
+        self.republish();
+        Ok(need)
+    }
+
     fn register_shm(&self, s: &Arc<Session>, name: &str, len: u64) -> Result<u64, Status> {
+        if s.layout.device >= 0 {
+            return Err(Status::invalid_argument(
+                "layout.device >= 0 (a GPU engine): register the pool as cuda_ipc, not shm",
+            ));
+        }
         let need = s.layout.pool_bytes().unwrap_or(u64::MAX);
         if len < need {
             return Err(Status::invalid_argument(format!(
@@ -477,6 +560,8 @@ impl EngineHub {
             addr,
             len: need,
             agent: Arc::downgrade(&self.agent),
+            #[cfg(feature = "cuda")]
+            ipc: None,
         });
         self.agent
             .engine()
@@ -732,12 +817,32 @@ impl EngineHub {
             .ok_or_else(|| Status::failed_precondition("destination pool went away"))?;
         let submit_us = received.elapsed().as_micros() as u64;
         let t0 = Instant::now();
-        for d in descs {
-            // SAFETY: every descriptor was range-checked against both pools'
-            // layouts (block ids / extents), and both mappings are held
-            // alive (`src`, `dst_pool`) for the copy.
-            unsafe {
-                std::ptr::copy(d.src as *const u8, d.dst as *mut u8, d.len as usize);
+        match (src.kind(), dst_pool.kind()) {
+            (MemKind::Dram, MemKind::Dram) => {
+                for d in descs {
+                    // SAFETY: every descriptor was range-checked against
+                    // both pools' layouts (block ids / extents), and both
+                    // mappings are held alive (`src`, `dst_pool`) for the
+                    // copy.
+                    unsafe {
+                        std::ptr::copy(d.src as *const u8, d.dst as *mut u8, d.len as usize);
+                    }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            (MemKind::Vram, MemKind::Vram) => {
+                let gpu = self
+                    .agent
+                    .gpu()
+                    .ok_or_else(|| Status::internal("GPU pools without a GPU arena"))?;
+                let v: Vec<(u64, u64, u64)> = descs.iter().map(|d| (d.src, d.dst, d.len)).collect();
+                crate::runtime::cuda::copy_device_descriptors(gpu, &v)
+                    .map_err(|e| Status::internal(format!("device copy: {e}")))?;
+            }
+            (a, b) => {
+                return Err(Status::unimplemented(format!(
+                    "same-agent hand-off between a {a:?} pool and a {b:?} pool"
+                )))
             }
         }
         let transfer_us = t0.elapsed().as_micros() as u64;
@@ -777,8 +882,37 @@ impl EngineHub {
     ) -> Result<pb::TransferResponse, Status> {
         let n = descs.len() as u32;
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let src_kind = s.pool().map_or(MemKind::Dram, |p| p.kind());
+        let dst_kind = if record.layout.device >= 0 {
+            MemKind::Vram
+        } else {
+            MemKind::Dram
+        };
+        let gpu_pools = src_kind == MemKind::Vram || dst_kind == MemKind::Vram;
         let (path, handle) = match pb::Path::try_from(req.path).unwrap_or(pb::Path::Auto) {
-            pb::Path::Auto => self.agent.submit_write(agent, descs),
+            pb::Path::Standard if gpu_pools => {
+                return Err(Status::failed_precondition(
+                    "path STANDARD is not available for GPU pools: an engine's CUDA IPC memory imported by the agent cannot be re-exported as a NIXL/UCX cuda_ipc write target (DESIGN.md); use AUTO or BOUNCE",
+                ))
+            }
+            pb::Path::Auto if gpu_pools => {
+                // CUDA IPC memory imported by an agent cannot be re-exported
+                // to UCX cuda_ipc (DESIGN.md, H200 2026-12-01): NIXL can
+                // write only agent-owned arenas, so GPU pools move through
+                // bounce alone.
+                match self.agent.transport() {
+                    Some(t) if self.agent.has_peer_handshake(agent) => {
+                        (PathKind::Bounce, t.submit(agent, descs))
+                    }
+                    _ => {
+                        return Err(Status::failed_precondition(format!(
+                            "GPU pools move through bounce only (an engine's imported CUDA memory cannot be a NIXL write target), and bounce to agent {} is not available",
+                            LogSafe(agent)
+                        )))
+                    }
+                }
+            }
+            pb::Path::Auto => self.agent.submit_write_kinds(agent, descs, src_kind, dst_kind),
             pb::Path::Standard => (PathKind::Standard, self.agent.submit_standard(agent, descs)),
             pb::Path::Bounce => match self.agent.transport() {
                 Some(t) if self.agent.has_peer_handshake(agent) => {
@@ -951,8 +1085,17 @@ impl EngineApi for EngineService {
                         .map_err(|e| Status::internal(e.to_string()))??;
                 Ok(Response::new(pb::RegisterPoolResponse { len }))
             }
+            #[cfg(feature = "cuda")]
+            Some(pb::register_pool_request::Memory::CudaIpc(ipc)) => {
+                let hub = self.hub.clone();
+                let len = tokio::task::spawn_blocking(move || hub.register_cuda_ipc(&s, &ipc))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))??;
+                Ok(Response::new(pb::RegisterPoolResponse { len }))
+            }
+            #[cfg(not(feature = "cuda"))]
             Some(pb::register_pool_request::Memory::CudaIpc(_)) => Err(Status::unimplemented(
-                "CUDA IPC pools are not served by this build (host shm pools only)",
+                "CUDA IPC pools need an agent built with the `cuda` feature (kvfabric-gpu agent)",
             )),
             None => Err(Status::invalid_argument(
                 "memory: missing (shm or cuda_ipc)",
