@@ -110,6 +110,7 @@ impl Drop for MappedPool {
         if let Some(ipc) = self.ipc.take() {
             // Closes the CUDA IPC mapping (never registered with NIXL).
             drop(ipc);
+            tracing::info!(addr = self.addr, bytes = self.len, "engine pool released (CUDA IPC mapping closed)");
             return;
         }
         if let Some(a) = self.agent.upgrade() {
@@ -122,6 +123,7 @@ impl Drop for MappedPool {
         unsafe {
             libc::munmap(self.addr as *mut libc::c_void, self.len as usize);
         }
+        tracing::info!(addr = self.addr, bytes = self.len, "engine pool released (NIXL registration dropped, unmapped)");
     }
 }
 

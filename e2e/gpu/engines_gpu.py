@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""GPU engines through two kvfabric agents on one GPU (issue 12, H200 run).
+
+Starts etcd, two `kvfabric agent --gpu 0` processes (prefill and decode
+"nodes") serving the engine API, and two engine processes that allocate
+their paged KV pools as torch tensors on cuda:0 and register them with the
+Python client (CUDA IPC). Then:
+
+  * hands blocks off by id (bounce: the only path for GPU pools), the
+    decode engine awaits arrival and checks every destination block byte
+    for byte on the GPU (and that other blocks stayed zero);
+  * asks for the standard path (refused for GPU pools, with the reason);
+  * measures the API itself: Transfer call -> submit (submit_us) and
+    submit -> resolved (transfer_us), p50/p99 over many hand-offs;
+  * SIGKILLs the prefill engine: its session is gone on agent A within a
+    second and its GPU pool is released (the agent logs it), the decode
+    engine's pool stays registered, a new prefill engine transfers again.
+
+Writes a JSON report (--out). Usage (repo root, on the GPU machine):
+  python3 e2e/gpu/engines_gpu.py --bin BIN --etcd ETCD --out OUT.json
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "agent", "python"))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+LAYOUT = dict(layers=8, num_blocks=512, total_kv_heads=8, head_dim=128, block_tokens=16, dtype="bf16")
+
+
+def engine_main(role, sock, engine_id, peer, ready_path, out_path, n_latency):
+    import torch
+    import kvfabric
+
+    layout = kvfabric.Layout.for_model(device=0, **LAYOUT)
+    nbytes = layout.pool_bytes()
+    pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    if role == "prefill":
+        # A deterministic pattern: byte i = hash(i) (never 0).
+        idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+        pool.copy_(((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1)
+        torch.cuda.synchronize()
+    client = kvfabric.Client(sock, timeout=10.0)
+    s = client.attach(engine_id, "uid-" + engine_id, role, layout)
+    s.register_tensor(pool)
+    with open(ready_path, "w") as f:
+        f.write(s.id)
+    report = {"engine": engine_id, "session": s.id, "pool_bytes": nbytes}
+    src = [5, 77, 3, 400, 12, 13, 14, 15]
+    dst = [100, 2, 50, 51, 300, 301, 302, 9]
+    if role == "prefill":
+        t_deadline = time.time() + 20
+        while True:
+            try:
+                r = s.transfer_blocks(1, peer, src, dst)
+                break
+            except kvfabric.NotFound:
+                if time.time() > t_deadline:
+                    raise
+                time.sleep(0.05)
+        report["first"] = {"outcome": r.outcome, "path": r.path, "bytes": r.bytes, "reason": r.reason,
+                           "submit_us": r.submit_us, "transfer_us": r.transfer_us}
+        try:
+            s.transfer_blocks(2, peer, [1], [1], path="standard")
+            report["standard"] = "accepted"
+        except kvfabric.KvfabricError as e:
+            report["standard"] = "refused: " + str(e)
+        # API latency: many small hand-offs (one block, every layer/plane).
+        sub, xfer = [], []
+        for k in range(n_latency):
+            r = s.transfer_blocks(1000 + k, peer, [k % 512], [(k * 7) % 512])
+            assert r.ok, r.reason
+            sub.append(r.submit_us)
+            xfer.append(r.transfer_us)
+        sub.sort()
+        xfer.sort()
+        q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]
+        report["latency"] = {"n": n_latency, "submit_us_p50": q(sub, 0.5), "submit_us_p99": q(sub, 0.99),
+                             "transfer_us_p50": q(xfer, 0.5), "transfer_us_p99": q(xfer, 0.99),
+                             "block_bytes": layout.block_bytes, "descriptors": layout.layers * 2}
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+        time.sleep(3600)  # wait to be killed
+    else:
+        a = s.await_arrival(1, timeout=30)
+        report["arrival"] = {"outcome": a.outcome, "bytes": a.bytes}
+        # Verify on the GPU against the prefill pattern.
+        bb = layout.block_bytes
+        exp_pool = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+        exp_pool.copy_(((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1)
+        bad = 0
+        for layer in range(layout.layers):
+            for plane in range(2):
+                for sb, db in zip(src, dst):
+                    so = layout.block_offset(layer, plane, sb)
+                    do = layout.block_offset(layer, plane, db)
+                    if not torch.equal(pool[do:do + bb], exp_pool[so:so + bb]):
+                        bad += 1
+                for blk in (0, 4, 511):
+                    o = layout.block_offset(layer, plane, blk)
+                    if int(pool[o:o + bb].count_nonzero()) != 0:
+                        bad += 1
+        report["verify"] = {"blocks_checked": layout.layers * 2 * (len(src) + 3), "bad": bad}
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+        time.sleep(3600)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--etcd", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--latency-n", type=int, default=300)
+    ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
+    a = ap.parse_args()
+    if a.engine:
+        role, sock, eid, peer, ready, out = a.engine
+        engine_main(role, sock, eid, peer, ready, out, a.latency_n)
+        return
+    tmp = tempfile.mkdtemp(prefix="kvf-gpu-")
+    cport, pport = free_port(), free_port()
+    etcd = subprocess.Popen([a.etcd, "--name", "g", "--data-dir", os.path.join(tmp, "etcd"),
+                             "--listen-client-urls", f"http://127.0.0.1:{cport}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                             "--initial-cluster", f"g=http://127.0.0.1:{pport}", "--log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [etcd]
+    report = {"ok": False}
+    env = dict(os.environ, KVFABRIC_BOUNCE_ENABLE="1", KVFABRIC_BOUNCE_ARENA_SIZE_BYTES="512MiB",
+               KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT="1", KVFABRIC_LOG="info",
+               UCX_CUDA_IPC_ENABLE_SAME_PROCESS="y")
+    logs = {}
+    try:
+        time.sleep(1.5)
+        agents = {}
+        for name, role in (("node-a", "prefill"), ("node-b", "decode")):
+            sock = os.path.join(tmp, name + ".sock")
+            log = open(os.path.join(tmp, name + ".log"), "w")
+            logs[name] = log.name
+            p = subprocess.Popen([a.bin, "agent", "--gpu", "0", "--engine-socket", sock,
+                                  "--listen", "127.0.0.1:0", "--control-bind", "loopback",
+                                  "--pool-size", "16MiB", "--etcd", f"http://127.0.0.1:{cport}",
+                                  "--fabric", "gpu", "--logical-id", name, "--role", role],
+                                 env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            procs.append(p)
+            line = p.stdout.readline()
+            if "listening on" not in line:
+                raise RuntimeError(f"{name} did not start: {line!r}; log {open(log.name).read()[-3000:]}")
+            agents[name] = (p, sock)
+
+        def engine(role, node, eid, peer):
+            ready = os.path.join(tmp, eid + ".ready")
+            out = os.path.join(tmp, eid + ".json")
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin, "--etcd", a.etcd,
+                                  "--out", a.out, "--latency-n", str(a.latency_n),
+                                  "--engine", role, agents[node][1], eid, peer, ready, out])
+            procs.append(p)
+            return p, ready, out
+
+        def wait_file(path, t=60):
+            end = time.time() + t
+            while time.time() < end:
+                if os.path.exists(path) and os.path.getsize(path) > 0:
+                    return open(path).read()
+                time.sleep(0.05)
+            raise RuntimeError("timed out waiting for " + path)
+
+        dp, dready, dout = engine("decode", "node-b", "decode-0", "")
+        wait_file(dready)
+        pp, pready, pout = engine("prefill", "node-a", "prefill-0", "decode-0")
+        report["prefill"] = json.loads(wait_file(pout, 180))
+        report["decode"] = json.loads(wait_file(dout, 60))
+        psession = open(pready).read()
+        # SIGKILL the prefill engine: its session goes within a second.
+        import kvfabric
+        c = kvfabric.Client(agents["node-a"][1], timeout=5.0)
+        pp.send_signal(signal.SIGKILL)
+        t0 = time.time()
+        gone = None
+        while time.time() - t0 < 5:
+            try:
+                c.status(psession)
+            except kvfabric.NotFound:
+                gone = time.time() - t0
+                break
+            time.sleep(0.01)
+        report["kill"] = {"session_gone_s": gone}
+        time.sleep(1.0)
+        alog = open(logs["node-a"]).read()
+        report["kill"]["pool_released_logged"] = "pool released" in alog
+        report["kill"]["detached_logged"] = "engine detached" in alog
+        # A new prefill engine transfers again.
+        pp2, pready2, pout2 = engine("prefill", "node-a", "prefill-1", "decode-0")
+        rep2 = json.loads(wait_file(pout2, 180))
+        report["after_kill"] = rep2.get("first")
+        pp2.send_signal(signal.SIGKILL)
+        f = report["prefill"]["first"]
+        report["ok"] = (f["outcome"] == "success" and report["decode"]["verify"]["bad"] == 0
+                        and report["decode"]["arrival"]["outcome"] == "success"
+                        and gone is not None and gone < 1.0
+                        and report["after_kill"]["outcome"] == "success")
+    finally:
+        for p in reversed(procs):
+            try:
+                p.send_signal(signal.SIGTERM)
+            except Exception:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except Exception:
+                p.kill()
+        report["agent_log_tail"] = {k: open(v).read()[-4000:] for k, v in logs.items()}
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps({k: v for k, v in report.items() if k != "agent_log_tail"}, indent=2))
+    sys.exit(0 if report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
