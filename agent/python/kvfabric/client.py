@@ -58,6 +58,9 @@ _OUTCOMES = {
     pb.OUTCOME_CANCELLED: "cancelled",
 }
 
+#: Pause before re-attaching after the agent said `closing`, seconds.
+CLOSING_BACKOFF = 0.5
+
 Role = Union[str, int]
 Extents = Iterable[Tuple[int, int, int]]
 
@@ -381,6 +384,8 @@ class _Stream:
                     break
                 if kind == "closing":
                     self.closing_reason = ev.closing.reason
+                    with self.core.cv:
+                        self.core.last_closing = ev.closing.reason
             self.end_reason = self.closing_reason or "the agent ended the Attach stream"
         except grpc.RpcError as e:
             err = from_rpc_error(e, "Attach")
@@ -419,6 +424,7 @@ class _SessionCore:
         self.closed = False
         self.memory: Optional[Tuple[str, Any]] = None  # RegisterPool oneof, for re-attach
         self.last_error: Optional[BaseException] = None
+        self.last_closing = ""
         self.reattaching = False
 
     # Opening -------------------------------------------------------------
@@ -521,7 +527,11 @@ class _SessionCore:
             self.reattaching = True
         # The current stream of a live session ended: the agent restarted,
         # shut down, or dropped us. Re-attach on this (daemon) thread, and
-        # again if the new stream ends while we are at it.
+        # again if the new stream ends while we are at it. After a `closing`
+        # (the agent is shutting down) give it a moment to go away first.
+        if st.closing_reason:
+            with self.cv:
+                self.cv.wait_for(lambda: self.closed, timeout=CLOSING_BACKOFF)
         while True:
             try:
                 self.reattach(deadline=None)
@@ -637,9 +647,10 @@ class Session:
 
     @property
     def closing_reason(self) -> str:
-        """The agent's `closing` reason on the current stream, if any."""
-        st = self._core.stream
-        return st.closing_reason if st is not None else ""
+        """The reason of the last `closing` event the agent sent this
+        session (e.g. on shutdown), "" if none ever came."""
+        with self._core.cv:
+            return self._core.last_closing
 
     def wait_open(self, timeout: Optional[float] = None) -> bool:
         """Waits until the session is attached (e.g. re-attached after an

@@ -32,15 +32,25 @@ def wait_for(pred: Callable[[], Any], timeout: float = 5.0, what: str = "conditi
         time.sleep(step)
 
 
+def _propagating(e: kvfabric.KvfabricError) -> bool:
+    """Whether `e` says the destination's record has not fully propagated:
+    NotFound (not there yet), or the agent's FailedPrecondition "has no pool
+    registered" (the record published at Attach, before RegisterPool
+    republished it with the pool, reached the source's agent first)."""
+    if isinstance(e, kvfabric.NotFound):
+        return True
+    return isinstance(e, kvfabric.FailedPrecondition) and "no pool registered" in e.message
+
+
 def until_found(fn: Callable[[], T], within: float = 5.0) -> T:
-    """Retries `fn` while it raises NotFound: the destination engine's
-    record is still propagating through etcd to the source's agent."""
+    """Retries `fn` while the destination engine's record is still
+    propagating through etcd to the source's agent (see _propagating)."""
     deadline = time.monotonic() + within
     while True:
         try:
             return fn()
-        except kvfabric.NotFound:
-            if time.monotonic() > deadline:
+        except kvfabric.KvfabricError as e:
+            if not _propagating(e) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 

@@ -270,7 +270,9 @@ def test_agent_restart_reattach(fresh_pair):
 
         # A graceful shutdown says `closing`; the session comes back again.
         gen = p.session.generation
+        t0 = time.monotonic()
         assert a.stop() == 0
+        print(f"graceful stop took {time.monotonic() - t0:.2f} s")
         wait_for(lambda: not p.session.is_open, timeout=3, what="stream ended on SIGTERM")
         assert p.session.closing_reason, "no `closing` event before the stream ended"
         a.start()
