@@ -47,6 +47,26 @@ fn pattern(i: usize) -> u8 {
 struct Node {
     agent: Agent,
     socket: PathBuf,
+    http: std::net::SocketAddr,
+}
+
+/// `GET /metrics` of `n`, as text.
+fn scrape(n: &Node) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&n.http, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut t = String::new();
+    s.read_to_string(&mut t).unwrap();
+    t
+}
+
+/// Sum of the samples of `name` in `text` (every label set).
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 fn spawn_agent(
@@ -66,15 +86,22 @@ fn spawn_agent(
         &["--engine-socket", &sock],
         &[("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")],
     );
-    if agent.addr.recv_timeout(Duration::from_secs(30)).is_err() {
-        let err = agent.kill_and_log();
-        if err.contains("NIXL runtime") {
-            common::skip(&format!("NIXL runtime not available: {err}"));
-            return None;
+    let http = match agent.addr.recv_timeout(Duration::from_secs(30)) {
+        Ok(a) => a,
+        Err(_) => {
+            let err = agent.kill_and_log();
+            if err.contains("NIXL runtime") {
+                common::skip(&format!("NIXL runtime not available: {err}"));
+                return None;
+            }
+            panic!("agent never announced its address; stderr:\n{err}");
         }
-        panic!("agent never announced its address; stderr:\n{err}");
-    }
-    Some(Node { agent, socket })
+    };
+    Some(Node {
+        agent,
+        socket,
+        http,
+    })
 }
 
 /// Retries `f` while it fails with NotFound (the destination's record is
@@ -328,6 +355,34 @@ async fn engines_attach_and_hand_off_blocks_byte_exact() {
 
     prefill.detach().await.unwrap();
     decode.detach().await.unwrap();
+    drop((r0, r1, client, other));
+    // Quiesce: every engine detached on both agents, every pool released
+    // (NIXL registration dropped, unmapped), no flow left.
+    for (who, n) in [("a", &a), ("b", &b)] {
+        let t0 = Instant::now();
+        loop {
+            let m = scrape(n);
+            let (engines, pools, flows) = (
+                sample(&m, "kvfabric_engines"),
+                sample(&m, "kvfabric_engine_pool_bytes"),
+                sample(&m, "kvfabric_flows"),
+            );
+            if engines == 0.0 && pools == 0.0 && flows == 0.0 {
+                let counter = if who == "a" {
+                    "kvfabric_engine_transfers_total"
+                } else {
+                    "kvfabric_engine_arrivals_total"
+                };
+                assert!(sample(&m, counter) >= 6.0, "{who}: {counter}\n{m}");
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "agent {who} not quiet: engines {engines}, pool bytes {pools}, flows {flows}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     for (who, n) in [("a", &mut a), ("b", &mut b)] {
         let (status, log) = n.agent.terminate();
         assert!(status.is_some_and(|s| s.success()), "agent {who}: {log}");

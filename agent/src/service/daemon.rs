@@ -917,7 +917,7 @@ pub fn run(
     let engine_socket = super::engines::socket_path(&cfg.engine_socket);
     let hub = engine_socket.as_ref().map(|_| {
         let weak = Arc::downgrade(&node);
-        super::engines::EngineHub::new(
+        let hub = super::engines::EngineHub::new(
             node.agent().clone(),
             Some(discovery.clone()),
             Box::new(move |engines| {
@@ -926,7 +926,11 @@ pub fn run(
                 }
             }),
             Duration::from_millis(cfg.bounce.request_timeout_ms),
-        )
+        );
+        node.state()
+            .metrics()
+            .watch_engines(node.agent().name(), &hub);
+        hub
     });
 
     let rt = tokio::runtime::Builder::new_current_thread()

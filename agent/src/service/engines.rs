@@ -95,6 +95,23 @@ struct MappedPool {
 }
 
 impl MappedPool {
+    /// Wraps a mapping (counted in [`POOL_BYTES`] until dropped).
+    fn new(
+        addr: u64,
+        len: u64,
+        agent: Weak<FabricAgent>,
+        #[cfg(feature = "cuda")] ipc: Option<crate::runtime::cuda::IpcMapping>,
+    ) -> Self {
+        POOL_BYTES.fetch_add(len, Ordering::Relaxed);
+        Self {
+            addr,
+            len,
+            agent,
+            #[cfg(feature = "cuda")]
+            ipc,
+        }
+    }
+
     fn kind(&self) -> MemKind {
         #[cfg(feature = "cuda")]
         if self.ipc.is_some() {
@@ -106,11 +123,16 @@ impl MappedPool {
 
 impl Drop for MappedPool {
     fn drop(&mut self) {
+        POOL_BYTES.fetch_sub(self.len, Ordering::Relaxed);
         #[cfg(feature = "cuda")]
         if let Some(ipc) = self.ipc.take() {
             // Closes the CUDA IPC mapping (never registered with NIXL).
             drop(ipc);
-            tracing::info!(addr = self.addr, bytes = self.len, "engine pool released (CUDA IPC mapping closed)");
+            tracing::info!(
+                addr = self.addr,
+                bytes = self.len,
+                "engine pool released (CUDA IPC mapping closed)"
+            );
             return;
         }
         if let Some(a) = self.agent.upgrade() {
@@ -123,7 +145,11 @@ impl Drop for MappedPool {
         unsafe {
             libc::munmap(self.addr as *mut libc::c_void, self.len as usize);
         }
-        tracing::info!(addr = self.addr, bytes = self.len, "engine pool released (NIXL registration dropped, unmapped)");
+        tracing::info!(
+            addr = self.addr,
+            bytes = self.len,
+            "engine pool released (NIXL registration dropped, unmapped)"
+        );
     }
 }
 
@@ -220,6 +246,26 @@ struct Arrivals {
     done: HashMap<ArrivalKey, (ArrivalNotice, Instant)>,
 }
 
+/// Totals of an [`EngineHub`] (exported as metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineHubStats {
+    /// Sessions attached now.
+    pub sessions: u64,
+    /// Bytes of engine pools mapped now (detached pools count until they
+    /// are released).
+    pub pool_bytes: u64,
+    /// Hand-offs resolved SUCCESS.
+    pub succeeded: u64,
+    /// Hand-offs resolved otherwise.
+    pub failed: u64,
+    /// Arrivals delivered to engines attached here.
+    pub arrivals: u64,
+}
+
+/// Pool bytes mapped by all hubs of this process now (a pool counts from
+/// its registration to its release).
+static POOL_BYTES: AtomicU64 = AtomicU64::new(0);
+
 /// Sessions, arrivals and the glue to the agent (see the module docs).
 pub struct EngineHub {
     agent: Arc<FabricAgent>,
@@ -232,6 +278,9 @@ pub struct EngineHub {
     arrived: Notify,
     request_timeout: Duration,
     next_session: AtomicU64,
+    succeeded: AtomicU64,
+    failed: AtomicU64,
+    arrived_total: AtomicU64,
 }
 
 fn status_of(e: kvfabric_core::layout::LayoutError) -> Status {
@@ -302,6 +351,9 @@ impl EngineHub {
             arrived: Notify::new(),
             request_timeout,
             next_session: AtomicU64::new(1),
+            succeeded: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            arrived_total: AtomicU64::new(0),
         });
         if let Some(t) = hub.agent.transport() {
             let (tx, rx) = crossbeam_channel::bounded::<(String, Notice)>(4096);
@@ -362,6 +414,18 @@ impl EngineHub {
     /// Live sessions (for status and tests).
     pub fn session_count(&self) -> usize {
         self.lock_sessions().len()
+    }
+
+    /// Current totals. `pool_bytes` is process-wide (the pools every hub
+    /// of this process holds; one hub per agent process).
+    pub fn stats(&self) -> EngineHubStats {
+        EngineHubStats {
+            sessions: self.lock_sessions().len() as u64,
+            pool_bytes: POOL_BYTES.load(Ordering::Relaxed),
+            succeeded: self.succeeded.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            arrivals: self.arrived_total.load(Ordering::Relaxed),
+        }
     }
 
     /// Attaches an engine.
@@ -527,12 +591,12 @@ impl EngineHub {
         if let Some(t) = self.agent.transport() {
             t.allow_scatter_range(addr, need);
         }
-        *slot = Some(Arc::new(MappedPool {
+        *slot = Some(Arc::new(MappedPool::new(
             addr,
-            len: need,
-            agent: Arc::downgrade(&self.agent),
-            ipc: Some(ipc),
-        }));
+            need,
+            Arc::downgrade(&self.agent),
+            Some(ipc),
+        )));
         drop(slot);
         tracing::info!(engine = %LogSafe(&s.engine_id), bytes = need, device = s.layout.device, "GPU pool registered (CUDA IPC)");
         self.republish();
@@ -558,13 +622,13 @@ impl EngineHub {
             ));
         }
         let addr = map_shm(name, need).map_err(Status::invalid_argument)?;
-        let pool = Arc::new(MappedPool {
+        let pool = Arc::new(MappedPool::new(
             addr,
-            len: need,
-            agent: Arc::downgrade(&self.agent),
+            need,
+            Arc::downgrade(&self.agent),
             #[cfg(feature = "cuda")]
-            ipc: None,
-        });
+            None,
+        ));
         self.agent
             .engine()
             .register_region(MemKind::Dram, MemDesc::host(addr, need))
@@ -634,6 +698,7 @@ impl EngineHub {
     }
 
     fn record_arrival(&self, a: ArrivalNotice) {
+        self.arrived_total.fetch_add(1, Ordering::Relaxed);
         let mut g = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         g.done
@@ -797,9 +862,11 @@ impl EngineHub {
         r.bytes = bytes;
         if r.outcome == pb::Outcome::Success as i32 {
             s.succeeded.fetch_add(1, Ordering::Relaxed);
+            self.succeeded.fetch_add(1, Ordering::Relaxed);
             s.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
         } else {
             s.failed.fetch_add(1, Ordering::Relaxed);
+            self.failed.fetch_add(1, Ordering::Relaxed);
         }
         Ok(r)
     }

@@ -41,6 +41,10 @@
 //! | `kvfabric_lease_state` | gauge | | [`LeaseState::code`](crate::service::discovery::LeaseState::code): 0 unpublished, 1 ok, 2 renewing, 3 regranting, 4 lost, 5 revoked |
 //! | `kvfabric_discovery_resyncs_total` | counter | | full re-reads of the discovery store after the first (a lost and re-established etcd watch each) |
 //! | `kvfabric_shutting_down` | gauge | | 1 once graceful shutdown began |
+//! | `kvfabric_engines` | gauge | | serving engines attached through the engine API |
+//! | `kvfabric_engine_pool_bytes` | gauge | | engine KV pool bytes mapped by the agent (0 once every detached pool is released) |
+//! | `kvfabric_engine_transfers_total` | counter | `outcome` = success/failure | engine hand-offs resolved |
+//! | `kvfabric_engine_arrivals_total` | counter | | arrival notices delivered to engines attached here |
 //!
 //! Units follow the Prometheus conventions (base units in the name:
 //! `_seconds`, `_bytes`; counters end in `_total`); `promtool check
@@ -84,6 +88,8 @@ pub fn path_label(path: PathKind) -> &'static str {
 struct Sources {
     agents: Vec<Weak<FabricAgent>>,
     discoveries: Vec<(String, Weak<dyn Discovery>)>,
+    /// Engine hubs (issue 12) with their agent names.
+    engines: Vec<(String, Weak<super::engines::EngineHub>)>,
     /// Fallbacks recorded by [`AgentMetrics::submit_timed`]: (agent, reason) → count.
     fallbacks: BTreeMap<(String, &'static str), u64>,
 }
@@ -99,6 +105,16 @@ fn live_agents(s: &SharedSources) -> Vec<Arc<FabricAgent>> {
     let mut g = lock(s);
     g.agents.retain(|w| w.strong_count() > 0);
     g.agents.iter().filter_map(Weak::upgrade).collect()
+}
+
+/// Live engine hubs (upgraded) with their agent names, dead ones pruned.
+fn live_hubs(s: &SharedSources) -> Vec<(String, Arc<super::engines::EngineHub>)> {
+    let mut g = lock(s);
+    g.engines.retain(|(_, w)| w.strong_count() > 0);
+    g.engines
+        .iter()
+        .filter_map(|(n, w)| w.upgrade().map(|h| (n.clone(), h)))
+        .collect()
 }
 
 /// Live discoveries (upgraded) with their agent names, dead ones pruned.
@@ -519,6 +535,66 @@ impl AgentMetrics {
         {
             let s = sources.clone();
             meter
+                .u64_observable_gauge("kvfabric.engines")
+                .with_description("Serving engines attached through the engine API now")
+                .with_callback(move |o| {
+                    for (name, h) in live_hubs(&s) {
+                        o.observe(h.stats().sessions, &[KeyValue::new("agent", name)]);
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_gauge("kvfabric.engine.pool")
+                .with_unit("By")
+                .with_description(
+                    "Bytes of engine KV pools mapped (and registered) by the agent now",
+                )
+                .with_callback(move |o| {
+                    for (name, h) in live_hubs(&s) {
+                        o.observe(h.stats().pool_bytes, &[KeyValue::new("agent", name)]);
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.engine.transfers")
+                .with_description("Engine hand-offs resolved, by outcome")
+                .with_callback(move |o| {
+                    for (name, h) in live_hubs(&s) {
+                        let st = h.stats();
+                        for (outcome, v) in [("success", st.succeeded), ("failure", st.failed)] {
+                            o.observe(
+                                v,
+                                &[
+                                    KeyValue::new("agent", name.clone()),
+                                    KeyValue::new("outcome", outcome),
+                                ],
+                            );
+                        }
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.engine.arrivals")
+                .with_description("Arrival notices delivered to engines attached here")
+                .with_callback(move |o| {
+                    for (name, h) in live_hubs(&s) {
+                        o.observe(h.stats().arrivals, &[KeyValue::new("agent", name)]);
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
                 .u64_observable_counter("kvfabric.discovery.resyncs")
                 .with_description(
                     "Full re-reads of the discovery store after the first (each a lost and re-established watch)",
@@ -578,6 +654,14 @@ impl AgentMetrics {
         lock(&self.sources)
             .discoveries
             .push((agent_name.to_string(), Arc::downgrade(discovery)));
+    }
+
+    /// Exports `hub`'s engine gauges and counters under `agent_name`
+    /// (held weakly).
+    pub fn watch_engines(&self, agent_name: &str, hub: &Arc<super::engines::EngineHub>) {
+        lock(&self.sources)
+            .engines
+            .push((agent_name.to_string(), Arc::downgrade(hub)));
     }
 
     /// Sets the `kvfabric_shutting_down` gauge (1 when `on`) of every
