@@ -51,7 +51,13 @@ def _raw_handle(handle: bytes) -> bytes:
 def torch_pool_from_tensor(tensor: Any) -> CudaIpcPool:
     """The CUDA IPC description of a contiguous CUDA tensor that holds an
     engine's whole KV pool (laid out as its :class:`kvfabric.Layout` says).
-    Keep the tensor alive while the session uses it."""
+    Keep the tensor alive while the session uses it.
+
+    Uses torch's own sharing (``untyped_storage()._share_cuda_()``): the
+    handle is the caching allocator's segment, the offset the tensor's place
+    in it. The agent does not take part in torch's IPC reference counting,
+    so torch may warn at exit that the "producer process has been
+    terminated before all shared CUDA tensors released": harmless here."""
     import torch  # noqa: F401  (lazy: only engines with torch get here)
 
     if not getattr(tensor, "is_cuda", False):
