@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 runs of the engine API (issue 12) and the real-model hand-off
+# (issue 13), in one call on the GPU machine (nothing can be fetched there).
+# Expects, carried from the build machine (see e2e/gpu/pack.sh):
+#   .gpu/bundle.tar.xz   kvfabric (built with --features cuda, stripped),
+#                        etcd, and the nixl-cu13 runtime set (nixl/)
+#   .whl/                grpcio and protobuf wheels for the GPU machine's python3
+# Writes JSON reports and logs into $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out="${OUT:-$PWD/gpu-out}"
+mkdir -p "$out" /tmp/kvf
+tar xJf .gpu/bundle.tar.xz -C /tmp/kvf || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/agent/python
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export KVFABRIC_NIXL_DIR=/tmp/kvf/nixl
+export NIXL_PLUGIN_DIR=/tmp/kvf/nixl/plugins
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
+rc=0
+for step in ${KVF_STEPS:-engines model}; do
+  case "$step" in
+    engines)
+      timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --out "$out/engines_gpu.json" 2>&1 | tee "$out/engines_gpu.log" | tail -n 60 || rc=1 ;;
+    model)
+      if [ -f e2e/model/handoff.py ]; then
+        timeout 300 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+          --out "$out/model_handoff.json" 2>&1 | tee "$out/model_handoff.log" | tail -n 60 || rc=1
+      fi ;;
+  esac
+done
+exit $rc
