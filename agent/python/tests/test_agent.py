@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
@@ -31,6 +32,18 @@ BASE = kvfabric.Layout.for_model(
     layers=3, num_blocks=32, total_kv_heads=8, head_dim=16, block_tokens=4, dtype="bf16"
 )
 DECODE = BASE.with_(num_blocks=48)
+
+
+def metric(agent, name: str) -> float:
+    """A series of the agent's /metrics, summed over its label sets."""
+    with urllib.request.urlopen(f"http://{agent.addr}/metrics", timeout=5) as r:
+        found = [
+            float(line.rsplit(" ", 1)[1])
+            for line in r.read().decode().splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        ]
+    assert found, f"{name} not in {agent.logical_id}'s /metrics"
+    return sum(found)
 
 
 def assert_blocks(src, dst, src_blocks, dst_blocks):
@@ -196,6 +209,9 @@ def test_engine_death_detaches_it_and_others_keep_transferring(pair, engines):
         pool_name = info["pool"]
         observer = kvfabric.Client(a.socket_path)
         assert observer.status(info["session"]).engine_id == eid
+        engines_before = metric(a, "kvfabric_engines")
+        pool_bytes_before = metric(a, "kvfabric_engine_pool_bytes")
+        assert pool_bytes_before >= 2 * BASE.pool_bytes()
 
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -211,6 +227,13 @@ def test_engine_death_detaches_it_and_others_keep_transferring(pair, engines):
         wait_for(gone, timeout=2.5, what="the killed engine's session gone from the agent", step=0.05)
         detach_s = time.monotonic() - t0
         print(f"killed engine's session gone after {detach_s:.2f} s")
+        # Its registration is let go on the agent (the pool is unmapped once
+        # nothing writes into it).
+        wait_for(lambda: metric(a, "kvfabric_engines") <= engines_before - 1, timeout=3, what="engine count")
+        wait_for(
+            lambda: metric(a, "kvfabric_engine_pool_bytes") <= pool_bytes_before - BASE.pool_bytes(),
+            timeout=5, what="the killed engine's pool released",
+        )
         # The other engine on the same agents keeps transferring.
         for i in range(2, 6):
             r = survivor.session.transfer_blocks(i, d.id, [i], [i])
