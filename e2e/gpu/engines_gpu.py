@@ -85,7 +85,9 @@ def engine_main(role, sock, engine_id, peer, ready_path, out_path, n_latency):
         # API latency: many small hand-offs (one block, every layer/plane).
         sub, xfer = [], []
         for k in range(n_latency):
-            r = s.transfer_blocks(1000 + k, peer, [k % 512], [(k * 7) % 512])
+            # Blocks 200..299 of the decode pool: disjoint from the blocks
+            # the decode engine verifies (the first hand-off's and 0, 4, 511).
+            r = s.transfer_blocks(1000 + k, peer, [200 + k % 64], [200 + (k * 7) % 100])
             assert r.ok, r.reason
             sub.append(r.submit_us)
             xfer.append(r.transfer_us)
