@@ -416,8 +416,14 @@ impl Session {
         mut req: pb::TransferRequest,
     ) -> Result<pb::TransferResponse, ClientError> {
         req.session = self.id.clone();
-        let within =
-            self.client.timeout + Duration::from_millis(u64::from(req.timeout_ms).max(60_000));
+        // The request's own bound (0 = the agent's requestTimeoutMs, taken
+        // as at most 60 s here) plus the call bound.
+        let request = if req.timeout_ms == 0 {
+            Duration::from_secs(60)
+        } else {
+            Duration::from_millis(u64::from(req.timeout_ms))
+        };
+        let within = self.client.timeout + request;
         let mut api = self.client.api.clone();
         bounded("Transfer", within, api.transfer(req)).await
     }

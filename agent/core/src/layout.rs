@@ -379,6 +379,54 @@ pub fn extent_descriptors(
     Ok(out)
 }
 
+/// The runs of a direct copy (issue 19: both pools mapped by one agent, no
+/// intermediate region): each run copies `count` segments of
+/// `segment_len` bytes from absolute source `region_offset + k *
+/// region_stride` to `addr + k * addr_stride` — the kernel's scatter form
+/// with a region base of 0. Consecutive descriptors of equal length whose
+/// sources and destinations advance by constant strides merge into one run
+/// (a dense block list becomes a few runs). Zero-length descriptors are
+/// dropped. Pure; O(descriptors).
+pub fn direct_runs(descs: &[Descriptor]) -> Vec<crate::types::ScatterRun> {
+    use crate::types::ScatterRun;
+    let mut out: Vec<ScatterRun> = Vec::new();
+    for d in descs.iter().filter(|d| d.len > 0) {
+        if let Some(r) = out.last_mut() {
+            if r.segment_len == d.len && r.count < u32::MAX {
+                let last_src = r.region_offset + u64::from(r.count - 1) * r.region_stride;
+                let last_dst = r.addr + u64::from(r.count - 1) * r.addr_stride;
+                let (ds, dd) = (d.src.wrapping_sub(last_src), d.dst.wrapping_sub(last_dst));
+                let fits = if r.count == 1 {
+                    // The second segment fixes the strides (forward only).
+                    d.src > last_src && d.dst > last_dst
+                } else {
+                    ds == r.region_stride
+                        && dd == r.addr_stride
+                        && d.src > last_src
+                        && d.dst > last_dst
+                };
+                if fits {
+                    if r.count == 1 {
+                        r.region_stride = ds;
+                        r.addr_stride = dd;
+                    }
+                    r.count += 1;
+                    continue;
+                }
+            }
+        }
+        out.push(ScatterRun {
+            region_offset: d.src,
+            addr: d.dst,
+            segment_len: d.len,
+            region_stride: 0,
+            addr_stride: 0,
+            count: 1,
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -486,6 +534,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Direct runs move exactly the descriptors' bytes: simulated copy.
+    #[test]
+    fn direct_runs_cover_every_descriptor_and_merge_strides() {
+        let descs: Vec<Descriptor> = (0..10u64)
+            .map(|k| Descriptor::new(1000 + k * 64, 50_000 + k * 128, 32))
+            .chain([Descriptor::new(9_000, 40_000, 16), Descriptor::new(1, 2, 0)])
+            .chain((0..3u64).map(|k| Descriptor::new(20_000 - k * 100, 30_000 + k * 32, 32)))
+            .collect();
+        let runs = direct_runs(&descs);
+        assert_eq!(runs[0].count, 10);
+        assert_eq!((runs[0].region_stride, runs[0].addr_stride), (64, 128));
+        let mut got = Vec::new();
+        for r in &runs {
+            for k in 0..u64::from(r.count) {
+                got.push(Descriptor::new(
+                    r.region_offset + k * r.region_stride,
+                    r.addr + k * r.addr_stride,
+                    r.segment_len,
+                ));
+            }
+        }
+        let want: Vec<Descriptor> = descs.into_iter().filter(|d| d.len > 0).collect();
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -90,7 +90,7 @@ def _path(path: Union[str, int]) -> int:
 class TransferResult:
     """How a Transfer resolved. ``outcome`` is "success", "failure",
     "timeout" or "cancelled"; ``reason`` says why it did not succeed;
-    ``path`` is "bounce", "standard" or "local"; times in microseconds."""
+    ``path`` is "bounce", "standard" or "direct" (both engines on one agent); times in microseconds."""
 
     request_id: int
     outcome: str

@@ -202,7 +202,7 @@ class FakeAgent(pb_grpc.EngineApiServicer):
             self.lock.notify_all()
         return pb.TransferResponse(
             outcome=pb.OUTCOME_SUCCESS,
-            path="local",
+            path="direct",
             bytes=n,
             descriptors=L.layers * L.planes * len(request.src_blocks),
             transfer_us=int((time.monotonic() - t0) * 1e6),

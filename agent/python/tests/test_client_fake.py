@@ -100,7 +100,7 @@ def test_register_transfer_await_byte_exact(fake, client):
         time.sleep(0.2)
         assert not arrival.done()
         r = p.transfer_blocks(7, "d", [1, 5], [6, 0])
-        assert r.ok and r.outcome == "success" and r.path == "local"
+        assert r.ok and r.outcome == "success" and r.path == "direct"
         assert r.bytes == 2 * LAYOUT.layers * LAYOUT.planes * LAYOUT.block_bytes
         a = arrival.result(timeout=5)
         assert a.ok and a.bytes == r.bytes and a.request_id == 7

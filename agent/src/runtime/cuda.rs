@@ -498,27 +498,6 @@ impl Drop for IpcMapping {
     }
 }
 
-/// Copies `(src, dst, len)` device-to-device, one driver call per
-/// descriptor, synchronously, on `gpu` (same-agent hand-offs between two
-/// engines' GPU pools; the kernel-based direct path is issue 19).
-///
-/// # Errors
-/// The first driver error.
-pub fn copy_device_descriptors(
-    gpu: &Arc<CudaGpu>,
-    descs: &[(u64, u64, u64)],
-) -> Result<(), CudaError> {
-    gpu.bind()?;
-    for &(src, dst, len) in descs {
-        // SAFETY: the caller range-checked every descriptor against the
-        // two pools, both mapped on this context.
-        check("cuMemcpyDtoD", unsafe {
-            sys::cuMemcpyDtoD_v2(dst, src, len as usize)
-        })?;
-    }
-    Ok(())
-}
-
 /// Device memory from `cuMemAlloc` (seed §4 `BounceArena` on the GPU):
 /// allocated once at start-up and registered with the transfer engine as
 /// [`MemKind::Vram`] ([`CudaArena::mem_desc`]); regions are byte offsets.

@@ -230,6 +230,8 @@ struct Session {
     arrivals: AtomicU64,
     /// Closed by Detach or the hub's shutdown (ends the Attach stream).
     close: Notify,
+    /// Why it was closed (sent in the stream's `closing` event).
+    close_reason: Mutex<String>,
 }
 
 impl Session {
@@ -281,6 +283,11 @@ pub struct EngineHub {
     succeeded: AtomicU64,
     failed: AtomicU64,
     arrived_total: AtomicU64,
+    /// Set by [`EngineHub::shutdown`]: no new sessions.
+    closing: std::sync::atomic::AtomicBool,
+    /// Copy engine of the same-node direct path between GPU pools.
+    #[cfg(feature = "cuda")]
+    direct: std::sync::OnceLock<Arc<crate::runtime::cuda::CudaCopyEngine>>,
 }
 
 fn status_of(e: kvfabric_core::layout::LayoutError) -> Status {
@@ -354,6 +361,9 @@ impl EngineHub {
             succeeded: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             arrived_total: AtomicU64::new(0),
+            closing: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "cuda")]
+            direct: std::sync::OnceLock::new(),
         });
         if let Some(t) = hub.agent.transport() {
             let (tx, rx) = crossbeam_channel::bounded::<(String, Notice)>(4096);
@@ -389,6 +399,10 @@ impl EngineHub {
         let mut v: Vec<EngineRecord> = self
             .lock_sessions()
             .values()
+            // An engine is published once its pool is registered: a peer
+            // that finds it can hand blocks to it (before that, NotFound —
+            // retryable — rather than a refusal).
+            .filter(|s| s.pool().is_some())
             .map(|s| {
                 let pool = s.pool();
                 EngineRecord {
@@ -430,6 +444,9 @@ impl EngineHub {
 
     /// Attaches an engine.
     fn attach(&self, req: &pb::AttachRequest) -> Result<Arc<Session>, Status> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the agent is shutting down"));
+        }
         let id = req.engine_id.as_str();
         if id.is_empty()
             || id.len() > MAX_ENGINE_ID_LEN
@@ -492,6 +509,7 @@ impl EngineHub {
                 bytes_sent: AtomicU64::new(0),
                 arrivals: AtomicU64::new(0),
                 close: Notify::new(),
+                close_reason: Mutex::new(String::new()),
             });
             g.insert(sid, s.clone());
             s
@@ -508,8 +526,11 @@ impl EngineHub {
             return;
         };
         tracing::info!(agent = %self.agent.name(), engine = %LogSafe(&s.engine_id), session, reason = why, "engine detached");
+        *s.close_reason.lock().unwrap_or_else(|p| p.into_inner()) = why.to_string();
         s.close.notify_waiters();
         s.close.notify_one();
+        // Pending AwaitArrival calls of this session re-check and end.
+        self.arrived.notify_waiters();
         let inflight: Vec<(u64, Option<(PathKind, TransferHandle)>)> = s
             .in_flight
             .lock()
@@ -545,10 +566,31 @@ impl EngineHub {
 
     /// Detaches every session (agent shutdown).
     pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
         let ids: Vec<String> = self.lock_sessions().keys().cloned().collect();
         for id in ids {
             self.detach(&id, "agent shutting down");
         }
+    }
+
+    /// The direct path's copy engine (built on first use on the agent's GPU).
+    #[cfg(feature = "cuda")]
+    fn direct_engine(&self) -> Result<Arc<crate::runtime::cuda::CudaCopyEngine>, Status> {
+        if let Some(e) = self.direct.get() {
+            return Ok(e.clone());
+        }
+        let gpu = self
+            .agent
+            .gpu()
+            .ok_or_else(|| Status::internal("GPU pools without a GPU arena"))?;
+        let e = Arc::new(
+            crate::runtime::cuda::CudaCopyEngine::new(
+                gpu,
+                crate::runtime::cuda::CudaCopyConfig::default(),
+            )
+            .map_err(|e| Status::internal(format!("direct copy engine: {e}")))?,
+        );
+        Ok(self.direct.get_or_init(|| e).clone())
     }
 
     /// The CUDA ordinal of the agent's arena, if it lives on a GPU.
@@ -772,6 +814,12 @@ impl EngineHub {
             )));
         }
         let target = self.resolve(&req.dst_engine)?;
+        // Layouts first: a pair that can never be mapped is refused as such.
+        let dst_layout_first = match &target {
+            Target::Local(d) => d.layout.clone(),
+            Target::Remote { record, .. } => record.layout.clone(),
+        };
+        head_map(&s.layout, &dst_layout_first).map_err(status_of)?;
         let (dst_layout, dst_base, dst_len) = match &target {
             Target::Local(d) => {
                 let p = d.pool().ok_or_else(|| {
@@ -900,13 +948,16 @@ impl EngineHub {
             }
             #[cfg(feature = "cuda")]
             (MemKind::Vram, MemKind::Vram) => {
-                let gpu = self
-                    .agent
-                    .gpu()
-                    .ok_or_else(|| Status::internal("GPU pools without a GPU arena"))?;
-                let v: Vec<(u64, u64, u64)> = descs.iter().map(|d| (d.src, d.dst, d.len)).collect();
-                crate::runtime::cuda::copy_device_descriptors(gpu, &v)
-                    .map_err(|e| Status::internal(format!("device copy: {e}")))?;
+                // The same-node direct path (issue 19): one launch of the
+                // gather/scatter kernel copies (src, dst, len) pairs
+                // straight between the two pools (region base 0, so a
+                // run's "region offset" is the absolute source), then the
+                // copy's event is waited on.
+                let engine = self.direct_engine()?;
+                let runs = kvfabric_core::layout::direct_runs(descs);
+                engine
+                    .run(crate::runtime::cuda::Direction::Scatter, 0, &runs)
+                    .map_err(|e| Status::internal(format!("direct copy kernel: {e}")))?;
             }
             (a, b) => {
                 return Err(Status::unimplemented(format!(
@@ -930,7 +981,7 @@ impl EngineHub {
         Ok(pb::TransferResponse {
             outcome: pb::Outcome::Success as i32,
             reason: String::new(),
-            path: "local".into(),
+            path: "direct".into(),
             bytes,
             descriptors: descs.len() as u32,
             submit_us,
@@ -1113,11 +1164,10 @@ impl EngineApi for EngineService {
                 tokio::select! {
                     _ = tx.closed() => break "client gone (Attach stream closed)",
                     _ = s.close.notified() => {
+                        let reason = s.close_reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
                         let _ = tx
                             .send(Ok(pb::SessionEvent {
-                                event: Some(pb::session_event::Event::Closing(pb::Closing {
-                                    reason: "detached".into(),
-                                })),
+                                event: Some(pb::session_event::Event::Closing(pb::Closing { reason })),
                             }))
                             .await;
                         break "detached";
