@@ -45,6 +45,94 @@ def free_port():
 LAYOUT = dict(layers=8, num_blocks=512, total_kv_heads=8, head_dim=128, block_tokens=16, dtype="bf16")
 
 
+BULK = dict(layers=1, num_blocks=16384, total_kv_heads=1, head_dim=128, block_tokens=16, dtype="bf16")
+
+
+def bulk_main(sock, sock_b, ready_path, out_path, repeats):
+    """Issue 19: 64 MiB as 16,384 x 4 KiB random blocks from one engine to
+    an engine on the SAME agent (direct path: one kernel) and to an engine
+    on the other agent (bounce), timed inside the agent (transfer_us, submit
+    -> destination's arrival resolved), every byte verified; plus a
+    contiguous 64 MiB device-to-device copy for scale."""
+    import random
+    import torch
+    import kvfabric
+
+    layout = kvfabric.Layout.for_model(kv_split=False, device=0, **BULK)
+    nbytes = layout.pool_bytes()
+    assert layout.block_bytes == 4096 and nbytes == 64 << 20
+    idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+    src_pool = ((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1
+    del idx
+    dst_a = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst_b = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    ca, cb = kvfabric.Client(sock, timeout=10.0), kvfabric.Client(sock_b, timeout=10.0)
+    src = ca.attach("bulk-src", "", "prefill", layout)
+    src.register_tensor(src_pool)
+    da = ca.attach("bulk-dst-a", "", "decode", layout)
+    da.register_tensor(dst_a)
+    db = cb.attach("bulk-dst-b", "", "decode", layout)
+    db.register_tensor(dst_b)
+    rng = random.Random(7)
+    blocks = list(range(16384))
+    report = {"bytes": nbytes, "descriptors": 16384}
+    for name, dst_engine, pool, sess in (("direct", "bulk-dst-a", dst_a, da), ("bounce", "bulk-dst-b", dst_b, db)):
+        times, wall = [], []
+        bad = 0
+        for k in range(repeats):
+            s_blocks = blocks[:]
+            d_blocks = blocks[:]
+            rng.shuffle(s_blocks)
+            rng.shuffle(d_blocks)
+            pool.zero_()
+            torch.cuda.synchronize()
+            deadline = time.time() + 20
+            while True:
+                try:
+                    t0 = time.perf_counter()
+                    r = src.transfer_blocks(50000 + k + (0 if name == "direct" else 100000), dst_engine, s_blocks, d_blocks)
+                    wall.append((time.perf_counter() - t0) * 1e6)
+                    break
+                except kvfabric.NotFound:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.05)
+            assert r.ok, (name, r.reason)
+            a = sess.await_arrival(50000 + k + (0 if name == "direct" else 100000), timeout=30)
+            assert a.ok, (name, a.reason)
+            times.append(r.transfer_us)
+            if k == 0 or k == repeats - 1:
+                sv = src_pool.view(16384, 4096)
+                dv = pool.view(16384, 4096)
+                si = torch.tensor(s_blocks, device="cuda:0")
+                di = torch.tensor(d_blocks, device="cuda:0")
+                if not torch.equal(dv[di], sv[si]):
+                    bad += 1
+        times.sort()
+        wall.sort()
+        report[name] = {"path": r.path, "repeats": repeats, "transfer_us_min": times[0],
+                        "transfer_us_p50": times[len(times) // 2], "transfer_us_max": times[-1],
+                        "call_wall_us_p50": wall[len(wall) // 2], "verify_bad": bad}
+    # Contiguous device-to-device copy of the same bytes, for scale.
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(10):
+        ev0.record()
+        dst_a.copy_(src_pool)
+        ev1.record()
+        torch.cuda.synchronize()
+        ms.append(ev0.elapsed_time(ev1))
+    ms.sort()
+    report["memcpy_64MiB_us_p50"] = ms[len(ms) // 2] * 1e3
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+    with open(ready_path, "w") as f:
+        f.write("done")
+    for sess in (src, da, db):
+        sess.detach()
+
+
 def engine_main(role, sock, engine_id, peer, ready_path, out_path, n_latency):
     import torch
     import kvfabric
@@ -132,11 +220,15 @@ def main():
     ap.add_argument("--etcd", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-n", type=int, default=300)
+    ap.add_argument("--bulk-repeats", type=int, default=10)
     ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
     a = ap.parse_args()
     if a.engine:
         role, sock, eid, peer, ready, out = a.engine
-        engine_main(role, sock, eid, peer, ready, out, a.latency_n)
+        if role == "bulk":
+            bulk_main(sock, peer, ready, out, a.bulk_repeats)
+        else:
+            engine_main(role, sock, eid, peer, ready, out, a.latency_n)
         return
     tmp = tempfile.mkdtemp(prefix="kvf-gpu-")
     cport, pport = free_port(), free_port()
@@ -217,6 +309,18 @@ def main():
         rep2 = json.loads(wait_file(pout2, 180))
         report["after_kill"] = rep2.get("first")
         pp2.send_signal(signal.SIGKILL)
+        # Issue 19: direct (same agent) vs bounce (two agents), 64 MiB.
+        bulk_ready = os.path.join(tmp, "bulk.ready")
+        bulk_out = os.path.join(tmp, "bulk.json")
+        bp = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin, "--etcd", a.etcd,
+                               "--out", a.out, "--bulk-repeats", str(a.bulk_repeats),
+                               "--engine", "bulk", agents["node-a"][1], "bulk", agents["node-b"][1],
+                               bulk_ready, bulk_out])
+        procs.append(bp)
+        try:
+            report["bulk"] = json.loads(wait_file(bulk_out, 240))
+        except Exception as e:
+            report["bulk"] = {"error": str(e)}
         f = report["prefill"]["first"]
         report["ok"] = (f["outcome"] == "success" and report["decode"]["verify"]["bad"] == 0
                         and report["decode"]["arrival"]["outcome"] == "success"

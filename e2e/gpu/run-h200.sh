@@ -2,7 +2,7 @@
 # The H200 runs of the engine API (issue 12) and the real-model hand-off
 # (issue 13), in one call on the GPU machine (nothing can be fetched there).
 # Expects, carried from the build machine (see e2e/gpu/pack.sh):
-#   .gpu/bundle.tar.xz   kvfabric (built with --features cuda, stripped),
+#   .gpu/bundle.tar.xz   kvfabric and kvfabric-gpu (--features cuda, stripped),
 #                        etcd, and the nixl-cu13 runtime set (nixl/)
 #   .whl/                grpcio and protobuf wheels for the GPU machine's python3
 # Writes JSON reports and logs into $OUT (or ./gpu-out).
@@ -22,11 +22,16 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 rc=0
-for step in ${KVF_STEPS:-engines model}; do
+for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in
     engines)
       timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
         --out "$out/engines_gpu.json" 2>&1 | tee "$out/engines_gpu.log" | tail -n 60 || rc=1 ;;
+    vram)
+      # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
+      # processes on GPU 0 (issue 19's side-by-side reference).
+      timeout 180 /tmp/kvf/kvfabric-gpu vram-bench --json "$out/vram_bench.json" 2>&1 \
+        | tee "$out/vram_bench.log" | tail -n 30 || rc=1 ;;
     model)
       if [ -f e2e/model/handoff.py ]; then
         timeout 300 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
