@@ -34,8 +34,8 @@ for step in ${KVF_STEPS:-engines model vram}; do
         | tee "$out/vram_bench.log" | tail -n 30 || rc=1 ;;
     model)
       if [ -f e2e/model/handoff.py ]; then
-        timeout 300 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
-          --out "$out/model_handoff.json" 2>&1 | tee "$out/model_handoff.log" | tail -n 60 || rc=1
+        timeout 330 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+          --out "$out/model_handoff.json" --sdpa-backend ${KVF_SDPA:-efficient,default} 2>&1 | tee "$out/model_handoff.log" | tail -n 60 || rc=1
       fi ;;
   esac
 done
