@@ -1,0 +1,496 @@
+//! The controller: `KvFabric` objects → one fabric task each; a fabric task
+//! watches the selected pods (agent, prefill, decode) and all nodes, feeds
+//! the pure [`PeerIndex`]es, and carries out their invalidations in etcd
+//! ([`FabricStore`]), then reports counts and the last latency in the
+//! fabric's status.
+//!
+//! First slice of issue 14: no leader election, finalizer, Events or
+//! config rollout yet (see operator/README.md).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::{stream, StreamExt};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+use crate::crd::{condition, KvFabric, KvFabricSpec, KvFabricStatus};
+use crate::index::{Invalidation, PeerIndex};
+use crate::metrics::Metrics;
+use crate::store::FabricStore;
+
+/// Bound on each etcd request of the operator.
+pub const ETCD_TIMEOUT: Duration = Duration::from_secs(2);
+/// First retry delay after an etcd failure; doubled up to
+/// [`RETRY_MAX`].
+pub const RETRY_INITIAL: Duration = Duration::from_millis(50);
+/// Longest retry delay.
+pub const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Milliseconds since the Unix epoch now (0 if the clock is before 1970).
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// The label-selector string (`a=b,c in (d,e),!f`) of `sel`; `None` when
+/// an operator is unknown (bad input: the selector selects nothing).
+pub fn selector_string(sel: &LabelSelector) -> Option<String> {
+    let mut parts: Vec<String> = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in sel.match_expressions.iter().flatten() {
+        let vals = e.values.clone().unwrap_or_default().join(",");
+        parts.push(match e.operator.as_str() {
+            "In" => format!("{} in ({vals})", e.key),
+            "NotIn" => format!("{} notin ({vals})", e.key),
+            "Exists" => e.key.clone(),
+            "DoesNotExist" => format!("!{}", e.key),
+            _ => return None,
+        });
+    }
+    Some(parts.join(","))
+}
+
+/// Which selector a pod came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    /// `spec.agentSelector`.
+    Agent,
+    /// `spec.prefillSelector`.
+    Prefill,
+    /// `spec.decodeSelector`.
+    Decode,
+}
+
+impl Role {
+    const ALL: [Role; 3] = [Role::Agent, Role::Prefill, Role::Decode];
+
+    fn selector(self, spec: &KvFabricSpec) -> &LabelSelector {
+        match self {
+            Role::Agent => &spec.agent_selector,
+            Role::Prefill => &spec.prefill_selector,
+            Role::Decode => &spec.decode_selector,
+        }
+    }
+}
+
+/// The conditions for `status` given what the fabric task knows: whether
+/// the bounce config validates (`config_error`) and whether etcd answers.
+/// Transition times are kept from `previous` when a status is unchanged.
+/// Pure.
+pub fn conditions(
+    generation: i64,
+    config_error: Option<&str>,
+    etcd_error: Option<&str>,
+    previous: &[Condition],
+    now: &Time,
+) -> Vec<Condition> {
+    let mk = |type_: &str, status: &str, reason: &str, message: String| {
+        let last = previous
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == status)
+            .map(|c| c.last_transition_time.clone())
+            .unwrap_or_else(|| now.clone());
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message,
+            observed_generation: Some(generation),
+            last_transition_time: last,
+        }
+    };
+    let degraded = match (config_error, etcd_error) {
+        (Some(e), _) => mk(
+            condition::DEGRADED,
+            "True",
+            "InvalidBounceConfig",
+            e.to_string(),
+        ),
+        (None, Some(e)) => mk(
+            condition::DEGRADED,
+            "True",
+            "EtcdUnreachable",
+            e.to_string(),
+        ),
+        (None, None) => mk(condition::DEGRADED, "False", "AsExpected", String::new()),
+    };
+    let ready = if degraded.status == "True" {
+        mk(
+            condition::READY,
+            "False",
+            "Degraded",
+            degraded.message.clone(),
+        )
+    } else {
+        mk(
+            condition::READY,
+            "False",
+            "TransferringNotObserved",
+            "bounce traffic is not observed yet (first slice of issue 14)".into(),
+        )
+    };
+    vec![
+        ready,
+        mk(
+            condition::PROGRESSING,
+            "False",
+            "NoRollout",
+            "config rollout is not implemented yet".into(),
+        ),
+        degraded,
+        mk(
+            condition::TRANSPORT_DEGRADED,
+            "Unknown",
+            "NotObserved",
+            String::new(),
+        ),
+        mk(
+            condition::TRANSFERRING,
+            "Unknown",
+            "NotObserved",
+            String::new(),
+        ),
+    ]
+}
+
+/// Runs the operator until the `KvFabric` watch ends (it does not on its
+/// own: the watcher retries with backoff).
+pub async fn run(client: Client, metrics: Arc<Metrics>) {
+    let api: Api<KvFabric> = Api::all(client.clone());
+    let mut tasks: HashMap<String, (KvFabricSpec, tokio::task::JoinHandle<()>)> = HashMap::new();
+    let mut relist: Option<Vec<String>> = None;
+    let mut events = watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    while let Some(ev) = events.next().await {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                metrics.errors.with_label_values(&["watch"]).inc();
+                tracing::warn!(error = %e, "KvFabric watch error; retrying");
+                continue;
+            }
+        };
+        match ev {
+            Event::Init => relist = Some(Vec::new()),
+            Event::InitApply(f) | Event::Apply(f) => {
+                let key = format!("{}/{}", f.namespace().unwrap_or_default(), f.name_any());
+                if let Some(r) = relist.as_mut() {
+                    r.push(key.clone());
+                }
+                let same = tasks.get(&key).is_some_and(|(spec, _)| *spec == f.spec);
+                if !same {
+                    if let Some((_, h)) = tasks.remove(&key) {
+                        h.abort();
+                    }
+                    tracing::info!(fabric = %key, "starting fabric task");
+                    let h = tokio::spawn(fabric_task(client.clone(), f.clone(), metrics.clone()));
+                    tasks.insert(key, (f.spec.clone(), h));
+                }
+            }
+            Event::InitDone => {
+                if let Some(keep) = relist.take() {
+                    tasks.retain(|k, (_, h)| {
+                        let live = keep.contains(k);
+                        if !live {
+                            h.abort();
+                        }
+                        live
+                    });
+                }
+            }
+            Event::Delete(f) => {
+                let key = format!("{}/{}", f.namespace().unwrap_or_default(), f.name_any());
+                if let Some((_, h)) = tasks.remove(&key) {
+                    tracing::info!(fabric = %key, "stopping fabric task");
+                    h.abort();
+                }
+            }
+        }
+    }
+}
+
+enum Msg {
+    Pod(Role, Box<Event<Pod>>),
+    Node(Box<Event<Node>>),
+    Error(String),
+}
+
+/// Connects to etcd, retrying with backoff until it answers.
+async fn connect_store(endpoints: &[String], fabric: &str, metrics: &Metrics) -> FabricStore {
+    let mut delay = RETRY_INITIAL;
+    loop {
+        match FabricStore::connect(endpoints, fabric, ETCD_TIMEOUT).await {
+            Ok(s) => return s,
+            Err(e) => {
+                metrics.errors.with_label_values(&["etcd"]).inc();
+                tracing::warn!(fabric, error = %e, "cannot connect to etcd; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+/// One fabric: watches, decides, invalidates, reports.
+async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
+    let ns = fabric.namespace().unwrap_or_default();
+    let name = fabric.name_any();
+    let fabric_name = fabric.fabric_name();
+    let generation = fabric.metadata.generation.unwrap_or(0);
+    let grace_ms = u64::from(fabric.spec.not_ready_grace_seconds) * 1000;
+    let config_error = fabric.spec.bounce.validate().err().map(|e| e.to_string());
+    let fabric_api: Api<KvFabric> = Api::namespaced(client.clone(), &ns);
+
+    let mut streams = Vec::new();
+    for role in Role::ALL {
+        let Some(sel) = selector_string(role.selector(&fabric.spec)) else {
+            tracing::error!(fabric = %name, ?role, "unsupported selector operator; role not watched");
+            continue;
+        };
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let s = watcher::watcher(pods, watcher::Config::default().labels(&sel))
+            .default_backoff()
+            .map(move |r| match r {
+                Ok(ev) => Msg::Pod(role, Box::new(ev)),
+                Err(e) => Msg::Error(e.to_string()),
+            })
+            .boxed();
+        streams.push(s);
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    streams.push(
+        watcher::watcher(nodes, watcher::Config::default())
+            .default_backoff()
+            .map(|r| match r {
+                Ok(ev) => Msg::Node(Box::new(ev)),
+                Err(e) => Msg::Error(e.to_string()),
+            })
+            .boxed(),
+    );
+    let mut events = stream::select_all(streams);
+
+    let store = connect_store(&fabric.spec.etcd.endpoints, &fabric_name, &metrics).await;
+    let mut indices: BTreeMap<Role, PeerIndex> = Role::ALL
+        .iter()
+        .map(|r| (*r, PeerIndex::new(grace_ms)))
+        .collect();
+    let mut pending: Vec<(Invalidation, Instant)> = Vec::new();
+    let mut status = fabric.status.clone().unwrap_or_default();
+    let mut etcd_error: Option<String> = None;
+    let mut status_dirty = true;
+    let mut retry_delay = RETRY_INITIAL;
+
+    loop {
+        // Wake for the next event, the earliest grace deadline, or a retry.
+        let next_deadline = indices.values().filter_map(PeerIndex::next_deadline).min();
+        let mut wait = next_deadline
+            .map(|d| Duration::from_millis(u64::try_from(d.saturating_sub(now_ms())).unwrap_or(0)))
+            .unwrap_or(Duration::from_secs(30));
+        if !pending.is_empty() {
+            wait = wait.min(retry_delay);
+        }
+        if status_dirty {
+            wait = Duration::ZERO;
+        }
+        let msg = tokio::select! {
+            m = events.next() => match m {
+                Some(m) => Some(m),
+                None => return,
+            },
+            _ = tokio::time::sleep(wait) => None,
+        };
+        let now = now_ms();
+        let seen = Instant::now();
+        let mut fresh = Vec::new();
+        match msg {
+            Some(Msg::Pod(role, ev)) => {
+                if let Some(idx) = indices.get_mut(&role) {
+                    fresh.extend(idx.pod_event(*ev, now));
+                }
+                status_dirty = true;
+            }
+            Some(Msg::Node(ev)) => {
+                for idx in indices.values_mut() {
+                    fresh.extend(idx.node_event((*ev).clone(), now));
+                }
+            }
+            Some(Msg::Error(e)) => {
+                metrics.errors.with_label_values(&["watch"]).inc();
+                tracing::warn!(fabric = %name, error = %e, "watch error; retrying");
+            }
+            None => {
+                for idx in indices.values_mut() {
+                    fresh.extend(idx.tick(now));
+                }
+            }
+        }
+        pending.extend(fresh.into_iter().map(|i| (i, seen)));
+
+        // Carry out invalidations (oldest first); keep failures for retry.
+        let mut failed = Vec::new();
+        for (inv, seen) in pending.drain(..) {
+            if !failed.is_empty() {
+                failed.push((inv, seen));
+                continue;
+            }
+            match store.invalidate(&inv).await {
+                Ok(keys) => {
+                    let dt = seen.elapsed();
+                    let code = inv.reason.code();
+                    metrics
+                        .invalidation_seconds
+                        .with_label_values(&[code])
+                        .observe(dt.as_secs_f64());
+                    metrics.invalidations.with_label_values(&[code]).inc();
+                    metrics
+                        .records_removed
+                        .with_label_values(&[fabric_name.as_str()])
+                        .inc_by(keys.len() as u64);
+                    tracing::info!(
+                        fabric = %name, pod = %inv.name, uid = %inv.uid, reason = %inv.reason,
+                        removed = keys.len(), latency_ms = dt.as_secs_f64() * 1e3,
+                        "peer invalidated"
+                    );
+                    status.peers_invalidated = status.peers_invalidated.saturating_add(1);
+                    status.last_invalidation_latency_ms =
+                        Some(u64::try_from(dt.as_micros().div_ceil(1000)).unwrap_or(u64::MAX));
+                    status.last_invalidated = Some(format!(
+                        "{}/{} ({})",
+                        inv.namespace,
+                        inv.name,
+                        inv.reason.code()
+                    ));
+                    etcd_error = None;
+                    retry_delay = RETRY_INITIAL;
+                    status_dirty = true;
+                }
+                Err(e) => {
+                    metrics.errors.with_label_values(&["etcd"]).inc();
+                    tracing::warn!(fabric = %name, pod = %inv.name, error = %e, "invalidation failed; retrying");
+                    if etcd_error.is_none() {
+                        status_dirty = true;
+                    }
+                    etcd_error = Some(e.to_string());
+                    retry_delay = (retry_delay * 2).min(RETRY_MAX);
+                    failed.push((inv, seen));
+                }
+            }
+        }
+        pending = failed;
+
+        if status_dirty {
+            status_dirty = false;
+            let count = |r: Role| {
+                indices
+                    .get(&r)
+                    .map(|i| u32::try_from(i.ready_count()).unwrap_or(u32::MAX))
+                    .unwrap_or(0)
+            };
+            status.prefill_ready = count(Role::Prefill);
+            status.decode_ready = count(Role::Decode);
+            status.agents_ready = count(Role::Agent);
+            status.agents_total = indices
+                .get(&Role::Agent)
+                .map(|i| u32::try_from(i.len()).unwrap_or(u32::MAX))
+                .unwrap_or(0);
+            status.observed_generation = Some(generation);
+            let t = Time(k8s_openapi::jiff::Timestamp::now());
+            status.conditions = conditions(
+                generation,
+                config_error.as_deref(),
+                etcd_error.as_deref(),
+                &status.conditions,
+                &t,
+            );
+            if let Err(e) = patch_status(&fabric_api, &name, &status).await {
+                metrics.errors.with_label_values(&["kube"]).inc();
+                tracing::warn!(fabric = %name, error = %e, "status update failed");
+            }
+        }
+    }
+}
+
+async fn patch_status(
+    api: &Api<KvFabric>,
+    name: &str,
+    status: &KvFabricStatus,
+) -> kube::Result<()> {
+    let patch = json!({"status": status});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    #[test]
+    fn selector_strings() {
+        let sel = LabelSelector {
+            match_labels: Some([("app".to_string(), "agent".to_string())].into()),
+            match_expressions: Some(vec![
+                LabelSelectorRequirement {
+                    key: "tier".into(),
+                    operator: "In".into(),
+                    values: Some(vec!["a".into(), "b".into()]),
+                },
+                LabelSelectorRequirement {
+                    key: "x".into(),
+                    operator: "DoesNotExist".into(),
+                    values: None,
+                },
+            ]),
+        };
+        assert_eq!(
+            selector_string(&sel).as_deref(),
+            Some("app=agent,tier in (a,b),!x")
+        );
+        assert_eq!(
+            selector_string(&LabelSelector::default()).as_deref(),
+            Some("")
+        );
+        let bad = LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "k".into(),
+                operator: "Near".into(),
+                values: None,
+            }]),
+            ..Default::default()
+        };
+        assert_eq!(selector_string(&bad), None);
+    }
+
+    #[test]
+    fn conditions_keep_transition_times() {
+        let t0 = Time(k8s_openapi::jiff::Timestamp::from_second(100).unwrap());
+        let t1 = Time(k8s_openapi::jiff::Timestamp::from_second(200).unwrap());
+        let c0 = conditions(1, None, None, &[], &t0);
+        assert_eq!(c0.len(), 5);
+        let c1 = conditions(2, None, None, &c0, &t1);
+        assert!(c1.iter().all(|c| c.last_transition_time == t0));
+        assert!(c1.iter().all(|c| c.observed_generation == Some(2)));
+        let c2 = conditions(2, Some("arena too small"), None, &c1, &t1);
+        let deg = c2.iter().find(|c| c.type_ == "Degraded").unwrap();
+        assert_eq!(
+            (deg.status.as_str(), deg.reason.as_str()),
+            ("True", "InvalidBounceConfig")
+        );
+        assert_eq!(deg.last_transition_time, t1);
+    }
+}

@@ -1,0 +1,280 @@
+//! The `KvFabric` custom resource (`kvfabric.io/v1alpha1`, namespaced,
+//! short name `kvf`).
+//!
+//! One `KvFabric` is one fabric: one etcd key prefix
+//! (`/kvfabric/<fabric>/`), the agent pods that publish under it and the
+//! prefill/decode engine pods it serves. The bounce config is the agent's
+//! own serde type, [`BounceConfig`], embedded as is (one schema for env,
+//! YAML and CRD); its OpenAPI schema is written here ([`bounce_schema`])
+//! because the core crate stays free of schema dependencies. The CRD form
+//! is a subset of what the agent accepts: byte sizes are plain integers
+//! (the form they serialize to), so the apiserver can check them with
+//! OpenAPI and CEL rules (positive, granularity a power of two ≥ 32, max
+//! chunk ≤ arena).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::CustomResource;
+use kvfabric_core::config::{BounceConfig, REGION_ALIGNMENT_BYTES};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// API group of the CRD.
+pub const GROUP: &str = "kvfabric.io";
+/// Default of [`KvFabricSpec::not_ready_grace_seconds`], seconds.
+pub const DEFAULT_NOT_READY_GRACE_SECONDS: u32 = 10;
+/// Largest accepted [`KvFabricSpec::not_ready_grace_seconds`], seconds (1 h).
+pub const MAX_NOT_READY_GRACE_SECONDS: u32 = 3600;
+
+/// Desired state of a kvfabric fabric.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "kvfabric.io",
+    version = "v1alpha1",
+    kind = "KvFabric",
+    plural = "kvfabrics",
+    singular = "kvfabric",
+    shortname = "kvf",
+    namespaced,
+    status = "KvFabricStatus",
+    derive = "PartialEq",
+    doc = "A kvfabric KV-cache fabric: agents, engine pods, bounce config and etcd prefix.",
+    printcolumn = r#"{"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name": "Prefill", "type": "integer", "jsonPath": ".status.prefillReady"}"#,
+    printcolumn = r#"{"name": "Decode", "type": "integer", "jsonPath": ".status.decodeReady"}"#,
+    printcolumn = r#"{"name": "Agents", "type": "integer", "jsonPath": ".status.agentsReady"}"#,
+    printcolumn = r#"{"name": "Invalidated", "type": "integer", "jsonPath": ".status.peersInvalidated"}"#,
+    printcolumn = r#"{"name": "Last-Inval-ms", "type": "integer", "jsonPath": ".status.lastInvalidationLatencyMs", "priority": 1}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct KvFabricSpec {
+    /// Fabric name, i.e. the etcd key prefix `/kvfabric/<fabricName>/` the
+    /// agents were started with (`--fabric`). Defaults to the resource's
+    /// `metadata.name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 128),
+        regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    )]
+    pub fabric_name: Option<String>,
+    /// Prefill engine pods of this fabric (same namespace).
+    pub prefill_selector: LabelSelector,
+    /// Decode engine pods of this fabric (same namespace).
+    pub decode_selector: LabelSelector,
+    /// Agent pods (the DaemonSet) of this fabric (same namespace). An agent
+    /// belongs to exactly one fabric; two fabrics never share an agent.
+    pub agent_selector: LabelSelector,
+    /// The agents' bounce config (the agent's `bounce:` YAML, camelCase);
+    /// missing keys take the agent's defaults.
+    #[serde(default)]
+    #[schemars(schema_with = "bounce_schema")]
+    pub bounce: BounceConfig,
+    /// etcd the agents and the operator use.
+    pub etcd: EtcdSpec,
+    /// How long a pod that was Ready may stay not Ready before its peer is
+    /// invalidated, seconds (0 = at once). Default 10.
+    #[serde(default = "default_grace")]
+    #[schemars(range(max = 3600))]
+    pub not_ready_grace_seconds: u32,
+}
+
+fn default_grace() -> u32 {
+    DEFAULT_NOT_READY_GRACE_SECONDS
+}
+
+/// How to reach etcd.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdSpec {
+    /// Client URLs, e.g. `http://etcd.kvfabric:2379`.
+    #[schemars(length(min = 1, max = 16))]
+    pub endpoints: Vec<String>,
+    // TODO(issue 14): `secretRef` for TLS client certificates and auth.
+}
+
+/// Observed state of a fabric.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KvFabricStatus {
+    /// `metadata.generation` this status was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Progressing`, `Degraded`, `TransportDegraded`,
+    /// `Transferring` (each with its observedGeneration and reason).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Prefill engine pods Ready now.
+    #[serde(default)]
+    pub prefill_ready: u32,
+    /// Decode engine pods Ready now.
+    #[serde(default)]
+    pub decode_ready: u32,
+    /// Agent pods Ready now.
+    #[serde(default)]
+    pub agents_ready: u32,
+    /// Agent pods selected (any state).
+    #[serde(default)]
+    pub agents_total: u32,
+    /// Peers invalidated by this operator since it started leading.
+    #[serde(default)]
+    pub peers_invalidated: u64,
+    /// Latency of the last invalidation, pod event seen → record removed
+    /// from etcd, milliseconds (rounded up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_invalidation_latency_ms: Option<u64>,
+    /// `namespace/name (reason)` of the last invalidated pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_invalidated: Option<String>,
+}
+
+/// Condition types of [`KvFabricStatus::conditions`].
+pub mod condition {
+    /// Prefill and decode pods ready, agents at the desired config, bounce
+    /// traffic flowing.
+    pub const READY: &str = "Ready";
+    /// A config rollout is advancing.
+    pub const PROGRESSING: &str = "Progressing";
+    /// The spec cannot be applied (e.g. an invalid bounce config) or etcd
+    /// cannot be reached.
+    pub const DEGRADED: &str = "Degraded";
+    /// An agent reports TCP or software emulation for a GPU path.
+    pub const TRANSPORT_DEGRADED: &str = "TransportDegraded";
+    /// Bounce traffic flows between selected prefill and decode pods.
+    pub const TRANSFERRING: &str = "Transferring";
+}
+
+impl KvFabric {
+    /// The fabric name (etcd prefix segment): `spec.fabricName`, else
+    /// `metadata.name` (empty only for an object without a name).
+    pub fn fabric_name(&self) -> String {
+        self.spec
+            .fabric_name
+            .clone()
+            .or_else(|| self.metadata.name.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Powers of two from [`REGION_ALIGNMENT_BYTES`] to 2^62, as a CEL list
+/// literal (Kubernetes CEL has no bit operations).
+fn cel_powers_of_two() -> String {
+    let first = REGION_ALIGNMENT_BYTES.trailing_zeros();
+    let items: Vec<String> = (first..=62).map(|s| (1u64 << s).to_string()).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// OpenAPI v3 (structural) schema of [`BounceConfig`] as the CRD accepts
+/// it, with the agent's defaults and the cheap rules as CEL.
+pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let d = serde_json::to_value(BounceConfig::default()).unwrap_or(Value::Null);
+    let def = |k: &str| d.get(k).cloned().unwrap_or(Value::Null);
+    let bytes = |k: &str, desc: &str, min: u64| {
+        json!({"type": "integer", "format": "int64", "minimum": min, "default": def(k),
+               "description": format!("{desc}, bytes (an integer).")})
+    };
+    let count = |k: &str, desc: &str, min: u64| {
+        json!({"type": "integer", "format": "int64", "minimum": min, "default": def(k),
+               "description": desc})
+    };
+    let flag =
+        |k: &str, desc: &str| json!({"type": "boolean", "default": def(k), "description": desc});
+    let schema = json!({
+        "type": "object",
+        "description": "The agents' bounce config (kvfabric_core::config::BounceConfig, camelCase keys; missing keys take the defaults shown).",
+        "properties": {
+            "enabled": flag("enabled", "Master switch of the bounce path."),
+            "arenaSizeBytes": bytes("arenaSizeBytes", "Size of the region arena", 1),
+            "arenaAllocationGranularityBytes": bytes("arenaAllocationGranularityBytes", "Buddy allocator minimum block, a power of two ≥ 32", REGION_ALIGNMENT_BYTES),
+            "maxChunkSizeBytes": bytes("maxChunkSizeBytes", "Per-chunk cap (≤ arenaSizeBytes)", 1),
+            "maxInflightChunksPerRequest": count("maxInflightChunksPerRequest", "Per-flow in-flight regions (pipeline depth), chunks.", 1),
+            "copyStreamCount": count("copyStreamCount", "Copy-kernel concurrency (ExecPool contexts).", 1),
+            "scatterWorkerCount": count("scatterWorkerCount", "Scatter worker threads.", 1),
+            "minDescriptorCount": count("minDescriptorCount", "Routing gate: minimum descriptors for the bounce path.", 0),
+            "maxAverageDescriptorSizeBytes": bytes("maxAverageDescriptorSizeBytes", "Routing gate: maximum average descriptor length", 1),
+            "requestTimeoutMs": count("requestTimeoutMs", "No-progress timeout of a request, milliseconds.", 1),
+            "disableFabricMemory": flag("disableFabricMemory", "Plain cudaMalloc arena instead of MNNVL fabric memory."),
+            "enableEagerGather": flag("enableEagerGather", "Gather at submit, before the GRANT."),
+            "useNixlNotifications": flag("useNixlNotifications", "Control plane over NIXL notifications."),
+            "useZeroCopyArguments": flag("useZeroCopyArguments", "Copy kernel reads its plan from pinned host memory."),
+            "useCubCopy": flag("useCubCopy", "Accepted for schema compatibility; ignored."),
+            "disableScatterRunMerging": flag("disableScatterRunMerging", "DEBUG ONLY: per-descriptor DATA plans."),
+            "controlTransport": {"type": "string", "enum": ["zmq", "tcp"], "default": def("controlTransport"),
+                                  "description": "Socket control transport (when not over NIXL notifications)."},
+            "ioBusyPollUs": {"x-kubernetes-int-or-string": true, "default": def("ioBusyPollUs"),
+                             "description": "Busy-poll window: \"auto\" or microseconds (≤ 100000).",
+                             "x-kubernetes-validations": [{
+                                 "rule": "type(self) == int ? (self >= 0 && self <= 100000) : self == 'auto'",
+                                 "message": "ioBusyPollUs must be \"auto\" or 0..100000 microseconds"}]}
+        },
+        "x-kubernetes-validations": [
+            {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),
+             "message": "arenaAllocationGranularityBytes must be a power of two, at least 32",
+             "fieldPath": ".arenaAllocationGranularityBytes"},
+            {"rule": "!has(self.maxChunkSizeBytes) || !has(self.arenaSizeBytes) || self.maxChunkSizeBytes <= self.arenaSizeBytes",
+             "message": "maxChunkSizeBytes must not exceed arenaSizeBytes",
+             "fieldPath": ".maxChunkSizeBytes"},
+            {"rule": "!has(self.arenaAllocationGranularityBytes) || !has(self.arenaSizeBytes) || self.arenaAllocationGranularityBytes <= self.arenaSizeBytes",
+             "message": "arenaAllocationGranularityBytes must not exceed arenaSizeBytes",
+             "fieldPath": ".arenaAllocationGranularityBytes"}
+        ]
+    });
+    schemars::Schema::try_from(schema).unwrap_or_default()
+}
+
+/// The CRD as YAML, exactly as `crdgen` writes it to
+/// `crds/kvfabric.io_kvfabrics.yaml`.
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    use kube::CustomResourceExt;
+    let body = serde_yaml::to_string(&KvFabric::crd())?;
+    Ok(format!(
+        "# Generated by `cargo run -p kvfabric-operator --bin crdgen`; do not edit.\n{body}"
+    ))
+}
+
+/// Path of the generated CRD relative to the repository root.
+pub const CRD_PATH: &str = "crds/kvfabric.io_kvfabrics.yaml";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn powers_of_two_list_starts_at_alignment() {
+        let l = cel_powers_of_two();
+        assert!(l.starts_with("[32, 64, "), "{l}");
+        assert!(l.ends_with(&format!("{}]", 1u64 << 62)), "{l}");
+    }
+
+    #[test]
+    fn spec_round_trips_with_bounce_defaults() {
+        let y = r#"
+prefillSelector: {matchLabels: {role: prefill}}
+decodeSelector: {matchLabels: {role: decode}}
+agentSelector: {matchLabels: {app: kvfabric-agent}}
+etcd: {endpoints: ["http://127.0.0.1:2379"]}
+bounce: {enabled: true, arenaSizeBytes: 16777216}
+"#;
+        let s: KvFabricSpec = serde_yaml::from_str(y).expect("spec parses");
+        assert!(s.bounce.enabled);
+        assert_eq!(s.bounce.arena_size_bytes.get(), 16 << 20);
+        assert_eq!(s.not_ready_grace_seconds, DEFAULT_NOT_READY_GRACE_SECONDS);
+        assert!(s.bounce.validate().is_ok());
+    }
+
+    #[test]
+    fn crd_has_names_columns_and_cel() {
+        let y = crd_yaml().expect("crd serializes");
+        for needle in [
+            "group: kvfabric.io",
+            "- kvf",
+            "name: v1alpha1",
+            "x-kubernetes-validations",
+            "Invalidated",
+            "status: {}",
+        ] {
+            assert!(y.contains(needle), "missing {needle:?}");
+        }
+    }
+}

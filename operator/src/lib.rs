@@ -1,0 +1,18 @@
+//! kvfabric-operator: the `KvFabric` CRD and the controller that turns pod
+//! lifecycle into peer lifecycle (issue 14).
+//!
+//! Layout (pure first, IO last):
+//! * [`crd`] — the `KvFabric` resource, its schema (CEL rules) and the YAML
+//!   `crdgen` writes to `crds/`;
+//! * [`decide`] — pure: pod/node state → keep or invalidate;
+//! * [`index`] — pure: watch events (init/resync/delete) → invalidations;
+//! * [`store`] — the fabric's etcd keys (record removal, tombstones);
+//! * [`controller`] — watches, wiring, status;
+//! * [`metrics`] — Prometheus metrics and `/metrics`.
+
+pub mod controller;
+pub mod crd;
+pub mod decide;
+pub mod index;
+pub mod metrics;
+pub mod store;

@@ -1,0 +1,221 @@
+//! The fabric's etcd keys as the operator writes them.
+//!
+//! * agent records: `/kvfabric/<fabric>/agents/<name>` (written by the
+//!   agents under their lease; JSON with `logical_id`, `started_at_ms` and,
+//!   once agents carry it, `pod_uid`);
+//! * tombstones: `/kvfabric/<fabric>/tombstones/<pod-uid>` (written here;
+//!   a tombstoned UID is never loaded again).
+//!
+//! Which records an invalidation removes is decided by the pure
+//! [`records_to_remove`]; [`FabricStore`] only does the IO (one etcd
+//! transaction per invalidation: the deletes and the tombstone together).
+
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions, Txn, TxnOp};
+use serde::{Deserialize, Serialize};
+
+use crate::index::Invalidation;
+
+/// `/kvfabric/<fabric>/agents/`.
+pub fn agents_prefix(fabric: &str) -> String {
+    format!("/kvfabric/{fabric}/agents/")
+}
+
+/// `/kvfabric/<fabric>/tombstones/`.
+pub fn tombstones_prefix(fabric: &str) -> String {
+    format!("/kvfabric/{fabric}/tombstones/")
+}
+
+/// The fields of an agent record the operator matches on (the agent's
+/// `AgentRecord` has many more; unknown fields are ignored).
+#[derive(Clone, Debug, Deserialize)]
+struct RecordIdentity {
+    logical_id: String,
+    #[serde(default)]
+    started_at_ms: u64,
+    /// Pod UID, once agents publish it (issue 14 item 2).
+    #[serde(default)]
+    pod_uid: Option<String>,
+}
+
+/// A tombstone's value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tombstone {
+    /// The dead pod's UID.
+    pub uid: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub pod: String,
+    /// [`crate::decide::Reason::code`].
+    pub reason: String,
+    /// When the operator saw the event, ms since the Unix epoch.
+    pub observed_at_ms: i64,
+}
+
+/// The keys among `records` (key, JSON value) that `inv` removes: records
+/// whose `pod_uid` is the pod's UID, or — for records without one — whose
+/// `logical_id` is the pod's name; for a restart only incarnations that
+/// started before [`Invalidation::started_before_ms`]. Undecodable values
+/// are left alone.
+pub fn records_to_remove(records: &[(String, Vec<u8>)], inv: &Invalidation) -> Vec<String> {
+    records
+        .iter()
+        .filter_map(|(key, value)| {
+            let rec: RecordIdentity = serde_json::from_slice(value).ok()?;
+            let same_pod = match rec.pod_uid.as_deref() {
+                Some(u) if !u.is_empty() => u == inv.uid,
+                _ => !inv.name.is_empty() && rec.logical_id == inv.name,
+            };
+            let in_scope = match inv.started_before_ms {
+                None => true,
+                Some(cut) => i64::try_from(rec.started_at_ms).unwrap_or(i64::MAX) < cut,
+            };
+            (same_pod && in_scope).then(|| key.clone())
+        })
+        .collect()
+}
+
+/// Why an etcd step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The etcd client failed (connect, request, timeout).
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// A request took longer than the bound.
+    #[error("etcd request timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// The operator's etcd client for one fabric.
+#[derive(Clone)]
+pub struct FabricStore {
+    client: Client,
+    fabric: String,
+    timeout: Duration,
+}
+
+impl FabricStore {
+    /// Connects to `endpoints` for `fabric`; every request is bounded by
+    /// `timeout`.
+    pub async fn connect(
+        endpoints: &[String],
+        fabric: &str,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout);
+        let client = tokio::time::timeout(timeout, Client::connect(endpoints, Some(opts)))
+            .await
+            .map_err(|_| StoreError::Timeout(timeout))??;
+        Ok(Self {
+            client,
+            fabric: fabric.to_string(),
+            timeout,
+        })
+    }
+
+    /// Removes `inv`'s agent records and, for a terminal reason, writes its
+    /// tombstone, in one transaction. Returns the removed keys.
+    pub async fn invalidate(&self, inv: &Invalidation) -> Result<Vec<String>, StoreError> {
+        let mut kv = self.client.kv_client();
+        let prefix = agents_prefix(&self.fabric);
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let records: Vec<(String, Vec<u8>)> = resp
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                )
+            })
+            .collect();
+        let keys = records_to_remove(&records, inv);
+        let mut ops: Vec<TxnOp> = keys
+            .iter()
+            .map(|k| TxnOp::delete(k.as_str(), None))
+            .collect();
+        if inv.reason.is_terminal() && !inv.uid.is_empty() {
+            let t = Tombstone {
+                uid: inv.uid.clone(),
+                namespace: inv.namespace.clone(),
+                pod: inv.name.clone(),
+                reason: inv.reason.code().to_string(),
+                observed_at_ms: inv.observed_at_ms,
+            };
+            let value = serde_json::to_vec(&t).unwrap_or_default();
+            let key = format!("{}{}", tombstones_prefix(&self.fabric), inv.uid);
+            ops.push(TxnOp::put(key, value, None));
+        }
+        if !ops.is_empty() {
+            tokio::time::timeout(self.timeout, kv.txn(Txn::new().and_then(ops)))
+                .await
+                .map_err(|_| StoreError::Timeout(self.timeout))??;
+        }
+        Ok(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decide::Reason;
+
+    fn inv(name: &str, uid: &str, before: Option<i64>) -> Invalidation {
+        Invalidation {
+            uid: uid.into(),
+            namespace: "ns".into(),
+            name: name.into(),
+            reason: if before.is_some() {
+                Reason::Restarted { from: 0, to: 1 }
+            } else {
+                Reason::Deleting
+            },
+            started_before_ms: before,
+            observed_at_ms: 0,
+        }
+    }
+
+    fn rec(key: &str, logical: &str, started: u64, uid: Option<&str>) -> (String, Vec<u8>) {
+        let mut v =
+            serde_json::json!({"logical_id": logical, "started_at_ms": started, "name": key});
+        if let Some(u) = uid {
+            v["pod_uid"] = u.into();
+        }
+        (key.to_string(), serde_json::to_vec(&v).unwrap())
+    }
+
+    #[test]
+    fn matches_by_uid_then_logical_id() {
+        let recs = vec![
+            rec("a-1", "a", 1, None),
+            rec("a-2", "a", 2, Some("uid-old")),
+            rec("a-3", "a", 3, Some("uid-a")),
+            rec("b-1", "b", 1, None),
+            ("junk".into(), b"not json".to_vec()),
+        ];
+        assert_eq!(
+            records_to_remove(&recs, &inv("a", "uid-a", None)),
+            ["a-1", "a-3"]
+        );
+        assert!(records_to_remove(&recs, &inv("", "uid-x", None)).is_empty());
+    }
+
+    #[test]
+    fn restart_scope_keeps_newer_incarnations() {
+        let recs = vec![rec("a-1", "a", 1_000, None), rec("a-2", "a", 9_500, None)];
+        assert_eq!(
+            records_to_remove(&recs, &inv("a", "uid-a", Some(9_000))),
+            ["a-1"]
+        );
+    }
+}

@@ -1,0 +1,530 @@
+//! Pod deletion → peer invalidation against a REAL kube-apiserver
+//! (e2e/kube/up.sh: etcd 3.6, kube-apiserver, controller-manager,
+//! scheduler, kwok fake GPU nodes) with real `kvfabric agent` processes.
+//!
+//! Applies `crds/`, creates a `KvFabric`, runs the operator in process, and
+//! for each of [`ROUNDS`] pods: creates the pod on a fake node, starts an
+//! agent bound to it (`--logical-id <pod name>`), waits until a second
+//! agent (the observer) has loaded it, freezes it (SIGSTOP: a hung process
+//! whose lease is still valid, so only the operator path can remove it),
+//! deletes the pod through the API, and asserts that its record is gone
+//! from etcd and the observer forgot it, each within 1 s of the delete.
+//! Prints p50/p99 of both.
+//!
+//! Prints SKIP when the control-plane tools (e2e/kube/install.sh), the
+//! `kvfabric` binary or the NIXL runtime are missing; fails instead under
+//! `KVFABRIC_REQUIRE_SERVICES=1`.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::GetOptions;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kvfabric_operator::crd::{KvFabric, CRD_PATH};
+use kvfabric_operator::metrics::Metrics;
+use serde_json::{json, Value};
+
+/// Pod deletions measured.
+const ROUNDS: usize = 20;
+/// The bound of the issue: delete → record removed → agents forgot it.
+const BOUND: Duration = Duration::from_secs(1);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// SKIP (or, under KVFABRIC_REQUIRE_SERVICES=1, fail) with `why`.
+fn skip(why: &str) {
+    if std::env::var("KVFABRIC_REQUIRE_SERVICES").as_deref() == Ok("1") {
+        panic!("required service missing: {why}");
+    }
+    println!("SKIP: {why}");
+}
+
+/// The `kvfabric` binary next to this test's target dir.
+fn kvfabric_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?.parent()?; // target/<profile>/deps/.. → target/<profile>
+    let p = dir.join("kvfabric");
+    p.is_file().then_some(p)
+}
+
+/// A control plane started by e2e/kube/up.sh in its own directory; stopped
+/// (and the directory removed) on drop.
+struct Cluster {
+    dir: PathBuf,
+    env: BTreeMap<String, String>,
+}
+
+impl Cluster {
+    fn up() -> Option<Self> {
+        let kube = repo().join("e2e/kube");
+        if !kube.join("up.sh").is_file() {
+            skip("e2e/kube/up.sh not present");
+            return None;
+        }
+        let cached = Command::new(kube.join("install.sh"))
+            .arg("--path")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if !cached {
+            skip("control-plane tools not installed (run e2e/kube/install.sh)");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("kvfabric-op-kube-{}", std::process::id()));
+        let out = Command::new(kube.join("up.sh"))
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run up.sh");
+        let mut cluster = Self {
+            dir: dir.clone(),
+            env: BTreeMap::new(),
+        };
+        assert!(
+            out.status.success(),
+            "up.sh failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env = std::fs::read_to_string(dir.join("env")).expect("DIR/env");
+        cluster.env = env
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Some(cluster)
+    }
+
+    fn var(&self, k: &str) -> &str {
+        self.env
+            .get(k)
+            .map(String::as_str)
+            .unwrap_or_else(|| panic!("{k} missing from env"))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(repo().join("e2e/kube/down.sh"))
+            .arg(&self.dir)
+            .arg("--purge")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A `kvfabric agent` child, killed on drop.
+struct Agent {
+    child: Child,
+    addr: SocketAddr,
+    name: String,
+}
+
+impl Agent {
+    /// Starts an agent; `Err(stderr)` when it never announced its address.
+    fn spawn(bin: &Path, etcd: &str, fabric: &str, logical: &str) -> Result<Self, String> {
+        let mut child = Command::new(bin)
+            .args([
+                "agent",
+                "--etcd",
+                etcd,
+                "--fabric",
+                fabric,
+                "--logical-id",
+                logical,
+                "--role",
+                "both",
+                "--listen",
+                "127.0.0.1:0",
+                "--pool-size",
+                "4MiB",
+                "--control-bind",
+                "loopback",
+                "--lease-ttl",
+                "60",
+            ])
+            .env("KVFABRIC_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.split("listening on http://").nth(1) {
+                    if let Ok(a) = a.trim().parse::<SocketAddr>() {
+                        let _ = tx.send(a);
+                    }
+                }
+            }
+        });
+        let mut err = child.stderr.take().ok_or("no stderr")?;
+        let (etx, erx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            let _ = etx.send(s);
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(erx.recv_timeout(Duration::from_secs(5)).unwrap_or_default());
+            }
+        };
+        let name = get_json(addr, "/v1/config")["agent"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        Ok(Self { child, addr, name })
+    }
+
+    /// SIGSTOP (kill(1); this crate has no libc dependency).
+    fn freeze(&self) {
+        let ok = Command::new("kill")
+            .args(["-STOP", &self.child.id().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill -STOP {}", self.child.id());
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn get_json(addr: SocketAddr, path: &str) -> Value {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    serde_json::from_str(body).unwrap_or(Value::Null)
+}
+
+fn peer_names(addr: SocketAddr) -> Vec<String> {
+    get_json(addr, "/v1/peers")["peers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_delete_removes_the_agent_record_within_a_second() {
+    let Some(bin) = kvfabric_bin() else {
+        skip("target/<profile>/kvfabric not built (cargo build -p kvfabric-agent)");
+        return;
+    };
+    let Some(cluster) = Cluster::up() else {
+        return;
+    };
+    let etcd_url = cluster.var("KVFABRIC_KUBE_ETCD").to_string();
+    let node = cluster
+        .var("KVFABRIC_KUBE_NODES")
+        .split(',')
+        .next()
+        .unwrap_or("kwok-gpu-0")
+        .to_string();
+    let kc =
+        kube::config::Kubeconfig::read_from(cluster.dir.join("kubeconfig")).expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .expect("kube config");
+    let client = kube::Client::try_from(config).expect("kube client");
+
+    // The CRD from crds/, server-side applied, then Established.
+    let crd: CustomResourceDefinition =
+        serde_yaml::from_str(&std::fs::read_to_string(repo().join(CRD_PATH)).expect("read crds/"))
+            .expect("CRD YAML");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.patch(
+        "kvfabrics.kvfabric.io",
+        &PatchParams::apply("kvfabric-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply CRD");
+    wait_for("CRD established", Duration::from_secs(30), || {
+        let crds = crds.clone();
+        async move {
+            crds.get("kvfabrics.kvfabric.io")
+                .await
+                .ok()
+                .and_then(|c| c.status)
+                .and_then(|s| s.conditions)
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                })
+        }
+    })
+    .await;
+
+    // The apiserver rejects an invalid bounce config (CEL), 422.
+    let fabrics: Api<KvFabric> = Api::namespaced(client.clone(), "default");
+    let fabric = format!("opt{}", std::process::id());
+    let spec = |bounce: Value| {
+        json!({
+            "apiVersion": "kvfabric.io/v1alpha1", "kind": "KvFabric",
+            "metadata": {"name": fabric},
+            "spec": {
+                "agentSelector": {"matchLabels": {"app": "kvfabric-agent-test"}},
+                "prefillSelector": {"matchLabels": {"role": "prefill-test"}},
+                "decodeSelector": {"matchLabels": {"role": "decode-test"}},
+                "etcd": {"endpoints": [etcd_url]},
+                "bounce": bounce,
+                "notReadyGraceSeconds": 5
+            }
+        })
+    };
+    let bad: KvFabric =
+        serde_json::from_value(spec(json!({"arenaAllocationGranularityBytes": 1000})))
+            .expect("KvFabric");
+    match fabrics.create(&PostParams::default(), &bad).await {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422, "{e:?}");
+            assert!(e.message.contains("power of two"), "{}", e.message);
+        }
+        other => panic!("invalid granularity accepted: {other:?}"),
+    }
+    let good: KvFabric = serde_json::from_value(spec(
+        json!({"arenaSizeBytes": 16777216, "maxChunkSizeBytes": 2097152}),
+    ))
+    .expect("KvFabric");
+    fabrics
+        .create(&PostParams::default(), &good)
+        .await
+        .expect("create KvFabric");
+
+    // The operator, in process.
+    let metrics = Arc::new(Metrics::new().expect("metrics"));
+    let operator = tokio::spawn(kvfabric_operator::controller::run(
+        client.clone(),
+        metrics.clone(),
+    ));
+
+    // The observer: an agent that is no pod and loads every peer.
+    let observer = match Agent::spawn(&bin, &etcd_url, &fabric, "observer") {
+        Ok(a) => a,
+        Err(log) if log.contains("NIXL runtime") => {
+            skip(&format!("NIXL runtime not available: {log}"));
+            return;
+        }
+        Err(log) => panic!("observer agent did not start:\n{log}"),
+    };
+    let mut etcd = etcd_client::Client::connect([etcd_url.as_str()], None)
+        .await
+        .expect("etcd");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut removed = Vec::new();
+    let mut forgotten = Vec::new();
+    for round in 0..ROUNDS {
+        let pod_name = format!("agent-{round}");
+        let pod: Pod = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod_name, "labels": {"app": "kvfabric-agent-test"}},
+            "spec": {
+                "nodeName": node,
+                "containers": [{"name": "agent", "image": "kvfabric:test"}]
+            }
+        }))
+        .expect("Pod");
+        let created = pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("create pod");
+        let uid = created.metadata.uid.clone().unwrap_or_default();
+        let agent = Agent::spawn(&bin, &etcd_url, &fabric, &pod_name).expect("agent starts");
+        let key = format!("/kvfabric/{fabric}/agents/{}", agent.name);
+        let obs = observer.addr;
+        let name = agent.name.clone();
+        wait_for(
+            "observer loads the pod's agent",
+            Duration::from_secs(20),
+            || {
+                let name = name.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || peer_names(obs).contains(&name))
+                        .await
+                        .unwrap_or(false)
+                }
+            },
+        )
+        .await;
+        // Wait until the pod is Ready (kwok), so the operator has seen a live pod.
+        wait_for("pod Ready", Duration::from_secs(20), || {
+            let pods = pods.clone();
+            let n = pod_name.clone();
+            async move {
+                pods.get(&n)
+                    .await
+                    .ok()
+                    .and_then(|p| p.status)
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            }
+        })
+        .await;
+        agent.freeze();
+
+        let t0 = Instant::now();
+        pods.delete(&pod_name, &DeleteParams::default())
+            .await
+            .expect("delete pod");
+        let mut gone_at = None;
+        while t0.elapsed() < BOUND * 3 {
+            let r = etcd.get(key.as_str(), None).await.expect("etcd get");
+            if r.kvs().is_empty() {
+                gone_at = Some(t0.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let gone = gone_at.unwrap_or_else(|| {
+            panic!(
+                "round {round}: record {key} still in etcd after {:?}",
+                BOUND * 3
+            )
+        });
+        let mut forgot_at = None;
+        while t0.elapsed() < BOUND * 3 {
+            let n = agent.name.clone();
+            let listed = tokio::task::spawn_blocking(move || peer_names(obs).contains(&n))
+                .await
+                .unwrap_or(true);
+            if !listed {
+                forgot_at = Some(t0.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let forgot = forgot_at
+            .unwrap_or_else(|| panic!("round {round}: observer still lists {}", agent.name));
+        assert!(
+            gone <= BOUND,
+            "round {round}: record removed after {gone:?} (> {BOUND:?})"
+        );
+        assert!(
+            forgot <= BOUND,
+            "round {round}: observer forgot after {forgot:?} (> {BOUND:?})"
+        );
+        let tomb = etcd
+            .get(format!("/kvfabric/{fabric}/tombstones/{uid}"), None)
+            .await
+            .expect("etcd get");
+        assert_eq!(tomb.kvs().len(), 1, "round {round}: no tombstone for {uid}");
+        removed.push(gone);
+        forgotten.push(forgot);
+        drop(agent);
+    }
+
+    // Status and metrics report it.
+    wait_for(
+        "status counts invalidations",
+        Duration::from_secs(10),
+        || {
+            let fabrics = fabrics.clone();
+            let f = fabric.clone();
+            async move {
+                fabrics
+                    .get(&f)
+                    .await
+                    .ok()
+                    .and_then(|k| k.status)
+                    .is_some_and(|s| {
+                        s.peers_invalidated >= ROUNDS as u64
+                            && s.last_invalidation_latency_ms.is_some()
+                            && s.conditions
+                                .iter()
+                                .any(|c| c.type_ == "Degraded" && c.status == "False")
+                    })
+            }
+        },
+    )
+    .await;
+    let text = metrics.render();
+    assert!(
+        text.contains("kvfabric_operator_invalidation_seconds_count"),
+        "{text}"
+    );
+    let left = etcd
+        .get(
+            format!("/kvfabric/{fabric}/agents/agent-"),
+            Some(GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("etcd get");
+    assert!(left.kvs().is_empty(), "records of deleted pods left");
+
+    removed.sort();
+    forgotten.sort();
+    println!(
+        "pod delete → record removed from etcd ({ROUNDS} deletions): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        ms(percentile(&removed, 0.5)),
+        ms(percentile(&removed, 0.99)),
+        ms(removed[removed.len() - 1])
+    );
+    println!(
+        "pod delete → observer agent forgot the peer: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        ms(percentile(&forgotten, 0.5)),
+        ms(percentile(&forgotten, 0.99)),
+        ms(forgotten[forgotten.len() - 1])
+    );
+    let op_sum: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvfabric_operator_invalidation_seconds_sum")
+                || l.starts_with("kvfabric_operator_invalidation_seconds_count")
+        })
+        .collect();
+    println!("operator histogram (event seen → record removed): {op_sum:?}");
+    operator.abort();
+    drop(observer);
+    drop(cluster);
+}
