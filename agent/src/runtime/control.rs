@@ -107,3 +107,29 @@ pub trait ControlChannel: Send {
         false
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::valid_peer_identity;
+
+    /// Issue 11, item 10: a peer identity that would forge log lines or
+    /// flood them is refused, and the refusal shows it escaped.
+    #[test]
+    fn peer_identities_are_checked_before_use() {
+        assert_eq!(valid_peer_identity(b"decode-0123abcd"), Ok("decode-0123abcd"));
+        for bad in [
+            &b"peer\nINFO forged line"[..],
+            b"a b",
+            b"a/b",
+            b"\x1b[31mred",
+            b"",
+            b"\xff\xfe",
+        ] {
+            let e = valid_peer_identity(bad).unwrap_err();
+            assert!(!e.contains('\n') && !e.contains('\x1b'), "{e:?}");
+        }
+        let long = vec![b'a'; 256];
+        assert!(valid_peer_identity(&long).unwrap_err().contains("256 bytes"));
+        assert!(valid_peer_identity(&long[..255]).is_ok());
+    }
+}
