@@ -177,6 +177,7 @@ fn start_node(
             }],
             http: String::new(),
             role: "both".into(),
+            pod_uid: String::new(),
             // SAFETY: the pools outlive the nodes and servers (dropped
             // first at the end of the test).
             verify_regions: vec![unsafe {

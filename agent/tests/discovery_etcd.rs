@@ -539,3 +539,70 @@ fn default_etcd_keeps_the_connection_no_resyncs() {
     );
     assert!(d.is_watching());
 }
+
+/// Issue 14, tombstones: the operator deletes a dead pod's record and
+/// writes `/kvfabric/<fabric>/tombstones/<pod uid>`. Peers drop the record
+/// and never load it again (a late put of it is ignored), and the agent
+/// itself does not put its record back (it would resurrect a dead peer).
+#[test]
+fn tombstoned_pod_uid_is_never_loaded_again() {
+    let Some(etcd) = Etcd::start("tomb") else {
+        return;
+    };
+    let fab = fabric("tomb");
+    let da = EtcdDiscovery::start(opts(&etcd, &fab, 10)).unwrap();
+    let db = EtcdDiscovery::start(opts(&etcd, &fab, 10)).unwrap();
+    let rb = db.events();
+    let mut ra = fake_record("prefill-p-1", "prefill-p");
+    ra.pod_uid = "uid-1234".into();
+    da.publish(ra.clone()).unwrap();
+    wait_event(&rb, Duration::from_secs(5), is_upsert("prefill-p-1"));
+    // Without a tombstone a deleted own key is put back (lease loss etc.).
+    let key = da.key_of("prefill-p-1");
+    let k2 = key.clone();
+    etcd.with_client(|c| Box::pin(async move { c.delete(k2, None).await }));
+    wait_true("republished", Duration::from_secs(5), || {
+        db.peers().iter().any(|r| r.name == "prefill-p-1")
+    });
+    let _: Vec<PeerEvent> = rb.try_iter().collect();
+    // The operator's invalidation: tombstone + delete, in one transaction.
+    let tomb = format!("/kvfabric/{fab}/tombstones/uid-1234");
+    let k3 = key.clone();
+    etcd.with_client(|c| {
+        Box::pin(async move {
+            use etcd_client::{Txn, TxnOp};
+            c.txn(Txn::new().and_then([
+                TxnOp::put(tomb, "pod deleted", None),
+                TxnOp::delete(k3, None),
+            ]))
+            .await
+        })
+    });
+    wait_event(&rb, Duration::from_secs(3), is_removed("prefill-p-1"));
+    // The agent does not put it back; a late put of the record (a stale
+    // writer) is ignored by peers.
+    std::thread::sleep(Duration::from_millis(1500));
+    let k4 = key.clone();
+    let got = etcd.with_client(|c| Box::pin(async move { c.get(k4, None).await }));
+    assert!(
+        got.kvs().is_empty(),
+        "the invalidated agent put its record back"
+    );
+    let value = ra.encode();
+    let k5 = key.clone();
+    etcd.with_client(|c| Box::pin(async move { c.put(k5, value, None).await }));
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !db.peers().iter().any(|r| r.name == "prefill-p-1"),
+        "a tombstoned pod's record was loaded again"
+    );
+    assert!(
+        !rb.try_iter()
+            .any(|e| matches!(&e, PeerEvent::Upsert(r) if r.name == "prefill-p-1")),
+        "an Upsert of the tombstoned record reached the peer"
+    );
+    // A second agent reading the store afresh skips it too.
+    let dc = EtcdDiscovery::start(opts(&etcd, &fab, 10)).unwrap();
+    wait_true("c watching", Duration::from_secs(5), || dc.is_watching());
+    assert!(!dc.peers().iter().any(|r| r.name == "prefill-p-1"));
+}

@@ -203,6 +203,9 @@ struct AgentArgs {
     /// Serve the engines' local API (gRPC) on this Unix socket (mode 0660).
     #[arg(long, value_name = "PATH")]
     engine_socket: Option<String>,
+    /// UID of the pod this agent runs in (the operator invalidates by it).
+    #[arg(long, value_name = "UID")]
+    pod_uid: Option<String>,
     /// Put the bounce arena and the engines' pools on this CUDA device
     /// (builds with the `cuda` feature).
     #[arg(long, value_name = "ORDINAL")]
@@ -242,6 +245,7 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         debug_api: a.debug_api.then_some(true),
         engine_socket: a.engine_socket,
         gpu: a.gpu,
+        pod_uid: a.pod_uid,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);

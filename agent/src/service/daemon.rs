@@ -66,6 +66,12 @@ pub struct AgentConfig {
     /// `$HOSTNAME`, else the host name. Env `KVFABRIC_LOGICAL_ID`, flag
     /// `--logical-id`.
     pub logical_id: String,
+    /// UID of the pod the agent runs in (the chart sets it from the
+    /// downward API): published in the record; the operator tombstones it
+    /// when the pod dies, after which peers never load this incarnation
+    /// again and the agent stops republishing. Empty (default) outside
+    /// Kubernetes. Env `KVFABRIC_POD_UID`, flag `--pod-uid`.
+    pub pod_uid: String,
     /// Role of this agent: `prefill`, `decode` or `both` (default).
     /// Env `KVFABRIC_ROLE`, flag `--role`.
     pub role: String,
@@ -121,6 +127,7 @@ impl Default for AgentConfig {
             fabric: "default".into(),
             logical_id: String::new(),
             role: "both".into(),
+            pod_uid: String::new(),
             pool_size_bytes: ByteSize(1 << 30),
             etcd_endpoints: Vec::new(),
             lease_ttl_seconds: 10,
@@ -179,6 +186,8 @@ pub struct AgentOverrides {
     pub engine_socket: Option<String>,
     /// `--gpu`.
     pub gpu: Option<u32>,
+    /// `--pod-uid`.
+    pub pod_uid: Option<String>,
 }
 
 fn split_list(v: &str) -> Vec<String> {
@@ -249,6 +258,7 @@ impl AgentConfig {
                 },
                 "CONTROL_BIND" => self.control_bind = v.to_string(),
                 "ENGINE_SOCKET" => self.engine_socket = v.to_string(),
+                "POD_UID" => self.pod_uid = v.to_string(),
                 "GPU" => match v.parse() {
                     Ok(n) => self.gpu = Some(n),
                     Err(_) => bad("a CUDA device ordinal (0, 1, ...)"),
@@ -322,6 +332,9 @@ impl AgentConfig {
         if let Some(v) = o.gpu {
             self.gpu = Some(v);
         }
+        if let Some(v) = o.pod_uid {
+            self.pod_uid = v;
+        }
     }
 
     /// The full pipeline: defaults → `yaml` file (if given) → `env`
@@ -391,6 +404,11 @@ impl AgentConfig {
         }
         if let Err(e) = validate_name(&self.logical_id) {
             errs.push(format!("logicalId: {e}"));
+        }
+        if !self.pod_uid.is_empty() {
+            if let Err(e) = validate_name(&self.pod_uid) {
+                errs.push(format!("podUid: {e}"));
+            }
         }
         if !matches!(self.role.as_str(), "prefill" | "decode" | "both") {
             errs.push(format!(
@@ -550,6 +568,8 @@ pub struct NodeOptions {
     /// Role published in the record (`prefill`, `decode`, `both`; may be
     /// empty).
     pub role: String,
+    /// Pod UID published in the record (empty outside Kubernetes).
+    pub pod_uid: String,
     /// Ranges `/v1/debug/verify` may read (normally the same pool).
     pub verify_regions: Vec<VerifyRegion>,
     /// The effective configuration document (served by `/v1/config`).
@@ -608,6 +628,7 @@ impl Node {
         record.buffers = opts.buffers;
         record.http = opts.http;
         record.role = opts.role;
+        record.pod_uid = opts.pod_uid;
         record.config_generation = agent.handshake().map_or(0, |h| h.config_generation);
         record.validate().map_err(|e| e.to_string())?;
         let sync = PeerSync::spawn(
@@ -893,6 +914,7 @@ pub fn run(
             }],
             http: advertised_http_url(addr),
             role: cfg.role.clone(),
+            pod_uid: cfg.pod_uid.clone(),
             // SAFETY: the pool is kept alive by the region (`keep`); this
             // process owns it, and `/v1/debug/transfer` writes only the
             // sources a client names (the bench's own blocks).

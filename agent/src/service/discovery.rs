@@ -34,6 +34,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::runtime::fabric::{FabricAgent, PeerDescriptor};
+use kvfabric_core::text::LogSafe;
 
 pub mod embedded;
 pub mod etcd;
@@ -183,6 +184,11 @@ pub struct AgentRecord {
     /// served (or written by an older build).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub http: String,
+    /// UID of the pod the agent runs in (peer identity with the
+    /// incarnation; the operator tombstones it when the pod dies, and a
+    /// tombstoned UID is never loaded again); empty outside Kubernetes.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_uid: String,
     /// Role the agent was started with (`prefill`, `decode` or `both`);
     /// empty when unknown.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -245,6 +251,7 @@ impl AgentRecord {
             role: String::new(),
             config_generation: 0,
             engines: Vec::new(),
+            pod_uid: String::new(),
             started_at_ms: now,
             published_at_ms: now,
         }
@@ -646,6 +653,9 @@ pub(crate) struct Hub {
 #[derive(Default)]
 struct HubInner {
     raw: BTreeMap<String, AgentRecord>,
+    /// Pod UIDs the operator invalidated: records carrying one are never
+    /// loaded (issue 14, "tombstones").
+    tombstones: std::collections::HashSet<String>,
     tracker: IncarnationTracker,
     subs: Vec<Sender<PeerEvent>>,
 }
@@ -658,7 +668,18 @@ impl HubInner {
         }
     }
 
+    fn tombstoned(&self, rec: &AgentRecord) -> bool {
+        !rec.pod_uid.is_empty() && self.tombstones.contains(&rec.pod_uid)
+    }
+
     fn upsert(&mut self, rec: AgentRecord) {
+        if self.tombstoned(&rec) {
+            tracing::info!(agent = %LogSafe(&rec.name), pod_uid = %LogSafe(&rec.pod_uid), "record of an invalidated pod ignored (tombstone)");
+            if self.raw.contains_key(&rec.name) {
+                self.remove(&rec.name);
+            }
+            return;
+        }
         self.raw.insert(rec.name.clone(), rec.clone());
         let out = self.tracker.apply(PeerEvent::Upsert(rec));
         self.fan_out(out);
@@ -692,6 +713,29 @@ impl Hub {
         self.lock().upsert(rec);
     }
 
+    /// Adds a tombstone: records of pod `uid` are removed now and never
+    /// loaded again.
+    pub(crate) fn add_tombstone(&self, uid: &str) {
+        let mut g = self.lock();
+        if !g.tombstones.insert(uid.to_string()) {
+            return;
+        }
+        let doomed: Vec<String> = g
+            .raw
+            .values()
+            .filter(|r| r.pod_uid == uid)
+            .map(|r| r.name.clone())
+            .collect();
+        for name in doomed {
+            g.remove(&name);
+        }
+    }
+
+    /// Whether pod `uid` is tombstoned.
+    pub(crate) fn is_tombstoned(&self, uid: &str) -> bool {
+        !uid.is_empty() && self.lock().tombstones.contains(uid)
+    }
+
     pub(crate) fn remove(&self, name: &str) {
         self.lock().remove(name);
     }
@@ -700,8 +744,11 @@ impl Hub {
     /// store): keys gone are removed, new or changed ones upserted.
     pub(crate) fn resync(&self, snapshot: Vec<AgentRecord>) {
         let mut g = self.lock();
-        let fresh: BTreeMap<String, AgentRecord> =
-            snapshot.into_iter().map(|r| (r.name.clone(), r)).collect();
+        let fresh: BTreeMap<String, AgentRecord> = snapshot
+            .into_iter()
+            .filter(|r| !g.tombstoned(r))
+            .map(|r| (r.name.clone(), r))
+            .collect();
         let gone: Vec<String> = g
             .raw
             .keys()
@@ -1060,6 +1107,7 @@ mod tests {
             role: String::new(),
             config_generation: 7,
             engines: Vec::new(),
+            pod_uid: String::new(),
             started_at_ms: started,
             published_at_ms: started,
         }

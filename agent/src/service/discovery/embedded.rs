@@ -115,6 +115,7 @@ mod tests {
             role: String::new(),
             config_generation: 0,
             engines: Vec::new(),
+            pod_uid: String::new(),
             started_at_ms: started,
             published_at_ms: started,
         }

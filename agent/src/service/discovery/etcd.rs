@@ -142,6 +142,11 @@ struct Shared {
     resyncs: AtomicU64,
     watching: AtomicBool,
     own_name: Mutex<Option<String>>,
+    /// The own record's pod UID (empty outside Kubernetes).
+    own_pod_uid: Mutex<String>,
+    /// Set once the own pod UID was seen tombstoned: the record is not
+    /// put back any more.
+    invalidated: AtomicBool,
     /// etcd revision of the own record's last confirmed put (0: none).
     published_rev: AtomicI64,
 }
@@ -199,6 +204,8 @@ impl EtcdDiscovery {
             resyncs: AtomicU64::new(0),
             watching: AtomicBool::new(false),
             own_name: Mutex::new(None),
+            own_pod_uid: Mutex::new(String::new()),
+            invalidated: AtomicBool::new(false),
             published_rev: AtomicI64::new(0),
         });
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
@@ -227,6 +234,8 @@ impl EtcdDiscovery {
             cmd_tx: cmd_tx.clone(),
             client: None,
             reads: 0,
+            fabric_prefix: format!("/kvfabric/{}/", opts.fabric),
+            tomb_prefix: format!("/kvfabric/{}/tombstones/", opts.fabric),
         };
         let t_watch =
             spawn_runtime_thread(
@@ -524,6 +533,11 @@ impl LeaseTask {
                     .own_name
                     .lock()
                     .unwrap_or_else(|p| p.into_inner()) = Some(rec.name.clone());
+                *self
+                    .shared
+                    .own_pod_uid
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = rec.pod_uid.clone();
                 self.desired = Some(rec);
                 let r = self.publish_now().await;
                 let _ = reply.send(r.map_err(|e| match e {
@@ -733,6 +747,11 @@ struct WatchTask {
     client: Option<Client>,
     /// Full reads of the prefix done so far.
     reads: u64,
+    /// `/kvfabric/<fabric>/`: agents and tombstones are read and watched
+    /// together (one revision for both).
+    fabric_prefix: String,
+    /// `/kvfabric/<fabric>/tombstones/`: pod UIDs the operator invalidated.
+    tomb_prefix: String,
 }
 
 impl WatchTask {
@@ -795,8 +814,30 @@ impl WatchTask {
     fn own_key_gone(&self, name: &str, rev: i64) {
         let published = self.shared.published_rev.load(Ordering::SeqCst);
         if self.shared.own_name().as_deref() == Some(name) && published > 0 && rev >= published {
+            let uid = self
+                .shared
+                .own_pod_uid
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            if self.shared.hub.is_tombstoned(&uid) {
+                // The operator invalidated this agent's pod: putting the
+                // record back would resurrect a dead peer.
+                if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
+                    tracing::error!(pod_uid = %LogSafe(&uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
+                }
+                return;
+            }
             let _ = self.cmd_tx.send(Cmd::Republish);
         }
+    }
+
+    /// The pod UID of a tombstone key (`<fabric prefix>tombstones/<uid>`).
+    fn tomb_of<'k>(&self, key: &'k [u8]) -> Option<&'k str> {
+        std::str::from_utf8(key)
+            .ok()?
+            .strip_prefix(self.tomb_prefix.as_str())
+            .filter(|u| !u.is_empty())
     }
 
     /// Reads the prefix, resyncs, then follows the watch until it fails
@@ -818,7 +859,10 @@ impl WatchTask {
         let resp = bounded(
             rt,
             "get",
-            client.get(self.prefix.as_str(), Some(GetOptions::new().with_prefix())),
+            client.get(
+                self.fabric_prefix.as_str(),
+                Some(GetOptions::new().with_prefix()),
+            ),
         )
         .await
         .map_err(|e| format!("{e:?}"))?;
@@ -828,6 +872,11 @@ impl WatchTask {
         }
         self.reads += 1;
         let mut snapshot = Vec::new();
+        for kv in resp.kvs() {
+            if let Some(uid) = self.tomb_of(kv.key()) {
+                self.shared.hub.add_tombstone(uid);
+            }
+        }
         for kv in resp.kvs() {
             if let Some(name) = self.name_of(kv.key()) {
                 if let Some(rec) = self.decode(name, kv.value()) {
@@ -845,7 +894,7 @@ impl WatchTask {
             rt,
             "watch",
             client.watch(
-                self.prefix.as_str(),
+                self.fabric_prefix.as_str(),
                 Some(
                     WatchOptions::new()
                         .with_prefix()
@@ -881,6 +930,13 @@ impl WatchTask {
             }
             for ev in resp.events() {
                 let Some(kv) = ev.kv() else { continue };
+                if let Some(uid) = self.tomb_of(kv.key()) {
+                    if ev.event_type() == EventType::Put {
+                        tracing::info!(pod_uid = %LogSafe(uid), "pod invalidated by the operator (tombstone)");
+                        self.shared.hub.add_tombstone(uid);
+                    }
+                    continue;
+                }
                 let Some(name) = self.name_of(kv.key()) else {
                     continue;
                 };
