@@ -116,7 +116,10 @@ mod tests {
     /// flood them is refused, and the refusal shows it escaped.
     #[test]
     fn peer_identities_are_checked_before_use() {
-        assert_eq!(valid_peer_identity(b"decode-0123abcd"), Ok("decode-0123abcd"));
+        assert_eq!(
+            valid_peer_identity(b"decode-0123abcd"),
+            Ok("decode-0123abcd")
+        );
         for bad in [
             &b"peer\nINFO forged line"[..],
             b"a b",
@@ -129,7 +132,9 @@ mod tests {
             assert!(!e.contains('\n') && !e.contains('\x1b'), "{e:?}");
         }
         let long = vec![b'a'; 256];
-        assert!(valid_peer_identity(&long).unwrap_err().contains("256 bytes"));
+        assert!(valid_peer_identity(&long)
+            .unwrap_err()
+            .contains("256 bytes"));
         assert!(valid_peer_identity(&long[..255]).is_ok());
     }
 }
