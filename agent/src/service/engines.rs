@@ -583,12 +583,15 @@ impl EngineHub {
             .agent
             .gpu()
             .ok_or_else(|| Status::internal("GPU pools without a GPU arena"))?;
+        let mut cfg = crate::runtime::cuda::CudaCopyConfig::default();
+        // Where the kernel reads its run table from: mapped pinned host
+        // memory (default) or a device copy made on the stream first.
+        if std::env::var("KVFABRIC_DIRECT_PLAN_SOURCE").as_deref() == Ok("device") {
+            cfg.plan_source = crate::runtime::cuda::PlanSource::Device;
+        }
         let e = Arc::new(
-            crate::runtime::cuda::CudaCopyEngine::new(
-                gpu,
-                crate::runtime::cuda::CudaCopyConfig::default(),
-            )
-            .map_err(|e| Status::internal(format!("direct copy engine: {e}")))?,
+            crate::runtime::cuda::CudaCopyEngine::new(gpu, cfg)
+                .map_err(|e| Status::internal(format!("direct copy engine: {e}")))?,
         );
         Ok(self.direct.get_or_init(|| e).clone())
     }
@@ -954,10 +957,19 @@ impl EngineHub {
                 // run's "region offset" is the absolute source), then the
                 // copy's event is waited on.
                 let engine = self.direct_engine()?;
+                let t_runs = Instant::now();
                 let runs = kvfabric_core::layout::direct_runs(descs);
+                let runs_us = t_runs.elapsed().as_micros() as u64;
                 engine
                     .run(crate::runtime::cuda::Direction::Scatter, 0, &runs)
                     .map_err(|e| Status::internal(format!("direct copy kernel: {e}")))?;
+                tracing::debug!(
+                    descriptors = descs.len(),
+                    runs = runs.len(),
+                    runs_us,
+                    total_us = t_runs.elapsed().as_micros() as u64,
+                    "direct copy"
+                );
             }
             (a, b) => {
                 return Err(Status::unimplemented(format!(
