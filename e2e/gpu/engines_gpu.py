@@ -242,7 +242,7 @@ def main():
     procs = [etcd]
     report = {"ok": False}
     env = dict(os.environ, KVFABRIC_BOUNCE_ENABLE="1", KVFABRIC_BOUNCE_ARENA_SIZE_BYTES="512MiB",
-               KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT="1", KVFABRIC_LOG="info",
+               KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT="1", KVFABRIC_LOG=os.environ.get("KVFABRIC_LOG", "info"),
                UCX_CUDA_IPC_ENABLE_SAME_PROCESS="y")
     logs = {}
     try:

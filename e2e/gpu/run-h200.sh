@@ -27,6 +27,17 @@ for step in ${KVF_STEPS:-engines model vram}; do
     engines)
       timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
         --out "$out/engines_gpu.json" 2>&1 | tee "$out/engines_gpu.log" | tail -n 60 || rc=1 ;;
+    bulkprof)
+      # The direct path's host cost: the bulk hand-off alone, run table
+      # read from pinned host memory (default) and copied to the GPU first.
+      for src in pinned device; do
+        KVFABRIC_DIRECT_PLAN_SOURCE=$src \
+        KVFABRIC_LOG=info,kvfabric_agent::service::engines=debug,kvfabric_agent::runtime::cuda=trace \
+          timeout 200 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+          --only bulk --bulk-repeats 20 --log-dir "$out" --out "$out/bulk_$src.json" 2>&1 \
+          | grep -v '^ ' | tail -n 5 || rc=1
+        grep -h "direct copy\|cuda copy" "$out"/bulk_$src.json.node-a.log | grep "16384" | tail -n 6
+      done ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).
