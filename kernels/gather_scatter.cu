@@ -226,3 +226,28 @@ extern "C" __global__ void __launch_bounds__(256, 8)
                            kvf_u64 piece_bytes) {
     kvf_body(runs, tasks, ntasks, region_base, to_region, piece_bytes);
 }
+
+// Same-node direct path (issue 19): copies whole KV blocks between two pools
+// straight from their block ids, no run table. Warp w copies block pair
+// p = w % npairs of plane (layer x K/V) q = w / npairs:
+//   src_base + q * src_plane + src_ids[p] * block_bytes
+//   -> dst_base + q * dst_plane + dst_ids[p] * block_bytes
+// (the layer-major pool layout of the engine API). Ids were range-checked
+// on the host against both layouts.
+extern "C" __global__ void __launch_bounds__(256)
+    kvf_block_copy(kvf_u64 src_base, kvf_u64 dst_base, const kvf_u32* __restrict__ src_ids,
+                   const kvf_u32* __restrict__ dst_ids, kvf_u32 npairs, kvf_u32 nplanes,
+                   kvf_u64 src_plane, kvf_u64 dst_plane, kvf_u64 block_bytes) {
+    const kvf_u32 lane = threadIdx.x & 31u;
+    const kvf_u64 warps_per_block = blockDim.x >> 5;
+    const kvf_u64 total = (kvf_u64)npairs * nplanes;
+    for (kvf_u64 w = (kvf_u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5); w < total;
+         w += (kvf_u64)gridDim.x * warps_per_block) {
+        const kvf_u64 q = w / npairs;
+        const kvf_u64 p = w - q * npairs;
+        const unsigned char* s =
+            (const unsigned char*)(src_base + q * src_plane + (kvf_u64)src_ids[p] * block_bytes);
+        unsigned char* d = (unsigned char*)(dst_base + q * dst_plane + (kvf_u64)dst_ids[p] * block_bytes);
+        kvf_copy(d, s, block_bytes, lane, 32u);
+    }
+}

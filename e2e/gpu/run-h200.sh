@@ -30,13 +30,14 @@ for step in ${KVF_STEPS:-engines model vram}; do
     bulkprof)
       # The direct path's host cost: the bulk hand-off alone, run table
       # read from pinned host memory (default) and copied to the GPU first.
-      for src in pinned device; do
-        KVFABRIC_DIRECT_PLAN_SOURCE=$src \
+      # blocks = the block-id kernel (default); runs = the run-table kernel.
+      for src in ${KVF_DIRECT_KERNELS:-blocks runs}; do
+        KVFABRIC_DIRECT_KERNEL=$src KVFABRIC_DIRECT_MERGE=${KVF_MERGE:-0} \
         KVFABRIC_LOG=info,kvfabric_agent::service::engines=debug,kvfabric_agent::runtime::cuda=trace \
           timeout 200 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
           --only bulk --bulk-repeats 20 --log-dir "$out" --out "$out/bulk_$src.json" 2>&1 \
           | grep -v '^ ' | tail -n 5 || rc=1
-        grep -h "direct copy\|cuda copy" "$out"/bulk_$src.json.node-a.log | grep "16384" | tail -n 6
+        grep -h "direct copy\|direct block copy\|dir=Scatter" "$out"/bulk_$src.json.node-a.log | tail -n 6
       done ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two

@@ -385,10 +385,27 @@ pub fn extent_descriptors(
 /// region_stride` to `addr + k * addr_stride` — the kernel's scatter form
 /// with a region base of 0. Consecutive descriptors of equal length whose
 /// sources and destinations advance by constant strides merge into one run
-/// (a dense block list becomes a few runs). Zero-length descriptors are
-/// dropped. Pure; O(descriptors).
-pub fn direct_runs(descs: &[Descriptor]) -> Vec<crate::types::ScatterRun> {
+/// (a dense block list becomes a few runs) when `merge` is set; without it
+/// every descriptor is its own run (one kernel task each: the widest
+/// parallelism, and the cheapest build — for random block lists merging
+/// saves little and costs ≈ 13 ns a descriptor, measured on the H200
+/// host). Zero-length descriptors are dropped. Pure; O(descriptors).
+pub fn direct_runs(descs: &[Descriptor], merge: bool) -> Vec<crate::types::ScatterRun> {
     use crate::types::ScatterRun;
+    if !merge {
+        return descs
+            .iter()
+            .filter(|d| d.len > 0)
+            .map(|d| ScatterRun {
+                region_offset: d.src,
+                addr: d.dst,
+                segment_len: d.len,
+                region_stride: 0,
+                addr_stride: 0,
+                count: 1,
+            })
+            .collect();
+    }
     let mut out: Vec<ScatterRun> = Vec::new();
     for d in descs.iter().filter(|d| d.len > 0) {
         if let Some(r) = out.last_mut() {
@@ -544,10 +561,17 @@ mod tests {
             .chain([Descriptor::new(9_000, 40_000, 16), Descriptor::new(1, 2, 0)])
             .chain((0..3u64).map(|k| Descriptor::new(20_000 - k * 100, 30_000 + k * 32, 32)))
             .collect();
-        let runs = direct_runs(&descs);
+        let unmerged = direct_runs(&descs, false);
+        assert_eq!(unmerged.len(), 14);
+        assert!(unmerged.iter().all(|r| r.count == 1));
+        let runs = direct_runs(&descs, true);
         assert_eq!(runs[0].count, 10);
         assert_eq!((runs[0].region_stride, runs[0].addr_stride), (64, 128));
         let mut got = Vec::new();
+        let mut got_unmerged = Vec::new();
+        for r in &unmerged {
+            got_unmerged.push(Descriptor::new(r.region_offset, r.addr, r.segment_len));
+        }
         for r in &runs {
             for k in 0..u64::from(r.count) {
                 got.push(Descriptor::new(
@@ -559,6 +583,7 @@ mod tests {
         }
         let want: Vec<Descriptor> = descs.into_iter().filter(|d| d.len > 0).collect();
         assert_eq!(got, want);
+        assert_eq!(got_unmerged, want);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use kvfabric_core::Descriptor;
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
 use super::trace::{
     check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
-    HandOffResult, ReplayOptions, ReplayReport,
+    HandOffResult, ReplayOptions, ReplayReport, RequestBlocks,
 };
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
@@ -83,7 +83,13 @@ impl HandOff for GpuHandOff<'_> {
         self.prefill.name().to_string()
     }
 
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+    fn hand_off(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        _blocks: RequestBlocks<'_>,
+        descs: Vec<Descriptor>,
+    ) -> HandOffResult {
         let mut request_id = None;
         let outcome = self.transfer_and_check(path, seed, descs, &mut request_id);
         HandOffResult {

@@ -1,39 +1,57 @@
-//! Distributed mode of `kvfabric bench`: the bench is a client of two
-//! `kvfabric agent` daemons registered in etcd.
+//! Distributed mode of `kvfabric bench`: the bench drives two `kvfabric
+//! agent` daemons through their engine API (gRPC on each agent's Unix
+//! socket, `kvfabric agent --engine-socket PATH`), as serving engines do.
+//! It needs neither etcd nor the agents' `--debug-api`.
 //!
-//! 1. [`lookup_agents`] reads the fabric's records
-//!    (`/kvfabric/<fabric>/agents/`) until the prefill and decode logical
-//!    ids are there (bounded); each [`AgentRecord`] carries the agent's
-//!    HTTP URL (`http`) and its KV pool (`buffers`, label `kv`).
-//! 2. [`wait_until_paired`] waits (bounded) until both answer `/readyz` 200
-//!    and each has loaded the other through discovery (`/v1/peers`).
-//! 3. The replay ([`super::trace::replay_with`]) allocates blocks over the
-//!    *remote* pool bases ([`super::trace::BlockPool`]) and hands each
-//!    request to [`RemoteHandOff`]: `POST /v1/debug/transfer` to the prefill
-//!    agent (it fills the sources with the request's pattern, writes them
-//!    to the decode agent through the chosen path and measures the
-//!    latency), then `POST /v1/debug/verify` to the decode agent (every
-//!    destination byte checked).
+//! 1. [`BenchEngines::attach`] connects to both sockets (waiting at most
+//!    `--wait` for them), creates one POSIX shm KV pool per side in this
+//!    process (sized for the slice like embedded mode's pools), and
+//!    attaches one engine per side — `bench-prefill-<pid>` to the prefill
+//!    agent, `bench-decode-<pid>` to the decode agent — with the layout of
+//!    the bench's model geometry ([`engine_layout`]), registering its pool.
+//!    The bench process is the bench engine of both sides: it holds both
+//!    sessions on one tokio runtime ([`Driver`]) and maps both pools.
+//! 2. The replay ([`super::trace::replay_with`]) allocates blocks over the
+//!    two pools as mapped here ([`super::trace::BlockPool`]; the pool
+//!    layout of the engine API is the bench's tensor-major layout) and
+//!    hands each request to [`BenchEngines`]: it fills the request's
+//!    source blocks with the bench pattern, asks the prefill agent for the
+//!    hand-off by block id (`Transfer`, the path forced to bounce or
+//!    standard, the engine request id = the request's seed), awaits the
+//!    arrival on the decode session (`AwaitArrival`) and checks every
+//!    destination byte in its own mapping of the decode pool. The latency
+//!    is the prefill agent's own: `submit_us + transfer_us` of its answer
+//!    (call received → resolved; the standard path does its NIXL prepare
+//!    and post inside the submit, so `transfer_us` alone would miss them).
+//! 3. Before each phase, a one-block probe hand-off, retried for at most
+//!    `--wait`, waits until the prefill agent resolves the decode engine
+//!    (its record reaches the prefill agent through discovery) and the
+//!    path is up (for bounce: the peer's handshake).
 //!
+//! The agents' etcd records and their HTTP API, as tests and tools read
+//! them ([`lookup_agents`], [`RemoteAgent`], [`http_json`]), are here too.
 //! HTTP is spoken with a minimal HTTP/1.0 client ([`http_json`]: one
-//! request per connection, read to EOF), so the bench needs no HTTP client
+//! request per connection, read to EOF), so there is no HTTP client
 //! dependency.
 
+use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, ConnectOptions, GetOptions};
+use kvfabric_client::{pb, ClientError, Session, ShmPool};
+use kvfabric_core::model::KvLayout;
 use serde_json::Value;
 
-use super::trace::{BenchPath, HandOff, HandOffResult};
+use super::pattern::{check_fast, fill_fast};
+use super::trace::{BenchPath, HandOff, HandOffResult, RequestBlocks};
 use crate::core::Descriptor;
 use crate::service::discovery::etcd::agents_prefix;
 use crate::service::discovery::{AgentRecord, BufferRegion};
-use crate::service::http::{
-    TransferDescriptor, TransferRequest, TransferResponse, VerifyDescriptor, VerifyRequest,
-    VerifyResponse, TRANSFER_WAIT,
-};
 
 /// Bound on connecting to an agent's HTTP API.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -41,6 +59,586 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bound on one etcd read.
 const ETCD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Bound on one hand-off (the `Transfer`'s `timeout_ms`), as embedded
+/// mode's: 300 s.
+const XFER_TIMEOUT_MS: u32 = 300_000;
+/// Bound on a probe hand-off (one block) before a phase.
+const PROBE_TIMEOUT_MS: u32 = 10_000;
+/// Bound on `AwaitArrival` once the transfer has resolved.
+const ARRIVAL_WAIT: Duration = Duration::from_secs(60);
+/// Bound on the probe's `AwaitArrival` (retried until `--wait`).
+const PROBE_ARRIVAL_WAIT: Duration = Duration::from_secs(2);
+/// Engine request ids of the probe hand-offs: `PROBE_IDS + n`, apart from
+/// the requests' (their seeds, below 2^48).
+const PROBE_IDS: u64 = 1 << 63;
+
+/// The engine-API layout of a bench pool of `num_blocks` blocks of
+/// `layout` (TP rank 0 of `layout.tp`, host memory).
+///
+/// The engine API's pool is layer-major, `((layer × planes + plane) ×
+/// num_blocks + block) × block_bytes` — the bench pool's tensor-major
+/// layout (tensor = layer × planes + plane) with `block_bytes` = the
+/// bench's descriptor bytes, so a block id means the same bytes to the
+/// bench and to the agent. Two spellings make the byte counts agree where
+/// the engine API has no word for the bench's geometry:
+/// * K and V in one tensor (`--no-kv-split`, one descriptor of K+V per
+///   layer and block): one plane of twice this rank's KV heads;
+/// * a `dtype_bytes` other than 1 (`fp8`), 2 (`bf16`) or 4 (`fp32`):
+///   `u8` elements with `head_dim × dtype_bytes` per head.
+///
+/// Both sides use the same layout, so whole blocks move either way.
+///
+/// # Errors
+/// A field that overflows `u32` in those spellings.
+pub fn engine_layout(layout: &KvLayout, num_blocks: u32) -> Result<pb::KvLayout, String> {
+    let m = &layout.model;
+    let (dtype, head_dim) = match m.dtype_bytes {
+        1 => ("fp8", Some(m.head_dim)),
+        2 => ("bf16", Some(m.head_dim)),
+        4 => ("fp32", Some(m.head_dim)),
+        n => ("u8", m.head_dim.checked_mul(n)),
+    };
+    let head_dim = head_dim.ok_or_else(|| {
+        format!(
+            "geometry of {}: head_dim {} x dtype_bytes {} overflows the engine API's head_dim",
+            m.name, m.head_dim, m.dtype_bytes
+        )
+    })?;
+    let rank_heads = m.kv_heads / layout.tp;
+    let kv_heads = if layout.kv_split {
+        Some(rank_heads)
+    } else {
+        rank_heads.checked_mul(2)
+    }
+    .ok_or_else(|| format!("geometry of {}: too many KV heads", m.name))?;
+    Ok(pb::KvLayout {
+        layers: m.layers,
+        num_blocks,
+        block_bytes: layout.descriptor_bytes(),
+        kv_split: layout.kv_split,
+        dtype: dtype.into(),
+        tp_rank: 0,
+        tp_size: layout.tp,
+        block_tokens: layout.block_tokens,
+        kv_heads,
+        head_dim,
+        device: -1,
+    })
+}
+
+/// Bytes free for new shm objects (`/dev/shm`), if known: more than that
+/// in shm pools faults (SIGBUS) when the pages are first written.
+pub fn shm_available() -> Option<u64> {
+    let path = std::ffi::CString::new("/dev/shm").ok()?;
+    // SAFETY: statvfs(3) on a NUL-terminated path into a zeroed struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// A current-thread tokio runtime driven by a thread of its own: the bench
+/// engines' sessions live on it (their Attach streams, the gRPC
+/// connections) while the replay's worker threads hand it calls
+/// ([`Driver::run`]).
+pub struct Driver {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Driver {
+    /// Starts the runtime and its thread.
+    ///
+    /// # Errors
+    /// When the runtime or the thread cannot be created.
+    pub fn start() -> Result<Self, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("tokio runtime: {e}"))?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("bench-engines".into())
+            .spawn(move || {
+                let _ = rt.block_on(stopped);
+            })
+            .map_err(|e| format!("bench engine thread: {e}"))?;
+        Ok(Self {
+            handle,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Runs `f` on the runtime and waits for its output (call from any
+    /// thread but the runtime's own).
+    ///
+    /// # Errors
+    /// When the runtime stopped before `f` finished.
+    pub fn run<T, F>(&self, f: F) -> Result<T, String>
+    where
+        F: Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv()
+            .map_err(|_| "the bench engines' runtime stopped".to_string())
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Where the bench engines attach (distributed mode).
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// The prefill agent's engine socket (`--prefill-socket`).
+    pub prefill_socket: PathBuf,
+    /// The decode agent's engine socket (`--decode-socket`).
+    pub decode_socket: PathBuf,
+    /// Bound on waiting for the sockets, and before each phase for the
+    /// decode engine to be reachable from the prefill agent (`--wait`).
+    pub wait: Duration,
+}
+
+/// One side's bench engine: its session and its pool as mapped here.
+struct Side {
+    session: Option<Arc<Session>>,
+    engine_id: String,
+    agent: String,
+    base: u64,
+    pool: ShmPool,
+}
+
+impl Side {
+    /// Connects to `socket` (waiting until `deadline`), creates the shm
+    /// pool, attaches engine `bench-<role>-<pid>` with `layout` and
+    /// registers the pool. `flag` names the socket's option in errors.
+    fn attach(
+        driver: &Driver,
+        flag: &str,
+        socket: &Path,
+        role: pb::Role,
+        layout: &pb::KvLayout,
+        deadline: Instant,
+    ) -> Result<Self, String> {
+        let name = match role {
+            pb::Role::Decode => "decode",
+            _ => "prefill",
+        };
+        let pid = std::process::id();
+        let engine_id = format!("bench-{name}-{pid}");
+        let mut pool = ShmPool::create(
+            &format!("/kvfabric-bench-{pid}-{name}"),
+            kvfabric_client::pool_bytes(layout),
+        )
+        .map_err(|e| format!("{name} KV pool: {e}"))?;
+        let base = pool.as_mut_slice().as_mut_ptr() as u64;
+        let (sock, id, l) = (socket.to_path_buf(), engine_id.clone(), layout.clone());
+        let attached = driver.run(async move {
+            let client = loop {
+                match kvfabric_client::Client::connect(&sock).await {
+                    Ok(c) => break c,
+                    Err(e) if Instant::now() >= deadline => return (Err(e), pool),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            };
+            let s = match client.attach(&id, "", role, l).await {
+                Ok(s) => s,
+                Err(e) => return (Err(e), pool),
+            };
+            let r = s.register_shm(&pool).await.map(|_| s);
+            (r, pool)
+        })?;
+        let (session, pool) = attached;
+        let session = session.map_err(|e| format!("{flag} {}: {e}", socket.display()))?;
+        Ok(Self {
+            agent: session.agent().to_string(),
+            session: Some(Arc::new(session)),
+            engine_id,
+            base,
+            pool,
+        })
+    }
+
+    fn session(&self) -> Result<Arc<Session>, String> {
+        self.session
+            .clone()
+            .ok_or_else(|| format!("engine {} is detached", self.engine_id))
+    }
+}
+
+/// The bench engines of distributed mode, one per side, held by this
+/// process; the [`HandOff`] of the distributed replay.
+pub struct BenchEngines {
+    prefill: Side,
+    decode: Side,
+    wait: Duration,
+    probes: AtomicU64,
+    // Last: the sessions (in the sides) go before the runtime stops.
+    driver: Driver,
+}
+
+/// The engine API's path for a bench path.
+fn pb_path(path: BenchPath) -> pb::Path {
+    match path {
+        BenchPath::Bounce => pb::Path::Bounce,
+        BenchPath::Standard => pb::Path::Standard,
+    }
+}
+
+/// The name an agent reports a path under (`TransferResponse.path`).
+fn path_name(path: BenchPath) -> &'static str {
+    match path {
+        BenchPath::Bounce => "bounce",
+        BenchPath::Standard => "standard",
+    }
+}
+
+fn outcome_name(o: pb::Outcome) -> &'static str {
+    match o {
+        pb::Outcome::Success => "success",
+        pb::Outcome::Failure => "failure",
+        pb::Outcome::Timeout => "timeout",
+        pb::Outcome::Cancelled => "cancelled",
+        pb::Outcome::Unspecified => "unspecified outcome",
+    }
+}
+
+impl BenchEngines {
+    /// Attaches the two bench engines (see the module docs) with pools of
+    /// `num_blocks` blocks of `layout`.
+    ///
+    /// # Errors
+    /// A socket that does not answer within `opts.wait`, a refused attach
+    /// or pool (the agent's reason), both sockets reaching the same agent.
+    pub fn attach(
+        opts: &EngineOptions,
+        layout: &KvLayout,
+        num_blocks: u32,
+    ) -> Result<Self, String> {
+        let l = engine_layout(layout, num_blocks)?;
+        let driver = Driver::start()?;
+        let deadline = Instant::now() + opts.wait;
+        let prefill = Side::attach(
+            &driver,
+            "--prefill-socket",
+            &opts.prefill_socket,
+            pb::Role::Prefill,
+            &l,
+            deadline,
+        )?;
+        let decode = Side::attach(
+            &driver,
+            "--decode-socket",
+            &opts.decode_socket,
+            pb::Role::Decode,
+            &l,
+            deadline,
+        )?;
+        let engines = Self {
+            prefill,
+            decode,
+            wait: opts.wait,
+            probes: AtomicU64::new(0),
+            driver,
+        };
+        if engines.prefill.agent == engines.decode.agent {
+            let agent = engines.prefill.agent.clone();
+            let _ = engines.close();
+            return Err(format!(
+                "--prefill-socket and --decode-socket reach the same agent ({agent}): its hand-offs would be same-agent copies, not bounce or the standard path; give the sockets of two agents"
+            ));
+        }
+        Ok(engines)
+    }
+
+    /// Base address of the prefill pool in this process.
+    pub fn prefill_base(&self) -> u64 {
+        self.prefill.base
+    }
+
+    /// Base address of the decode pool in this process.
+    pub fn decode_base(&self) -> u64 {
+        self.decode.base
+    }
+
+    /// (engine id, agent name) of the prefill side.
+    pub fn prefill(&self) -> (&str, &str) {
+        (&self.prefill.engine_id, &self.prefill.agent)
+    }
+
+    /// (engine id, agent name) of the decode side.
+    pub fn decode(&self) -> (&str, &str) {
+        (&self.decode.engine_id, &self.decode.agent)
+    }
+
+    /// Bytes of each side's shm pool.
+    pub fn pool_bytes(&self) -> u64 {
+        self.prefill.pool.len() as u64
+    }
+
+    /// Detaches both engines (the agents release the pools) and removes the
+    /// shm objects.
+    ///
+    /// # Errors
+    /// The first detach that failed (both are tried).
+    pub fn close(mut self) -> Result<(), String> {
+        let mut first = None;
+        for side in [&mut self.prefill, &mut self.decode] {
+            let Some(s) = side.session.take() else {
+                continue;
+            };
+            // Calls hand their clone back before they answer
+            // (`transfer`, `await_arrival`), so this is the last one.
+            match Arc::try_unwrap(s) {
+                Ok(s) => {
+                    let id = side.engine_id.clone();
+                    if let Err(e) = self
+                        .driver
+                        .run(s.detach())
+                        .and_then(|r| r.map_err(|e| e.to_string()))
+                    {
+                        first.get_or_insert(format!("detaching engine {id}: {e}"));
+                    }
+                }
+                // Still shared: dropping it ends its Attach stream, which
+                // the agent takes as a detach.
+                Err(s) => drop(s),
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// `Transfer` of `src` → `dst` through `path` on the prefill session.
+    fn transfer(
+        &self,
+        request_id: u64,
+        path: BenchPath,
+        src: &[u32],
+        dst: &[u32],
+        timeout_ms: u32,
+    ) -> Result<Result<pb::TransferResponse, ClientError>, String> {
+        let s = self.prefill.session()?;
+        let req = pb::TransferRequest {
+            request_id,
+            dst_engine: self.decode.engine_id.clone(),
+            src_blocks: src.to_vec(),
+            dst_blocks: dst.to_vec(),
+            path: pb_path(path) as i32,
+            timeout_ms,
+            ..Default::default()
+        };
+        self.driver.run(async move {
+            let r = s.transfer(req).await;
+            drop(s);
+            r
+        })
+    }
+
+    /// `AwaitArrival` of `request_id` from the prefill engine on the
+    /// decode session.
+    fn await_arrival(
+        &self,
+        request_id: u64,
+        within: Duration,
+    ) -> Result<pb::AwaitArrivalResponse, String> {
+        let s = self.decode.session()?;
+        let src = self.prefill.engine_id.clone();
+        self.driver
+            .run(async move {
+                let r = s.await_arrival(request_id, &src, within).await;
+                drop(s);
+                r
+            })?
+            .map_err(|e| format!("await arrival: {e}"))
+    }
+
+    /// What the agents said about one hand-off: `Ok` with the latency in
+    /// ms once every byte of `descs` verified.
+    fn transfer_and_verify(
+        &self,
+        path: BenchPath,
+        request_id: u64,
+        seed: u64,
+        blocks: RequestBlocks<'_>,
+        descs: &[Descriptor],
+    ) -> Result<f64, String> {
+        let r = self
+            .transfer(request_id, path, blocks.src, blocks.dst, XFER_TIMEOUT_MS)?
+            .map_err(|e| format!("transfer: {e}"))?;
+        if r.outcome() != pb::Outcome::Success {
+            return Err(format!(
+                "transfer {}: {}",
+                outcome_name(r.outcome()),
+                r.reason
+            ));
+        }
+        if r.path != path_name(path) {
+            return Err(format!(
+                "the agent moved the request through {:?}, not {}",
+                r.path,
+                path_name(path)
+            ));
+        }
+        let want: u64 = descs.iter().map(|d| d.len).sum();
+        let a = self.await_arrival(request_id, ARRIVAL_WAIT)?;
+        if a.outcome() != pb::Outcome::Success {
+            return Err(format!(
+                "arrival {}: {}",
+                outcome_name(a.outcome()),
+                a.reason
+            ));
+        }
+        if r.bytes != want || a.bytes != want {
+            return Err(format!(
+                "the agents moved {} bytes (arrival: {}), the request holds {want}",
+                r.bytes, a.bytes
+            ));
+        }
+        descs
+            .iter()
+            .enumerate()
+            // SAFETY: dst lies in the decode pool's blocks the caller holds;
+            // the pool stays mapped while `self` lives.
+            .find_map(|(k, d)| {
+                unsafe { check_fast(d.dst, d.len, seed, k as u64) }
+                    .err()
+                    .map(|off| (k, off))
+            })
+            // The agent's latency, call received → resolved: `submit_us`
+            // counts too, since the standard path posts the whole write
+            // inside its submit (NIXL prepare + post), which `transfer_us`
+            // (submitted → resolved) alone would leave out.
+            .map_or(
+                Ok((r.submit_us + r.transfer_us) as f64 / 1e3),
+                |(k, off)| Err(format!("verification failed: descriptor {k}, byte {off}")),
+            )
+    }
+}
+
+impl HandOff for BenchEngines {
+    /// A one-block probe hand-off (block 0 → block 0) through `path`,
+    /// retried for at most `--wait` while the decode engine is not yet
+    /// resolvable or the path not yet up; its arrival is awaited too.
+    fn check_path(&self, path: BenchPath) -> Result<(), String> {
+        let deadline = Instant::now() + self.wait;
+        let mut announced = false;
+        let what = format!(
+            "a {} hand-off from engine {} (agent {}) to engine {} (agent {})",
+            path_name(path),
+            self.prefill.engine_id,
+            self.prefill.agent,
+            self.decode.engine_id,
+            self.decode.agent
+        );
+        loop {
+            let rid = PROBE_IDS + self.probes.fetch_add(1, Ordering::Relaxed);
+            let why = match self.transfer(rid, path, &[0], &[0], PROBE_TIMEOUT_MS)? {
+                Ok(r) if r.outcome() == pb::Outcome::Success => {
+                    if r.path != path_name(path) {
+                        return Err(format!("{what}: the agent moved it through {:?}", r.path));
+                    }
+                    let a = self.await_arrival(rid, PROBE_ARRIVAL_WAIT)?;
+                    if a.outcome() == pb::Outcome::Success {
+                        return Ok(());
+                    }
+                    // Arrival notices travel over the agents' bounce
+                    // control channel (not up yet, or not running).
+                    format!(
+                        "the transfer succeeded but the decode engine saw no arrival ({}: {})",
+                        outcome_name(a.outcome()),
+                        a.reason
+                    )
+                }
+                Ok(r) => format!("{}: {}", outcome_name(r.outcome()), r.reason),
+                // NotFound: the decode engine's record has not reached the
+                // prefill agent yet; FailedPrecondition: the peer is not
+                // loaded / bounce-compatible yet.
+                Err(e)
+                    if matches!(
+                        e.code(),
+                        Some(
+                            tonic::Code::NotFound
+                                | tonic::Code::FailedPrecondition
+                                | tonic::Code::Unavailable
+                        )
+                    ) || matches!(e, ClientError::Timeout { .. }) =>
+                {
+                    e.to_string()
+                }
+                Err(e) => return Err(format!("{what}: {e}")),
+            };
+            if Instant::now() >= deadline {
+                let hint = if why.contains("bounce") || why.contains("no arrival") {
+                    " (bounce must run on both agents, bounce-compatible: it carries the bounce path and the arrival notices; start them with KVFABRIC_BOUNCE_ENABLE=1 and the same KVFABRIC_BOUNCE_* settings; the prefill agent's /v1/peers gives the reason)"
+                } else {
+                    ""
+                };
+                return Err(format!(
+                    "{what} still fails after --wait {}s: {why}{hint}",
+                    self.wait.as_secs()
+                ));
+            }
+            if !announced {
+                eprintln!(
+                    "waiting (at most --wait {}s) for {what}: {why}",
+                    self.wait.as_secs()
+                );
+                announced = true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn sender(&self) -> String {
+        self.prefill.engine_id.clone()
+    }
+
+    fn request_id_key(&self) -> &'static str {
+        "request"
+    }
+
+    /// Fills the sources, hands the blocks off by id (engine request id =
+    /// `seed`), awaits the arrival and verifies every destination byte.
+    fn hand_off(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        blocks: RequestBlocks<'_>,
+        descs: Vec<Descriptor>,
+    ) -> HandOffResult {
+        // The prefill engine "computes" this request's KV: its own pattern.
+        for (k, d) in descs.iter().enumerate() {
+            // SAFETY: src lies in the prefill pool's blocks the caller
+            // holds; the pool stays mapped while `self` lives.
+            unsafe { fill_fast(d.src, d.len, seed, k as u64) };
+        }
+        HandOffResult {
+            request_id: Some(seed),
+            outcome: self.transfer_and_verify(path, seed, seed, blocks, &descs),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The agents' etcd records and HTTP API, as tests and tools read them.
 
 /// Sends one HTTP/1.0 request to `base` (`http://host:port`) and parses the
 /// JSON answer; `timeout` bounds each read and write.
@@ -201,7 +799,8 @@ pub fn lookup_agents(
     }
 }
 
-/// An agent daemon as the bench sees it: its record, HTTP URL and KV pool.
+/// An agent daemon as its etcd record shows it: its record, HTTP URL and
+/// KV pool.
 #[derive(Clone, Debug)]
 pub struct RemoteAgent {
     /// The record it published.
@@ -252,192 +851,70 @@ impl RemoteAgent {
     pub fn post(&self, path: &str, body: &str, timeout: Duration) -> Result<(u16, Value), String> {
         http_json(&self.record.http, "POST", path, Some(body), timeout)
     }
-
-    /// Whether `/v1/peers` lists `peer` (and, with `need_bounce`, as
-    /// bounce-compatible).
-    fn has_peer(&self, peer: &str, need_bounce: bool) -> Result<bool, String> {
-        let (code, v) = self.get("/v1/peers")?;
-        if code != 200 {
-            return Err(format!("{}/v1/peers: HTTP {code}: {v}", self.record.http));
-        }
-        Ok(v["peers"].as_array().is_some_and(|ps| {
-            ps.iter().any(|p| {
-                p["name"] == peer && (!need_bounce || p["bounce_compatible"] == Value::Bool(true))
-            })
-        }))
-    }
-
-    /// Whether bounce is running on the agent (`/v1/config`).
-    ///
-    /// # Errors
-    /// When `/v1/config` cannot be read.
-    pub fn bounce_active(&self) -> Result<bool, String> {
-        let (code, v) = self.get("/v1/config")?;
-        if code != 200 {
-            return Err(format!("{}/v1/config: HTTP {code}: {v}", self.record.http));
-        }
-        Ok(v["bounce_effective"]["active"] == Value::Bool(true))
-    }
 }
 
-/// Waits at most `wait` until both agents are ready (`/readyz` 200) and
-/// each has loaded the other (`/v1/peers`; the prefill agent sees the
-/// decode agent as bounce-compatible when `need_bounce`).
-///
-/// # Errors
-/// What was still missing when `wait` ran out.
-pub fn wait_until_paired(
-    prefill: &RemoteAgent,
-    decode: &RemoteAgent,
-    need_bounce: bool,
-    wait: Duration,
-) -> Result<(), String> {
-    let deadline = Instant::now() + wait;
-    loop {
-        let check = || -> Result<Result<(), String>, String> {
-            for a in [prefill, decode] {
-                let (code, v) = a.get("/readyz")?;
-                if code != 200 {
-                    return Ok(Err(format!("{} not ready: {}", a.name(), v["reason"])));
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfabric_core::layout::EngineLayout;
+    use kvfabric_core::model::{preset, presets, ModelGeometry};
+
+    fn core_layout(l: &pb::KvLayout) -> EngineLayout {
+        EngineLayout {
+            layers: l.layers,
+            num_blocks: l.num_blocks,
+            block_bytes: l.block_bytes,
+            kv_split: l.kv_split,
+            dtype: l.dtype.clone(),
+            tp_rank: l.tp_rank,
+            tp_size: l.tp_size,
+            block_tokens: l.block_tokens,
+            kv_heads: l.kv_heads,
+            head_dim: l.head_dim,
+            device: l.device,
+        }
+    }
+
+    /// For every preset, TP and K/V split (and odd element sizes), the
+    /// engine layout is valid for the agent and addresses every (tensor,
+    /// block) where the bench's block pool does.
+    #[test]
+    fn engine_layout_matches_the_bench_pool_byte_for_byte() {
+        let mut models = presets();
+        for dtype_bytes in [1, 3, 4, 8] {
+            models.push(ModelGeometry {
+                name: format!("odd{dtype_bytes}"),
+                dtype_bytes,
+                ..preset("Qwen2.5-7B").unwrap()
+            });
+        }
+        for m in models {
+            for tp in [1, 2, 4] {
+                for split in [true, false] {
+                    let layout = KvLayout::new(m.clone(), 16, tp, split).unwrap();
+                    let blocks = 37;
+                    let pl = engine_layout(&layout, blocks).unwrap();
+                    let el = core_layout(&pl);
+                    el.validate()
+                        .unwrap_or_else(|e| panic!("{} tp {tp} split {split}: {e}", m.name));
+                    assert_eq!(
+                        kvfabric_client::pool_bytes(&pl),
+                        super::super::trace::BlockPool::bytes_for(&layout, blocks)
+                    );
+                    let bench = super::super::trace::BlockPool::new(&layout, blocks, 4096, 1);
+                    let planes = layout.tensors_per_layer();
+                    for layer in [0, m.layers - 1] {
+                        for plane in 0..planes {
+                            for b in [0, 5, blocks - 1] {
+                                assert_eq!(
+                                    4096 + el.block_offset(layer, u64::from(plane), b),
+                                    bench.addr(layer * planes + plane, b)
+                                );
+                            }
+                        }
+                    }
                 }
             }
-            if !prefill.has_peer(decode.name(), need_bounce)? {
-                return Ok(Err(format!(
-                    "{} has not loaded {}{}",
-                    prefill.name(),
-                    decode.name(),
-                    if need_bounce {
-                        " (bounce-compatible)"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-            if !decode.has_peer(prefill.name(), false)? {
-                return Ok(Err(format!(
-                    "{} has not loaded {}",
-                    decode.name(),
-                    prefill.name()
-                )));
-            }
-            Ok(Ok(()))
-        };
-        let why = match check() {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(why)) | Err(why) => why,
-        };
-        if Instant::now() >= deadline {
-            return Err(format!("agents not paired after {wait:?}: {why}"));
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// [`HandOff`] through two agent daemons' HTTP APIs (distributed mode).
-pub struct RemoteHandOff {
-    /// The sending agent.
-    pub prefill: RemoteAgent,
-    /// The receiving agent.
-    pub decode: RemoteAgent,
-}
-
-impl HandOff for RemoteHandOff {
-    fn check_path(&self, path: BenchPath) -> Result<(), String> {
-        if path == BenchPath::Bounce && !self.prefill.bounce_active()? {
-            return Err(format!(
-                "bounce is not running on the prefill agent {} (start it with KVFABRIC_BOUNCE_ENABLE=1; see its /v1/config)",
-                self.prefill.name()
-            ));
-        }
-        Ok(())
-    }
-
-    fn sender(&self) -> String {
-        self.prefill.name().to_string()
-    }
-
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
-        let mut request_id = None;
-        let outcome = self.transfer_and_verify(path, seed, &descs, &mut request_id);
-        HandOffResult {
-            request_id,
-            outcome,
-        }
-    }
-}
-
-impl RemoteHandOff {
-    /// [`HandOff::hand_off`]: `request_id` is set from the prefill agent's
-    /// answer when it carries one (`request_id`, the id its log lines
-    /// name as `rid`).
-    fn transfer_and_verify(
-        &self,
-        path: BenchPath,
-        seed: u64,
-        descs: &[Descriptor],
-        request_id: &mut Option<u64>,
-    ) -> Result<f64, String> {
-        let req = TransferRequest {
-            peer: self.decode.name().to_string(),
-            path: match path {
-                BenchPath::Bounce => "bounce",
-                BenchPath::Standard => "standard",
-            }
-            .into(),
-            seed,
-            descriptors: descs
-                .iter()
-                .map(|d| TransferDescriptor {
-                    src: d.src,
-                    dst: d.dst,
-                    len: d.len,
-                })
-                .collect(),
-        };
-        let body = serde_json::to_string(&req).map_err(|e| e.to_string())?;
-        let (code, v) = self.prefill.post(
-            "/v1/debug/transfer",
-            &body,
-            TRANSFER_WAIT + Duration::from_secs(30),
-        )?;
-        if code != 200 {
-            return Err(format!("prefill /v1/debug/transfer: HTTP {code}: {v}"));
-        }
-        *request_id = v.get("request_id").and_then(Value::as_u64);
-        let t: TransferResponse = serde_json::from_value(v)
-            .map_err(|e| format!("prefill /v1/debug/transfer answer: {e}"))?;
-        if t.outcome != "success" {
-            return Err(format!(
-                "transfer {}: {}",
-                t.outcome,
-                t.error.unwrap_or_default()
-            ));
-        }
-        let verify = VerifyRequest {
-            seed,
-            descriptors: descs
-                .iter()
-                .map(|d| VerifyDescriptor {
-                    dst: d.dst,
-                    len: d.len,
-                })
-                .collect(),
-        };
-        let body = serde_json::to_string(&verify).map_err(|e| e.to_string())?;
-        let (code, v) = self.decode.post("/v1/debug/verify", &body, CALL_TIMEOUT)?;
-        if code != 200 {
-            return Err(format!("decode /v1/debug/verify: HTTP {code}: {v}"));
-        }
-        let r: VerifyResponse = serde_json::from_value(v)
-            .map_err(|e| format!("decode /v1/debug/verify answer: {e}"))?;
-        if !r.ok {
-            let m = r.first_mismatch;
-            return Err(format!(
-                "verification failed: descriptor {}, byte {}",
-                m.map_or(0, |m| m.descriptor),
-                m.map_or(0, |m| m.offset)
-            ));
-        }
-        Ok(t.latency_ms)
     }
 }

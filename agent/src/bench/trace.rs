@@ -16,12 +16,15 @@
 //! builds descriptors; a [`HandOff`] moves and verifies each request's KV.
 //! Embedded mode ([`replay`]) uses [`LocalHandOff`] over two in-process
 //! agents and their [`KvPool`]s; distributed mode
-//! ([`super::remote`]) drives two agent daemons over HTTP.
+//! ([`super::remote`]) attaches two engines to two agent daemons through
+//! their engine API and hands blocks off by id.
 //!
 //! A failed request is reported (log line, [`PathStats::failed_requests`],
-//! the summary table) under the id the sending agent gave it and logs it
-//! under (`rid`, [`HandOffResult::request_id`]), so it can be found in the
-//! agent's log; requests with 0 prompt tokens move nothing and are skipped
+//! the summary table) under the id the sending agent logs it under
+//! ([`HandOffResult::request_id`], in the log field
+//! [`HandOff::request_id_key`]: `rid` in embedded mode, the engine's
+//! `request` in distributed mode), so it can be found in the agent's log;
+//! requests with 0 prompt tokens move nothing and are skipped
 //! ([`ReplayReport::skipped_empty_requests`]).
 
 use std::io::IsTerminal as _;
@@ -257,10 +260,11 @@ pub struct ReplayOptions {
 /// A request of a phase that failed or did not verify.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct FailedRequest {
-    /// The id the sending agent gave the transfer and logs it under
-    /// (`rid` in its log lines); `None` when it has none (the standard
-    /// path, a request that failed before its submit, an agent that did
-    /// not report one).
+    /// The id the sending agent logs the transfer under (the log field
+    /// [`ReplayReport::request_id_key`]: `rid`, the bounce transport's id,
+    /// in embedded mode; `request`, the engine's request id, in distributed
+    /// mode); `None` when it has none (the standard path in embedded mode,
+    /// a request that failed before its submit).
     pub request_id: Option<u64>,
     /// The request's position in the replayed slice (0-based; line
     /// `--start` + this of a trace without blank lines).
@@ -331,6 +335,10 @@ pub struct ReplayReport {
     pub p50_ratio_bounce_over_standard: Option<f64>,
     /// Peak resident set size of this process (bytes, VmHWM).
     pub peak_rss_bytes: u64,
+    /// The sending agent's log field that carries
+    /// [`FailedRequest::request_id`]: `rid` (embedded mode) or `request`
+    /// (distributed mode: the engine's request id, beside `engine`).
+    pub request_id_key: &'static str,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -358,10 +366,11 @@ pub fn peak_rss_bytes() -> u64 {
 /// What one [`HandOff::hand_off`] gives back.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HandOffResult {
-    /// The id the sending agent gave the transfer and logs it under
-    /// (`rid`): the bounce transport's request id. `None` where there is
-    /// none (the standard path, a request rejected before its submit) or
-    /// the agent did not report one.
+    /// The id the sending agent logs the transfer under (its log field
+    /// [`HandOff::request_id_key`]): the bounce transport's request id
+    /// (`rid`), or the engine's request id (`request`). `None` where there
+    /// is none (the standard path in embedded mode, a request rejected
+    /// before its submit).
     pub request_id: Option<u64>,
     /// The transfer latency in ms (submit → resolution), or why the
     /// request failed or did not verify.
@@ -385,6 +394,16 @@ pub fn logged_request_id(handle: &TransferHandle) -> Option<u64> {
     (handle.request_id != 0).then_some(handle.request_id)
 }
 
+/// The paged blocks one request holds on each side: `src[i]` (prefill
+/// pool) goes to `dst[i]` (decode pool), every layer and K/V tensor.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestBlocks<'a> {
+    /// Block ids in the prefill pool.
+    pub src: &'a [u32],
+    /// Block ids in the decode pool (as many).
+    pub dst: &'a [u32],
+}
+
 /// Moves one request's KV from the prefill side to the decode side and
 /// verifies it: the seam between the replay logic and where the agents
 /// run.
@@ -395,16 +414,33 @@ pub trait HandOff: Sync {
     /// Why not (e.g. bounce is not running on the prefill agent).
     fn check_path(&self, path: BenchPath) -> Result<(), String>;
 
-    /// The sending agent's name, as its log lines carry it (`agent`).
+    /// Who sends, as the sending agent's log lines name it: its `agent`
+    /// name (embedded mode) or the sending `engine` (distributed mode).
     fn sender(&self) -> String;
 
+    /// The sending agent's log field that carries
+    /// [`HandOffResult::request_id`]: `rid` (the bounce transport's id, the
+    /// default) or `request` (an engine's request id, logged beside
+    /// `engine`).
+    fn request_id_key(&self) -> &'static str {
+        "rid"
+    }
+
     /// Fills each source `k` of `descs` with [`fill_fast`]`(seed, k)`,
-    /// writes `descs` (src on the prefill side, dst on the decode side)
-    /// through `path`, waits for the outcome and verifies every destination
-    /// byte. The result carries the transfer latency in ms, submit →
-    /// resolution, or the failure: a failed or timed-out transfer, or a
-    /// verification mismatch (named); and the agent's id of the request.
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult;
+    /// writes `descs` (src on the prefill side, dst on the decode side;
+    /// they are `blocks.src` → `blocks.dst`, every layer and K/V tensor,
+    /// tensor-major) through `path`, waits for the outcome and verifies
+    /// every destination byte. The result carries the transfer latency in
+    /// ms, submit → resolution, or the failure: a failed or timed-out
+    /// transfer, or a verification mismatch (named); and the agent's id of
+    /// the request.
+    fn hand_off(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        blocks: RequestBlocks<'_>,
+        descs: Vec<Descriptor>,
+    ) -> HandOffResult;
 }
 
 /// [`HandOff`] between two agents in this process (embedded mode).
@@ -424,7 +460,13 @@ impl HandOff for LocalHandOff<'_> {
         self.prefill.name().to_string()
     }
 
-    fn hand_off(&self, path: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+    fn hand_off(
+        &self,
+        path: BenchPath,
+        seed: u64,
+        _blocks: RequestBlocks<'_>,
+        descs: Vec<Descriptor>,
+    ) -> HandOffResult {
         // "Prefill": write this request's KV with its own pattern.
         for (k, d) in descs.iter().enumerate() {
             // SAFETY: src lies in the prefill pool's blocks the caller holds.
@@ -572,6 +614,7 @@ pub fn replay_with(
         p50_ratio_bounce_over_standard: ratio(|s| s.p50_ms),
         paths: stats,
         peak_rss_bytes: peak_rss_bytes(),
+        request_id_key: hand_off.request_id_key(),
     })
 }
 
@@ -713,22 +756,35 @@ fn run_phase(
     let tensors = layout.model.layers * layout.tensors_per_layer();
     let desc_bytes = layout.descriptor_bytes();
     let sender = hand_off.sender();
+    let engine_ids = hand_off.request_id_key() == "request";
     let next = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
     let descs_total = AtomicU64::new(0);
     let latencies = Mutex::new(Vec::with_capacity(trace.len()));
     let failed = Mutex::new(Vec::new());
     let fail = |index: usize, request_id: Option<u64>, error: String| {
-        // The agent logs the request as `rid` (with its `agent` name); the
-        // same fields here find it there.
-        tracing::error!(
-            path = ?path,
-            agent = %sender,
-            rid = request_id,
-            request = index,
-            error = %error,
-            "request failed"
-        );
+        // The agent logs the request as `rid` (with its `agent` name), or
+        // an engine's as `request` (with its `engine` id); the same fields
+        // here find it there.
+        if engine_ids {
+            tracing::error!(
+                path = ?path,
+                engine = %sender,
+                request = request_id,
+                index,
+                error = %error,
+                "request failed"
+            );
+        } else {
+            tracing::error!(
+                path = ?path,
+                agent = %sender,
+                rid = request_id,
+                request = index,
+                error = %error,
+                "request failed"
+            );
+        }
         failed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -799,7 +855,8 @@ fn run_phase(
                 }
             }
             let n = descs.len() as u64;
-            let result = hand_off.hand_off(path, seed, descs);
+            let blocks = RequestBlocks { src: &pb, dst: &db };
+            let result = hand_off.hand_off(path, seed, blocks, descs);
             ppool.release(pb);
             dpool.release(db);
             match result.outcome {
@@ -907,8 +964,11 @@ impl ReplayReport {
                 s += &format!(
                     "{:>9} request {} (#{} of the slice) failed: {}\n",
                     format!("{:?}", p.path).to_lowercase(),
-                    f.request_id
-                        .map_or("without an agent id".to_string(), |r| format!("rid {r}")),
+                    match (f.request_id, self.request_id_key) {
+                        (None, _) => "without an agent id".to_string(),
+                        (Some(r), "rid") => format!("rid {r}"),
+                        (Some(r), _) => r.to_string(),
+                    },
                     f.index,
                     f.error
                 );
@@ -1028,8 +1088,16 @@ mod tests {
         fn sender(&self) -> String {
             "fake-prefill".into()
         }
-        fn hand_off(&self, _: BenchPath, seed: u64, descs: Vec<Descriptor>) -> HandOffResult {
+        fn hand_off(
+            &self,
+            _: BenchPath,
+            seed: u64,
+            blocks: RequestBlocks<'_>,
+            descs: Vec<Descriptor>,
+        ) -> HandOffResult {
             let i = seed & 0xff_ffff;
+            assert_eq!(blocks.src.len(), blocks.dst.len());
+            assert_eq!(descs.len() % blocks.src.len(), 0);
             self.seen.lock().unwrap().push(i);
             assert!(!descs.is_empty());
             HandOffResult {
@@ -1090,6 +1158,13 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("skipped 2 requests with 0 prompt tokens"), "{t}");
+        // Distributed mode names the engine's request id, without "rid".
+        let engine = ReplayReport {
+            request_id_key: "request",
+            ..r.clone()
+        };
+        let t = engine.table();
+        assert!(t.contains("request 102 (#2 of the slice) failed"), "{t}");
         assert_eq!(r.failures(), 2);
     }
 

@@ -2,17 +2,18 @@
 //!
 //! * `kvfabric bench` — the main job: replay a request trace prefill →
 //!   decode through bounce and the standard path. Embedded mode (default):
-//!   both agents in this process, no etcd. Distributed mode (`--etcd`): the
-//!   bench is a client of two `kvfabric agent` daemons found in etcd
-//!   (`--prefill` / `--decode` logical ids), driving them over HTTP.
+//!   both agents in this process, no etcd. Distributed mode
+//!   (`--prefill-socket` / `--decode-socket`): the bench attaches one
+//!   engine to each of two `kvfabric agent` daemons through their engine
+//!   API and hands blocks off by id, as serving engines do.
 //! * `kvfabric dataplane-bench` — 64 MiB of 4/8/64 KiB random slots through
 //!   the standard per-descriptor path, bounce and one descriptor, side by
 //!   side in two processes, every transfer verified.
 //! * `kvfabric agent` — the per-node agent daemon: KV pool + bounce engine,
 //!   discovery (etcd or embedded), HTTP API (`/healthz`, `/readyz`,
-//!   `/metrics`, `/v1/peers`, `/v1/config`, `/v1/debug/verify`,
-//!   `/v1/debug/transfer`), graceful
-//!   shutdown on SIGTERM/SIGINT.
+//!   `/metrics`, `/v1/peers`, `/v1/config`; `/v1/debug/verify` and
+//!   `/v1/debug/transfer` only with `--debug-api`), the engine API
+//!   (`--engine-socket`), graceful shutdown on SIGTERM/SIGINT.
 //! * `kvfabric peer` — the receiver process the bench spawns (internal).
 
 use std::num::NonZeroUsize;
@@ -132,14 +133,15 @@ struct BenchArgs {
     /// KV pool size per side (prefill, decode); requests wait for free
     /// blocks. Default: what the slice's requests in flight hold at once,
     /// capped at 1GiB but at least its largest request (the memory is
-    /// printed before the run). In distributed mode: the agents' pools,
-    /// capped by this.
+    /// printed before the run). In distributed mode the pools are the
+    /// bench engines' shm pools, sized the same way.
     #[arg(long, value_parser = nonzero_byte_size)]
     pool: Option<u64>,
     /// Paths to run, in order.
     #[arg(long, default_value = "bounce,standard", value_delimiter = ',', value_parser = bench_path)]
     paths: Vec<BenchPath>,
-    /// Bounce config YAML (BounceConfig keys); KVFABRIC_BOUNCE_* env overrides it.
+    /// Bounce config YAML (BounceConfig keys); KVFABRIC_BOUNCE_* env
+    /// overrides it (embedded mode only: agent daemons have their own).
     #[arg(long)]
     config: Option<PathBuf>,
     /// JSON report path (checked for writing before the run).
@@ -148,22 +150,17 @@ struct BenchArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
-    /// Distributed mode: etcd endpoints (comma-separated). The bench then
-    /// runs no agents itself: it drives the `kvfabric agent` daemons named
-    /// by --prefill / --decode over their HTTP APIs.
-    #[arg(long, value_delimiter = ',', value_parser = non_empty)]
-    etcd: Option<Vec<String>>,
-    /// Fabric name of the agents (distributed mode).
-    #[arg(long, default_value = "default", value_parser = non_empty)]
-    fabric: String,
-    /// Logical id of the prefill (sending) agent (distributed mode).
-    #[arg(long, default_value = "prefill", value_parser = non_empty)]
-    prefill: String,
-    /// Logical id of the decode (receiving) agent (distributed mode).
-    #[arg(long, default_value = "decode", value_parser = non_empty)]
-    decode: String,
-    /// Seconds to wait for both agents to be registered, ready and loaded
-    /// by each other (distributed mode; at most 86400).
+    /// Distributed mode: the engine socket of the prefill (sending) agent
+    /// (its --engine-socket). The bench then runs no agents itself: it
+    /// attaches an engine to each agent and hands blocks off through them.
+    #[arg(long, value_name = "PATH", requires = "decode_socket", value_parser = non_empty_path)]
+    prefill_socket: Option<PathBuf>,
+    /// Distributed mode: the engine socket of the decode (receiving) agent.
+    #[arg(long, value_name = "PATH", requires = "prefill_socket", value_parser = non_empty_path)]
+    decode_socket: Option<PathBuf>,
+    /// Seconds to wait for the agents' sockets, and before each path's
+    /// phase for the decode engine to be reachable from the prefill agent
+    /// (distributed mode; at most 86400).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_S))]
     wait: u64,
 }
@@ -211,7 +208,7 @@ struct AgentArgs {
     #[arg(long, value_name = "ORDINAL")]
     gpu: Option<u32>,
     /// Serve the unauthenticated /v1/debug/transfer and /v1/debug/verify
-    /// endpoints (the distributed bench uses them); loopback --listen only.
+    /// endpoints (tests and debugging); loopback --listen only.
     #[arg(long)]
     debug_api: bool,
     /// Print the effective config as YAML and exit.
@@ -267,6 +264,11 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
     })
 }
 
+/// A path that is not empty.
+fn non_empty_path(s: &str) -> Result<PathBuf, String> {
+    non_empty(s).map(|_| PathBuf::from(s))
+}
+
 fn default_trace() -> PathBuf {
     let rel = "shared/data/traces/mooncake_conversation_trace.jsonl";
     let candidates = [
@@ -314,13 +316,20 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     // Every flag is checked (here and by its value parser) before any
     // memory is allocated or agent started.
     let layout = bench_layout(&a)?;
-    if a.etcd.is_some() && a.config.is_some() {
+    let distributed = match (&a.prefill_socket, &a.decode_socket) {
+        (Some(p), Some(d)) => Some((p.clone(), d.clone())),
+        _ => None,
+    };
+    if distributed.is_some() && a.config.is_some() {
         return Err(
             "--config applies to embedded mode; in distributed mode the agents use their own bounce config (KVFABRIC_BOUNCE_* / their --config)".into(),
         );
     }
-    if a.etcd.is_some() && a.prefill == a.decode {
-        return Err("--prefill and --decode must name two different agents".into());
+    if distributed.as_ref().is_some_and(|(p, d)| p == d) {
+        return Err(
+            "--prefill-socket and --decode-socket must be the sockets of two different agents"
+                .into(),
+        );
     }
     let report_file = ReportFile::open("--json", &a.json)?;
     let trace_path = a.trace.clone().unwrap_or_else(default_trace);
@@ -334,8 +343,8 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
             trace.len()
         ));
     }
-    let report = match &a.etcd {
-        Some(endpoints) => run_distributed(&a, endpoints, layout, &demand, &trace, &trace_path)?,
+    let report = match distributed {
+        Some((p, d)) => run_distributed(&a, p, d, layout, &demand, &trace, &trace_path)?,
         None => run_embedded(&a, layout, &demand, &trace, &trace_path)?,
     };
     print!("{}", report.table());
@@ -352,10 +361,11 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// The embedded bench's KV pool per side in blocks, and where its size
-/// came from: `--pool`, or [`SliceDemand::default_pool_bytes`] capped at
+/// The bench's KV pool per side in blocks (either mode), and where its
+/// size came from: `--pool`, or [`SliceDemand::default_pool_bytes`]
+/// capped at
 /// [`DEFAULT_POOL_CAP_BYTES`](kvfabric_agent::bench::trace::DEFAULT_POOL_CAP_BYTES).
-fn embedded_pool(
+fn slice_pool(
     a: &BenchArgs,
     layout: &KvLayout,
     demand: &SliceDemand,
@@ -434,7 +444,7 @@ fn run_embedded(
     }
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
-    let (pool_blocks, how) = embedded_pool(a, &layout, demand)?;
+    let (pool_blocks, how) = slice_pool(a, &layout, demand)?;
     let pool_bytes = BlockPool::bytes_for(&layout, pool_blocks);
     let arena = eff.arena_size_bytes();
     let total = pool_bytes
@@ -503,79 +513,78 @@ fn run_embedded(
     )
 }
 
-/// Distributed mode: the bench drives two agent daemons found in etcd.
+/// Distributed mode: the bench attaches one engine to each of two agent
+/// daemons through their engine API (this process is both bench engines)
+/// and replays the trace through them.
 fn run_distributed(
     a: &BenchArgs,
-    endpoints: &[String],
+    prefill_socket: PathBuf,
+    decode_socket: PathBuf,
     layout: KvLayout,
     demand: &SliceDemand,
     trace: &[TraceRecord],
     trace_path: &std::path::Path,
 ) -> Result<kvfabric_agent::bench::trace::ReplayReport, String> {
-    use kvfabric_agent::bench::remote::{
-        lookup_agents, wait_until_paired, RemoteAgent, RemoteHandOff,
-    };
-    use kvfabric_agent::bench::trace::{check_pool, pool_blocks_for, replay_with, BlockPool};
+    use kvfabric_agent::bench::remote::{shm_available, BenchEngines, EngineOptions};
+    use kvfabric_agent::bench::trace::{replay_with, BlockPool};
     use std::time::Duration;
 
-    let wait = Duration::from_secs(a.wait);
+    let (pool_blocks, how) = slice_pool(a, &layout, demand)?;
+    let pool_bytes = BlockPool::bytes_for(&layout, pool_blocks);
+    let total = pool_bytes.saturating_mul(2);
+    let shm = shm_available();
     eprintln!(
-        "distributed mode: looking up agents {:?} (prefill) and {:?} (decode) in fabric {:?} at {}",
-        a.prefill,
-        a.decode,
-        a.fabric,
-        endpoints.join(",")
+        "memory: 2 KV pools x {} ({how}) in shared memory = {}{}",
+        human_bytes(pool_bytes),
+        human_bytes(total),
+        shm.map_or(String::new(), |m| format!(
+            " of {} free in /dev/shm",
+            human_bytes(m)
+        ))
     );
-    let recs = lookup_agents(endpoints, &a.fabric, &[&a.prefill, &a.decode], wait)?;
-    let mut recs = recs.into_iter();
-    let (Some(p), Some(d)) = (recs.next(), recs.next()) else {
-        return Err("agent lookup returned too few records".into());
-    };
-    let prefill = RemoteAgent::from_record(p)?;
-    let decode = RemoteAgent::from_record(d)?;
-    for (role, r) in [("prefill", &prefill), ("decode", &decode)] {
-        eprintln!(
-            "  {role}: {} at {} (role {}), pool {:#x} + {} B",
-            r.name(),
-            r.record.http,
-            if r.record.role.is_empty() {
-                "?"
-            } else {
-                &r.record.role
-            },
-            r.pool.addr,
-            r.pool.len
-        );
+    if shm.is_some_and(|m| total > m) {
+        return Err(format!(
+            "--pool: 2 shm pools of {} do not fit in the {} free in /dev/shm; pass a smaller --pool (requests then wait for blocks) or fewer --requests",
+            human_bytes(pool_bytes),
+            human_bytes(shm.unwrap_or(0))
+        ));
     }
-    wait_until_paired(
-        &prefill,
-        &decode,
-        a.paths.contains(&BenchPath::Bounce),
-        wait,
+    eprintln!(
+        "distributed mode: attaching the bench engines to the agents at {} (prefill) and {} (decode)",
+        prefill_socket.display(),
+        decode_socket.display()
+    );
+    let engines = BenchEngines::attach(
+        &EngineOptions {
+            prefill_socket,
+            decode_socket,
+            wait: Duration::from_secs(a.wait),
+        },
+        &layout,
+        pool_blocks,
     )?;
-    let pool = prefill
-        .pool
-        .len
-        .min(decode.pool.len)
-        .min(a.pool.unwrap_or(u64::MAX));
-    let pool_blocks = pool_blocks_for(&layout, pool);
-    check_pool(&layout, demand, pool_blocks).map_err(|e| {
-        format!(
-            "{e} (distributed mode: the pool is the smaller of the agents' pools, {} and {}, capped by --pool)",
-            human_bytes(prefill.pool.len),
-            human_bytes(decode.pool.len)
-        )
-    })?;
-    let ppool = BlockPool::new(&layout, pool_blocks, prefill.pool.addr, 1);
-    let dpool = BlockPool::new(&layout, pool_blocks, decode.pool.addr, 2);
+    for (role, (engine, agent)) in [("prefill", engines.prefill()), ("decode", engines.decode())] {
+        eprintln!("  {role}: engine {engine} on agent {agent}");
+    }
+    let ppool = BlockPool::new(&layout, pool_blocks, engines.prefill_base(), 1);
+    let dpool = BlockPool::new(&layout, pool_blocks, engines.decode_base(), 2);
     print_replay_banner(trace, trace_path, &layout, pool_blocks);
-    replay_with(
-        &RemoteHandOff { prefill, decode },
+    eprintln!(
+        "failed requests are reported by their engine request id (request), as agent {} logs them for engine {}",
+        engines.prefill().1,
+        engines.prefill().0
+    );
+    let report = replay_with(
+        &engines,
         &ppool,
         &dpool,
         trace,
         &a.replay_options(layout, pool_blocks),
-    )
+    );
+    if let Err(e) = engines.close() {
+        eprintln!("warning: {e}");
+    }
+    report
 }
 
 impl BenchArgs {
@@ -755,7 +764,9 @@ mod tests {
             (&["--paths", "both"], "--paths"),
             (&["--model", "gpt-5"], "--model"),
             (&["--wait", "18446744073709551615"], "--wait"),
-            (&["--etcd", ""], "--etcd"),
+            (&["--prefill-socket", ""], "--prefill-socket"),
+            (&["--prefill-socket", "a.sock"], "--decode-socket"),
+            (&["--decode-socket", "b.sock"], "--prefill-socket"),
         ] {
             let e = rejected(args);
             assert!(e.contains(flag), "{args:?}: {e}");
@@ -793,17 +804,17 @@ mod tests {
             })
             .collect();
         let demand = SliceDemand::of(&layout, &trace, a.concurrency);
-        let e = embedded_pool(&a, &layout, &demand).unwrap_err();
+        let e = slice_pool(&a, &layout, &demand).unwrap_err();
         assert!(
             e.starts_with("--pool") && !e.contains("--pool-blocks"),
             "{e}"
         );
         let a = bench(&["--pool", "1KiB"]).unwrap();
-        let e = embedded_pool(&a, &layout, &demand).unwrap_err();
+        let e = slice_pool(&a, &layout, &demand).unwrap_err();
         assert!(e.contains("less than one KV block"), "{e}");
         // The default fits: 2 requests in flight, 5000 + 100 tokens.
         let a = bench(&[]).unwrap();
-        let (blocks, how) = embedded_pool(&a, &layout, &demand).unwrap();
+        let (blocks, how) = slice_pool(&a, &layout, &demand).unwrap();
         assert_eq!(blocks, 384, "{how}"); // 192 MiB of 512 KiB blocks
         assert!(how.contains("sized from the slice"), "{how}");
     }
@@ -920,7 +931,7 @@ mod tests {
                 .map(|&t| TraceRecord { timestamp: t, input_length: t, output_length: 1, hash_ids: vec![] })
                 .collect();
             let demand = SliceDemand::of(&layout, &trace, a.concurrency);
-            if let Ok((blocks, _)) = embedded_pool(&a, &layout, &demand) {
+            if let Ok((blocks, _)) = slice_pool(&a, &layout, &demand) {
                 prop_assert!(blocks > 0);
                 prop_assert!(demand.largest.is_none_or(|(_, b)| b <= u64::from(blocks)));
             }

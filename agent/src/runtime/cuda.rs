@@ -41,6 +41,9 @@ pub const GATHER_SCATTER_KERNEL: &str = "kvf_gather_scatter";
 /// of up to 256 threads).
 pub const GATHER_SCATTER_KERNEL_OCC: &str = "kvf_gather_scatter_occ";
 
+/// The same-node direct path's kernel: whole blocks from block ids.
+pub const BLOCK_COPY_KERNEL: &str = "kvf_block_copy";
+
 /// Default bytes per kernel task (one warp each): longer segments are split
 /// into pieces of this size, shorter ones grouped up to it.
 pub const DEFAULT_PIECE_BYTES: u64 = 32 * 1024;
@@ -299,6 +302,7 @@ pub struct CudaGpu {
     module: sys::CUmodule,
     kernel: KernelFn,
     kernel_occ: KernelFn,
+    block_copy: KernelFn,
     info: GpuInfo,
 }
 
@@ -343,6 +347,7 @@ impl CudaGpu {
         })?;
         let kernel = KernelFn::load(module, GATHER_SCATTER_KERNEL)?;
         let kernel_occ = KernelFn::load(module, GATHER_SCATTER_KERNEL_OCC)?;
+        let block_copy = KernelFn::load(module, BLOCK_COPY_KERNEL)?;
         let info = GpuInfo {
             ordinal,
             name,
@@ -353,7 +358,11 @@ impl CudaGpu {
             nvrtc_version,
             compile_ms,
             cubin_bytes: cubin.len(),
-            kernels: vec![kernel.info.clone(), kernel_occ.info.clone()],
+            kernels: vec![
+                kernel.info.clone(),
+                kernel_occ.info.clone(),
+                block_copy.info.clone(),
+            ],
         };
         tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
         Ok(Arc::new(Self {
@@ -361,6 +370,7 @@ impl CudaGpu {
             module,
             kernel,
             kernel_occ,
+            block_copy,
             info,
         }))
     }
@@ -1464,6 +1474,95 @@ impl CudaCopyEngine {
             CopyPath::PerSegmentMemcpy => ctx.memcpy_per_segment(dir, region_addr, runs),
             CopyPath::BatchedMemcpy => ctx.memcpy_batched(dir, region_addr, runs),
         }
+    }
+
+    /// The same-node direct path (issue 19): copies whole blocks
+    /// `src_ids[i]` → `dst_ids[i]` of every plane (layer × K/V) between two
+    /// pools with one launch of `kvf_block_copy`, straight from the block
+    /// ids (only the two u32 id arrays go to the GPU, through the pinned
+    /// buffer), and waits for its completion event. Plane `q` of a pool
+    /// starts at `base + q * plane_stride`; a block is `block_bytes`.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for id lists of different lengths or over
+    /// `u32::MAX` pairs; the driver's error otherwise. The caller has
+    /// range-checked every id against both layouts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_blocks(
+        &self,
+        src_base: u64,
+        dst_base: u64,
+        src_ids: &[u32],
+        dst_ids: &[u32],
+        nplanes: u32,
+        src_plane_stride: u64,
+        dst_plane_stride: u64,
+        block_bytes: u64,
+    ) -> Result<(), CudaError> {
+        if src_ids.len() != dst_ids.len() || u32::try_from(src_ids.len()).is_err() {
+            return Err(CudaError::Invalid(format!(
+                "block id lists of {} and {} entries",
+                src_ids.len(),
+                dst_ids.len()
+            )));
+        }
+        if src_ids.is_empty() || nplanes == 0 || block_bytes == 0 {
+            return Ok(());
+        }
+        let mut ctx = self.acquire();
+        let out = self.gpu.bind().and_then(|()| {
+            let n = src_ids.len();
+            let bytes = 2 * n * std::mem::size_of::<u32>();
+            ctx.ensure_capacity(bytes)?;
+            // SAFETY: the pinned buffer holds `bytes`; no pending work reads
+            // it (ensure_capacity synchronised a busy context).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src_ids.as_ptr(), ctx.pinned.cast::<u32>(), n);
+                std::ptr::copy_nonoverlapping(dst_ids.as_ptr(), ctx.pinned.cast::<u32>().add(n), n);
+            }
+            let k = &self.gpu.block_copy;
+            let threads = 256u32.min(k.info.max_threads.max(32) as u32);
+            let warps = u64::from(threads / 32);
+            let total = n as u64 * u64::from(nplanes);
+            let grid = total.div_ceil(warps).min(i32::MAX as u64) as u32;
+            let (mut sb, mut db) = (src_base, dst_base);
+            let mut sids = ctx.pinned_dev;
+            let mut dids = ctx.pinned_dev + (n * std::mem::size_of::<u32>()) as u64;
+            let mut npairs = n as u32;
+            let mut np = nplanes;
+            let (mut sps, mut dps, mut bb) = (src_plane_stride, dst_plane_stride, block_bytes);
+            let mut params: [*mut c_void; 9] = [
+                (&mut sb as *mut u64).cast(),
+                (&mut db as *mut u64).cast(),
+                (&mut sids as *mut u64).cast(),
+                (&mut dids as *mut u64).cast(),
+                (&mut npairs as *mut u32).cast(),
+                (&mut np as *mut u32).cast(),
+                (&mut sps as *mut u64).cast(),
+                (&mut dps as *mut u64).cast(),
+                (&mut bb as *mut u64).cast(),
+            ];
+            ctx.busy = true;
+            // SAFETY: the parameters match `kvf_block_copy`; the id arrays
+            // stay valid until the completion event (waited on below).
+            drv("cuLaunchKernel", unsafe {
+                result::launch_kernel(
+                    k.f,
+                    (grid, 1, 1),
+                    (threads, 1, 1),
+                    0,
+                    ctx.stream,
+                    &mut params,
+                )
+            })?;
+            ctx.record_done()?;
+            ctx.wait_done()
+        });
+        if out.is_err() {
+            let _ = ctx.synchronize();
+        }
+        self.release(ctx);
+        out
     }
 
     /// Runs one copy to completion: borrow, enqueue, record, wait, return.

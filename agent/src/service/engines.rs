@@ -898,6 +898,19 @@ impl EngineHub {
             );
         }
         let result = match target {
+            #[cfg(feature = "cuda")]
+            Target::Local(dst)
+                if src_pool.kind() == MemKind::Vram
+                    && dst.pool().is_some_and(|p| p.kind() == MemKind::Vram)
+                    && req.extents.as_ref().is_none_or(|e| e.extents.is_empty())
+                    && s.layout.block_bytes == dst.layout.block_bytes
+                    && s.layout.kv_split == dst.layout.kv_split
+                    && std::env::var("KVFABRIC_DIRECT_KERNEL").as_deref() != Ok("runs") =>
+            {
+                // Whole blocks between two GPU pools of this agent: the
+                // block-id kernel (ids checked by block_descriptors above).
+                self.local_blocks_gpu(s, req.request_id, &src_pool, &dst, &req, bytes, received)
+            }
             Target::Local(dst) => {
                 self.local_copy(s, req.request_id, &src_pool, &dst, &descs, received)
             }
@@ -920,6 +933,68 @@ impl EngineHub {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
         Ok(r)
+    }
+
+    /// The same-node direct path between two GPU pools, whole blocks: one
+    /// launch of the block-id kernel (issue 19), then the arrival.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn local_blocks_gpu(
+        &self,
+        s: &Arc<Session>,
+        request_id: u64,
+        src: &Arc<MappedPool>,
+        dst: &Arc<Session>,
+        req: &pb::TransferRequest,
+        bytes: u64,
+        received: Instant,
+    ) -> Result<pb::TransferResponse, Status> {
+        let dst_pool = dst
+            .pool()
+            .ok_or_else(|| Status::failed_precondition("destination pool went away"))?;
+        let submit_us = received.elapsed().as_micros() as u64;
+        let t0 = Instant::now();
+        let engine = self.direct_engine()?;
+        let (sl, dl) = (&s.layout, &dst.layout);
+        let nplanes = sl.layers * sl.planes() as u32;
+        engine
+            .copy_blocks(
+                src.addr,
+                dst_pool.addr,
+                &req.src_blocks,
+                &req.dst_blocks,
+                nplanes,
+                u64::from(sl.num_blocks) * sl.block_bytes,
+                u64::from(dl.num_blocks) * dl.block_bytes,
+                sl.block_bytes,
+            )
+            .map_err(|e| Status::internal(format!("direct copy kernel: {e}")))?;
+        let transfer_us = t0.elapsed().as_micros() as u64;
+        tracing::debug!(
+            blocks = req.src_blocks.len(),
+            planes = nplanes,
+            transfer_us,
+            "direct block copy"
+        );
+        drop(dst_pool);
+        dst.arrivals.fetch_add(1, Ordering::Relaxed);
+        self.record_arrival(ArrivalNotice {
+            src_engine: s.engine_id.clone(),
+            dst_engine: dst.engine_id.clone(),
+            request_id,
+            bytes,
+            outcome: "success".into(),
+            reason: String::new(),
+        });
+        Ok(pb::TransferResponse {
+            outcome: pb::Outcome::Success as i32,
+            reason: String::new(),
+            path: "direct".into(),
+            bytes,
+            descriptors: (req.src_blocks.len() as u64 * u64::from(nplanes)) as u32,
+            submit_us,
+            transfer_us,
+        })
     }
 
     /// Both engines on this agent: copy between the two mapped pools.
@@ -958,7 +1033,10 @@ impl EngineHub {
                 // copy's event is waited on.
                 let engine = self.direct_engine()?;
                 let t_runs = Instant::now();
-                let runs = kvfabric_core::layout::direct_runs(descs);
+                // Unmerged by default (one task per block); the merge is
+                // kept for dense block lists (`KVFABRIC_DIRECT_MERGE=1`).
+                let merge = std::env::var("KVFABRIC_DIRECT_MERGE").as_deref() == Ok("1");
+                let runs = kvfabric_core::layout::direct_runs(descs, merge);
                 let runs_us = t_runs.elapsed().as_micros() as u64;
                 engine
                     .run(crate::runtime::cuda::Direction::Scatter, 0, &runs)

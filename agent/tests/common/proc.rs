@@ -73,6 +73,20 @@ impl Agent {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
+        Self::spawn_opts(etcd, fabric, logical, role, args, env, true)
+    }
+
+    /// [`Agent::spawn_with`], with `--debug-api` only when `debug_api`
+    /// (without it the `/v1/debug/*` endpoints do not exist).
+    pub fn spawn_opts(
+        etcd: &str,
+        fabric: &str,
+        logical: &str,
+        role: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        debug_api: bool,
+    ) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
             .args([
                 "agent",
@@ -92,8 +106,8 @@ impl Agent {
                 "loopback",
                 "--lease-ttl",
                 "5",
-                "--debug-api",
             ])
+            .args(debug_api.then_some("--debug-api"))
             .args(args)
             .env("KVFABRIC_BOUNCE_ENABLE", "1")
             .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "16MiB")
