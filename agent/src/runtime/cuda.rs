@@ -1527,7 +1527,7 @@ impl CudaCopyEngine {
             let grid = total.div_ceil(warps).min(i32::MAX as u64) as u32;
             let (mut sb, mut db) = (src_base, dst_base);
             let mut sids = ctx.pinned_dev;
-            let mut dids = ctx.pinned_dev + (n * std::mem::size_of::<u32>()) as u64;
+            let mut dids = ctx.pinned_dev + std::mem::size_of_val(src_ids) as u64;
             let mut npairs = n as u32;
             let mut np = nplanes;
             let (mut sps, mut dps, mut bb) = (src_plane_stride, dst_plane_stride, block_bytes);
