@@ -1306,8 +1306,13 @@ mod tests {
         let mut same = rec("p-1", "p", 1);
         same.published_at_ms = 50;
         tx.send(PeerEvent::Upsert(same)).unwrap();
+        // Only the NIXL metadata grew (an engine registered a pool on the
+        // peer): loaded over the loaded one, not forgotten.
         let mut changed = rec("p-1", "p", 1);
         changed.nixl_metadata = vec![4];
+        tx.send(PeerEvent::Upsert(changed.clone())).unwrap();
+        // A new handshake: forgotten, then loaded afresh.
+        changed.handshake = Some(vec![8]);
         tx.send(PeerEvent::Upsert(changed)).unwrap();
         tx.send(PeerEvent::Removed { name: "p-1".into() }).unwrap();
         tx.send(PeerEvent::Removed { name: "zz".into() }).unwrap();
@@ -1319,9 +1324,9 @@ mod tests {
         sync.stop();
         assert_eq!(
             *sink.log.lock().unwrap(),
-            vec!["load p-1", "forget p-1", "load p-1", "forget p-1"]
+            vec!["load p-1", "load p-1", "forget p-1", "load p-1", "forget p-1"]
         );
-        assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 1);
+        assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 2);
         assert!(sync.loaded().is_empty());
     }
 
