@@ -11,7 +11,9 @@ pub mod dataplane;
 pub mod gpu_kernel;
 #[cfg(feature = "cuda")]
 pub mod gpu_trace;
-pub mod pattern;
+/// The bench patterns (moved to the crate root so the HTTP service's debug
+/// endpoints use them without depending on the bench layer).
+pub use crate::pattern;
 pub mod remote;
 pub mod trace;
 pub mod ucx_tap;

@@ -1324,7 +1324,13 @@ mod tests {
         sync.stop();
         assert_eq!(
             *sink.log.lock().unwrap(),
-            vec!["load p-1", "load p-1", "forget p-1", "load p-1", "forget p-1"]
+            vec![
+                "load p-1",
+                "load p-1",
+                "forget p-1",
+                "load p-1",
+                "forget p-1"
+            ]
         );
         assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 2);
         assert!(sync.loaded().is_empty());

@@ -14,7 +14,7 @@
 //! | route | answer |
 //! |---|---|
 //! | `POST /v1/debug/verify` | `{seed, descriptors:[{dst,len}]}` → `{ok, first_mismatch}`: checks the fast bench pattern ([`check_fast`] with `k` = descriptor index) over ranges that must lie inside this agent's registered pool (400 naming the first bad range otherwise) |
-//! | `POST /v1/debug/transfer` | `{peer, path, seed, descriptors:[{src,dst,len}]}` → `{outcome, latency_ms, ...}`: fills each source with the fast bench pattern ([`fill_fast`], `k` = descriptor index) and WRITEs the descriptors to `peer` (its agent name, or its logical id → its live incarnation) through `path` (`bounce` or `standard`), waiting at most [`TRANSFER_WAIT`]; sources must lie in this agent's writable pool and destinations in the peer's published buffers (400), the peer must be loaded (404) and, for `bounce`, the transport up and the peer bounce-compatible (409); 503 while shutting down. The distributed `kvfabric bench` drives hand-offs with it |
+//! | `POST /v1/debug/transfer` | `{peer, path, seed, descriptors:[{src,dst,len}]}` → `{outcome, latency_ms, ...}`: fills each source with the fast bench pattern ([`fill_fast`], `k` = descriptor index) and WRITEs the descriptors to `peer` (its agent name, or its logical id → its live incarnation) through `path` (`bounce` or `standard`), waiting at most [`TRANSFER_WAIT`]; sources must lie in this agent's writable pool and destinations in the peer's published buffers (400), the peer must be loaded (404) and, for `bounce`, the transport up and the peer bounce-compatible (409); 503 while shutting down. (the distributed `kvfabric bench` used it before engines attached through the engine API; now only tests and debugging do) |
 //!
 //! All JSON errors have the shape `{"error": "..."}`; a body over its limit
 //! is 413, any other malformed body 400.
@@ -35,8 +35,8 @@ use serde_json::json;
 
 use super::discovery::{AgentRecord, BufferRegion, Discovery, Incarnation, LeaseState};
 use super::metrics::AgentMetrics;
-use crate::bench::pattern::{check_fast, fill_fast};
 use crate::core::Descriptor;
+use crate::pattern::{check_fast, fill_fast};
 use crate::runtime::fabric::{FabricAgent, Incompatibility, PathKind};
 use crate::runtime::transport::TransferOutcome;
 
