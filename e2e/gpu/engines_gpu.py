@@ -221,6 +221,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-n", type=int, default=300)
     ap.add_argument("--bulk-repeats", type=int, default=10)
+    ap.add_argument("--only", choices=["all", "bulk"], default="all")
+    ap.add_argument("--log-dir", default="")
     ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
     a = ap.parse_args()
     if a.engine:
@@ -280,6 +282,17 @@ def main():
                 time.sleep(0.05)
             raise RuntimeError("timed out waiting for " + path)
 
+        if a.only == "bulk":
+            bulk_ready = os.path.join(tmp, "bulk.ready")
+            bulk_out = os.path.join(tmp, "bulk.json")
+            bp = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin, "--etcd", a.etcd,
+                                   "--out", a.out, "--bulk-repeats", str(a.bulk_repeats),
+                                   "--engine", "bulk", agents["node-a"][1], "bulk", agents["node-b"][1],
+                                   bulk_ready, bulk_out])
+            procs.append(bp)
+            report["bulk"] = json.loads(wait_file(bulk_out, 240))
+            report["ok"] = report["bulk"]["direct"]["verify_bad"] == 0 and report["bulk"]["bounce"]["verify_bad"] == 0
+            return
         dp, dready, dout = engine("decode", "node-b", "decode-0", "")
         wait_file(dready)
         pp, pready, pout = engine("prefill", "node-a", "prefill-0", "decode-0")
@@ -338,6 +351,10 @@ def main():
             except Exception:
                 p.kill()
         report["agent_log_tail"] = {k: open(v).read()[-4000:] for k, v in logs.items()}
+        if a.log_dir:
+            import shutil
+            for k, v in logs.items():
+                shutil.copy(v, os.path.join(a.log_dir, os.path.basename(a.out) + "." + k + ".log"))
         with open(a.out, "w") as f:
             json.dump(report, f, indent=2)
         print(json.dumps({k: v for k, v in report.items() if k != "agent_log_tail"}, indent=2))
