@@ -42,7 +42,16 @@ fn python_client_suite_passes_against_real_agents() {
         .rev()
         .collect::<Vec<_>>()
         .join("\n");
-    assert!(out.status.success(), "pytest failed:\n{tail}");
+    // The failing tests' names (pytest's summary lines), whatever scrolled.
+    let failed: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("FAILED")
+                || l.starts_with("ERROR")
+                || l.contains("::") && l.contains(" FAILED")
+        })
+        .collect();
+    assert!(out.status.success(), "pytest failed: {failed:#?}\n{tail}");
     assert!(text.contains(" passed"), "no tests ran:\n{tail}");
     assert!(!text.contains(" failed"), "{tail}");
     eprintln!("{}", text.lines().last().unwrap_or(""));

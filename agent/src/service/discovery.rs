@@ -954,11 +954,16 @@ fn sync_loop<S: PeerSink + ?Sized>(
                 let known = loaded
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .remove(&name)
-                    .is_some();
+                    .contains_key(&name);
                 if known {
+                    // Forgotten and counted before it leaves `loaded`: a
+                    // reader that sees it gone sees the count too.
                     sink.forget(&name);
                     stats.forgotten.fetch_add(1, Ordering::Relaxed);
+                    loaded
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&name);
                     tracing::info!(agent = %me, peer = %name, "peer forgotten");
                 }
             }
