@@ -977,6 +977,31 @@ impl EngineHub {
             "direct block copy"
         );
         drop(dst_pool);
+        let descriptors = (req.src_blocks.len() as u64 * u64::from(nplanes)) as u32;
+        Ok(self.direct_done(
+            s,
+            dst,
+            request_id,
+            bytes,
+            descriptors,
+            submit_us,
+            transfer_us,
+        ))
+    }
+
+    /// A same-agent hand-off finished: the destination's arrival is
+    /// recorded (its `AwaitArrival` resolves) and the answer built.
+    #[allow(clippy::too_many_arguments)]
+    fn direct_done(
+        &self,
+        s: &Session,
+        dst: &Session,
+        request_id: u64,
+        bytes: u64,
+        descriptors: u32,
+        submit_us: u64,
+        transfer_us: u64,
+    ) -> pb::TransferResponse {
         dst.arrivals.fetch_add(1, Ordering::Relaxed);
         self.record_arrival(ArrivalNotice {
             src_engine: s.engine_id.clone(),
@@ -986,15 +1011,15 @@ impl EngineHub {
             outcome: "success".into(),
             reason: String::new(),
         });
-        Ok(pb::TransferResponse {
+        pb::TransferResponse {
             outcome: pb::Outcome::Success as i32,
             reason: String::new(),
             path: "direct".into(),
             bytes,
-            descriptors: (req.src_blocks.len() as u64 * u64::from(nplanes)) as u32,
+            descriptors,
             submit_us,
             transfer_us,
-        })
+        }
     }
 
     /// Both engines on this agent: copy between the two mapped pools.
@@ -1059,24 +1084,15 @@ impl EngineHub {
         drop(dst_pool);
         let _ = src;
         let bytes = descs.iter().map(|d| d.len).sum();
-        dst.arrivals.fetch_add(1, Ordering::Relaxed);
-        self.record_arrival(ArrivalNotice {
-            src_engine: s.engine_id.clone(),
-            dst_engine: dst.engine_id.clone(),
+        Ok(self.direct_done(
+            s,
+            dst,
             request_id,
             bytes,
-            outcome: "success".into(),
-            reason: String::new(),
-        });
-        Ok(pb::TransferResponse {
-            outcome: pb::Outcome::Success as i32,
-            reason: String::new(),
-            path: "direct".into(),
-            bytes,
-            descriptors: descs.len() as u32,
+            descs.len() as u32,
             submit_us,
             transfer_us,
-        })
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]
