@@ -104,6 +104,12 @@ fn spawn_agent(
     })
 }
 
+fn signal_agent(n: &Node, sig: libc::c_int) {
+    // SAFETY: plain kill(2) on our own child's pid.
+    let rc = unsafe { libc::kill(n.agent.proc.pid() as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill({sig})");
+}
+
 /// Retries `f` while it fails with NotFound (the destination's record is
 /// still propagating through etcd), at most 10 s.
 async fn until_found<T, F, Fut>(mut f: F) -> Result<T, ClientError>
@@ -352,6 +358,46 @@ async fn engines_attach_and_hand_off_blocks_byte_exact() {
     let st = prefill.status().await.unwrap();
     assert!(st.in_flight.is_empty(), "{st:?}");
     assert!(st.transfers_succeeded >= 6, "{st:?}");
+
+    // Issue 13's failure rule: a prefill engine that dies halfway through a
+    // hand-off. The decode agent is stopped so the hand-off stays in
+    // flight; the engine goes away (its Attach stream ends, as when its
+    // process is killed); its agent cancels the request and tells the
+    // decode agent, whose AwaitArrival then answers FAILURE — never SUCCESS
+    // for blocks that did not all land.
+    let (doomed, mut dpool) = attach(&a, "prefill-doomed", pb::Role::Prefill, la.clone()).await;
+    for x in dpool.as_mut_slice().iter_mut() {
+        *x = 0xAB;
+    }
+    let _ = until_found(|| doomed.transfer_blocks(499, "decode-0", &[0], &[44])).await;
+    assert_eq!(
+        decode
+            .await_arrival(499, "prefill-doomed", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .outcome(),
+        pb::Outcome::Success
+    );
+    signal_agent(&b, libc::SIGSTOP);
+    let inflight = tokio::spawn(async move {
+        let r = doomed
+            .transfer_blocks(500, "decode-0", &[1, 2, 3], &[45, 46, 47])
+            .await;
+        (r, doomed)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    inflight.abort();
+    let _ = inflight.await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal_agent(&b, libc::SIGCONT);
+    let t0 = Instant::now();
+    let arr = decode
+        .await_arrival(500, "prefill-doomed", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(arr.outcome(), pb::Outcome::Failure, "{arr:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    drop(dpool);
 
     prefill.detach().await.unwrap();
     decode.detach().await.unwrap();
