@@ -133,6 +133,61 @@ def bulk_main(sock, sock_b, ready_path, out_path, repeats):
         sess.detach()
 
 
+def edge_main(sock, ready_path, out_path):
+    """Issue 19, byte-exact edge cases of the direct path (both engines on
+    one agent): 1,072-byte blocks (u8, head_dim 67: every vector width and
+    the byte path as the two bases' alignment varies), a destination pool
+    registered 1 byte into its allocation (misaligned base), 100,000 block
+    pairs in one hand-off, and the 10,000 destination blocks not named plus
+    one guard byte before the pool left untouched."""
+    import torch
+    import kvfabric
+
+    n = 100_000
+    layout = kvfabric.Layout(layers=3, num_blocks=n, block_bytes=16 * 67, kv_split=True, dtype="u8",
+                             block_tokens=16, kv_heads=1, head_dim=67, device=0)
+    nbytes = layout.pool_bytes()
+    idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+    src_pool = ((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1
+    del idx
+    raw = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda:0")
+    dst_pool = raw[1:1 + nbytes]  # base misaligned by one byte
+    torch.cuda.synchronize()
+    c = kvfabric.Client(sock, timeout=30.0)
+    src = c.attach("edge-src", "", "prefill", layout)
+    src.register_tensor(src_pool)
+    dst = c.attach("edge-dst", "", "decode", layout)
+    dst.register_tensor(dst_pool)
+    import random
+    rng = random.Random(11)
+    s_blocks = list(range(n))
+    d_blocks = list(range(n))
+    rng.shuffle(s_blocks)
+    rng.shuffle(d_blocks)
+    s_blocks, d_blocks = s_blocks[:90_000], d_blocks[:90_000]
+    r = src.transfer_blocks(7, "edge-dst", s_blocks, d_blocks, timeout_ms=60000)
+    a = dst.await_arrival(7, "edge-src", timeout=60)
+    bb = layout.block_bytes
+    sv = src_pool.view(3 * 2, n, bb)
+    dv = dst_pool.view(3 * 2, n, bb)
+    si = torch.tensor(s_blocks, device="cuda:0")
+    di = torch.tensor(d_blocks, device="cuda:0")
+    moved_ok = bool(torch.equal(dv[:, di, :], sv[:, si, :]))
+    untouched = torch.ones(n, dtype=torch.bool, device="cuda:0")
+    untouched[di] = False
+    guard_ok = int(dv[:, untouched, :].count_nonzero()) == 0 and int(raw[0]) == 0 \
+        and int(raw[1 + nbytes:].count_nonzero()) == 0
+    report = {"outcome": r.outcome, "path": r.path, "arrival": a.outcome, "pairs": len(s_blocks),
+              "planes": 6, "block_bytes": bb, "dst_base_misaligned_by": 1, "bytes": r.bytes,
+              "transfer_us": r.transfer_us, "moved_exact": moved_ok, "guards_untouched": guard_ok}
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+    with open(ready_path, "w") as f:
+        f.write("done")
+    src.detach()
+    dst.detach()
+
+
 def engine_main(role, sock, engine_id, peer, ready_path, out_path, n_latency):
     import torch
     import kvfabric
@@ -221,7 +276,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-n", type=int, default=300)
     ap.add_argument("--bulk-repeats", type=int, default=10)
-    ap.add_argument("--only", choices=["all", "bulk"], default="all")
+    ap.add_argument("--only", choices=["all", "bulk", "edge"], default="all")
     ap.add_argument("--log-dir", default="")
     ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
     a = ap.parse_args()
@@ -229,6 +284,8 @@ def main():
         role, sock, eid, peer, ready, out = a.engine
         if role == "bulk":
             bulk_main(sock, peer, ready, out, a.bulk_repeats)
+        elif role == "edge":
+            edge_main(sock, ready, out)
         else:
             engine_main(role, sock, eid, peer, ready, out, a.latency_n)
         return
@@ -282,6 +339,18 @@ def main():
                 time.sleep(0.05)
             raise RuntimeError("timed out waiting for " + path)
 
+        if a.only == "edge":
+            e_ready = os.path.join(tmp, "edge.ready")
+            e_out = os.path.join(tmp, "edge.json")
+            ep = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin, "--etcd", a.etcd,
+                                   "--out", a.out, "--engine", "edge", agents["node-a"][1], "edge", "",
+                                   e_ready, e_out])
+            procs.append(ep)
+            report["edge"] = json.loads(wait_file(e_out, 240))
+            e = report["edge"]
+            report["ok"] = e["outcome"] == "success" and e["arrival"] == "success" and e["moved_exact"] \
+                and e["guards_untouched"] and e["path"] == "direct"
+            return
         if a.only == "bulk":
             bulk_ready = os.path.join(tmp, "bulk.ready")
             bulk_out = os.path.join(tmp, "bulk.json")

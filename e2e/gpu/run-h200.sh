@@ -39,6 +39,10 @@ for step in ${KVF_STEPS:-engines model vram}; do
           | grep -v '^ ' | tail -n 5 || rc=1
         grep -h "direct copy\|direct block copy\|dir=Scatter" "$out"/bulk_$src.json.node-a.log | tail -n 6
       done ;;
+    edge)
+      # Issue 19's byte-exact edge cases of the direct path.
+      timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --only edge --out "$out/direct_edge.json" 2>&1 | grep -v '^ ' | tail -n 20 || rc=1 ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).
