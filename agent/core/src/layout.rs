@@ -280,6 +280,11 @@ pub fn head_map(src: &EngineLayout, dst: &EngineLayout) -> Result<HeadMap, Layou
     })
 }
 
+/// Most descriptors one hand-off may expand to (16,777,216): bounds what
+/// an engine's request makes the agent allocate (a layout with many layers
+/// and a long block list would otherwise ask for gigabytes).
+pub const MAX_TRANSFER_DESCRIPTORS: u64 = 1 << 24;
+
 /// The descriptors that move `src_blocks[i]` → `dst_blocks[i]` for every
 /// layer and plane, with the pools at `src_base` / `dst_base` (addresses in
 /// the sender's and the receiver's address space). With equal TP one
@@ -327,9 +332,21 @@ pub fn block_descriptors(
     } else {
         u64::from(src.block_tokens)
     };
-    let mut out = Vec::with_capacity(
-        (u64::from(src.layers) * src.planes() * src_blocks.len() as u64 * per_pair) as usize,
-    );
+    let count = u64::from(src.layers)
+        .checked_mul(src.planes())
+        .and_then(|x| x.checked_mul(src_blocks.len() as u64))
+        .and_then(|x| x.checked_mul(per_pair))
+        .filter(|&n| n <= MAX_TRANSFER_DESCRIPTORS)
+        .ok_or_else(|| {
+            LayoutError::OutOfRange(format!(
+                "{} block pairs x {} layers x {} planes x {per_pair} pieces exceed \
+                 {MAX_TRANSFER_DESCRIPTORS} descriptors per hand-off",
+                src_blocks.len(),
+                src.layers,
+                src.planes(),
+            ))
+        })?;
+    let mut out = Vec::with_capacity(count as usize);
     for layer in 0..src.layers {
         for plane in 0..src.planes() {
             for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
