@@ -467,6 +467,24 @@ impl IpcMapping {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
             )
         })?;
+        // The engine names offset and length; the exported allocation's
+        // real extent is asked from the driver, so a pool can never reach
+        // past it (the kernels and scatters would write outside it).
+        let mut range_base: sys::CUdeviceptr = 0;
+        let mut range_len: usize = 0;
+        // SAFETY: out-pointers to locals; `base` is a live mapping.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut range_base, &mut range_len, base) };
+        let end = offset.checked_add(len);
+        let fits = r == sys::CUresult::CUDA_SUCCESS
+            && end.is_some_and(|e| range_base == base && e <= range_len as u64);
+        if !fits {
+            // SAFETY: opened above; closed once.
+            unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(CudaError::Invalid(format!(
+                "CUDA IPC pool of {len} bytes at offset {offset} does not fit the exported \
+                 allocation of {range_len} bytes (driver: {r:?})"
+            )));
+        }
         Ok(Self {
             gpu: gpu.clone(),
             base,

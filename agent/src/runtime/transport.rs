@@ -411,6 +411,12 @@ enum Command {
         len: u64,
         reply: Sender<()>,
     },
+    /// Like DisallowScatter, without taking the range out of `allowed`.
+    Quiesce {
+        addr: u64,
+        len: u64,
+        reply: Sender<()>,
+    },
     Cancel {
         rid: u64,
         why: String,
@@ -697,6 +703,26 @@ impl BounceTransport {
             .is_err()
         {
             // The IO thread is gone: nothing scatters any more.
+            return self.closed.load(Ordering::SeqCst);
+        }
+        rx.recv_timeout(within).is_ok()
+    }
+
+    /// Waits at most `within` until no queued or running scatter writes
+    /// into `[addr, addr + len)` (the range stays allowed): `true` once
+    /// that held. A failed hand-off's arrival is reported only after this,
+    /// so the decode engine never reuses blocks a late scatter still
+    /// writes.
+    pub fn quiesce_scatter_range(&self, addr: u64, len: u64, within: Duration) -> bool {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .send_cmd(Command::Quiesce {
+                addr,
+                len,
+                reply: tx,
+            })
+            .is_err()
+        {
             return self.closed.load(Ordering::SeqCst);
         }
         rx.recv_timeout(within).is_ok()
@@ -1212,6 +1238,11 @@ impl Io {
                 self.allowed
                     .retain(|&(a, l)| a.saturating_add(l) <= addr || a >= end);
                 self.disallowed.push((addr, end, reply));
+                self.answer_disallowed();
+            }
+            Command::Quiesce { addr, len, reply } => {
+                self.disallowed
+                    .push((addr, addr.saturating_add(len), reply));
                 self.answer_disallowed();
             }
             Command::Cancel { rid, why, reply } => {

@@ -285,6 +285,8 @@ pub struct EngineHub {
     arrived_total: AtomicU64,
     /// Set by [`EngineHub::shutdown`]: no new sessions.
     closing: std::sync::atomic::AtomicBool,
+    /// This hub, weakly (for threads it spawns).
+    me: std::sync::OnceLock<Weak<EngineHub>>,
     /// Copy engine of the same-node direct path between GPU pools.
     #[cfg(feature = "cuda")]
     direct: std::sync::OnceLock<Arc<crate::runtime::cuda::CudaCopyEngine>>,
@@ -362,9 +364,11 @@ impl EngineHub {
             failed: AtomicU64::new(0),
             arrived_total: AtomicU64::new(0),
             closing: std::sync::atomic::AtomicBool::new(false),
+            me: std::sync::OnceLock::new(),
             #[cfg(feature = "cuda")]
             direct: std::sync::OnceLock::new(),
         });
+        let _ = hub.me.set(Arc::downgrade(&hub));
         if let Some(t) = hub.agent.transport() {
             let (tx, rx) = crossbeam_channel::bounded::<(String, Notice)>(4096);
             t.set_notice_sink(tx);
@@ -471,6 +475,12 @@ impl EngineHub {
                 .ok_or_else(|| Status::invalid_argument("layout: missing"))?,
         );
         layout.validate().map_err(status_of)?;
+        if layout.device < 0 && self.gpu_ordinal().is_some() {
+            return Err(Status::failed_precondition(
+                "layout.device -1 (host pool): this agent's arena and copy engine are on a GPU; \
+                 attach host-memory engines to an agent started without --gpu",
+            ));
+        }
         if layout.device >= 0 && self.gpu_ordinal() != Some(layout.device) {
             return Err(Status::failed_precondition(format!(
                 "layout.device {}: this agent's arena is {} (one agent serves the GPU it runs bounce on; start it with --gpu {})",
@@ -515,6 +525,7 @@ impl EngineHub {
             s
         };
         tracing::info!(agent = %self.agent.name(), engine = %LogSafe(id), session = %s.id, role, layout = %s.layout, "engine attached");
+
         self.republish();
         Ok(s)
     }
@@ -526,6 +537,10 @@ impl EngineHub {
             return;
         };
         tracing::info!(agent = %self.agent.name(), engine = %LogSafe(&s.engine_id), session, reason = why, "engine detached");
+        // Arrivals for it are void now (an engine re-attached under the same
+        // id must not collect them). Arrivals *from* it stay: their bytes
+        // landed, and the decode engine may not have asked yet.
+        self.purge_arrivals_to(&s.engine_id);
         *s.close_reason.lock().unwrap_or_else(|p| p.into_inner()) = why.to_string();
         s.close.notify_waiters();
         s.close.notify_one();
@@ -558,6 +573,28 @@ impl EngineHub {
                         while !t.disallow_scatter_range(pool.addr, pool.len, Duration::from_secs(5)) {
                             tracing::warn!(addr = pool.addr, "a detached engine's pool still has scatters in flight; keeping it mapped");
                         }
+                    }
+                    // A cancelled request's gather (an orphan gather) and a
+                    // standard-path write may still read the pool after the
+                    // request resolved: wait until the transport has no
+                    // orphan work and no standard write is in flight.
+                    // Conservative (it counts every engine's), never
+                    // unmapping under a reader.
+                    let mut warned = false;
+                    loop {
+                        let orphans = agent
+                            .transport()
+                            .and_then(|t| t.snapshot())
+                            .map_or(0, |s| s.send_orphans);
+                        let standard = agent.stats().standard_in_flight.load(Ordering::Relaxed);
+                        if orphans == 0 && standard == 0 {
+                            break;
+                        }
+                        if !warned {
+                            tracing::info!(addr = pool.addr, orphans, standard, "a detached engine's pool waits for in-flight reads before it is released");
+                            warned = true;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
                     }
                     drop(pool);
                 });
@@ -624,8 +661,7 @@ impl EngineHub {
             .agent
             .gpu()
             .ok_or_else(|| Status::failed_precondition("this agent has no GPU arena"))?;
-        let mut slot = s.pool.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() {
+        if s.pool().is_some() {
             return Err(Status::failed_precondition(
                 "a pool is registered already (one pool per session)",
             ));
@@ -633,19 +669,41 @@ impl EngineHub {
         let ipc = crate::runtime::cuda::IpcMapping::open(gpu, &pool.handle, pool.offset, need)
             .map_err(|e| Status::invalid_argument(format!("opening the CUDA IPC handle: {e}")))?;
         let addr = ipc.addr();
-        if let Some(t) = self.agent.transport() {
-            t.allow_scatter_range(addr, need);
-        }
-        *slot = Some(Arc::new(MappedPool::new(
-            addr,
-            need,
-            Arc::downgrade(&self.agent),
-            Some(ipc),
-        )));
-        drop(slot);
+        self.install_pool(
+            s,
+            Arc::new(MappedPool::new(
+                addr,
+                need,
+                Arc::downgrade(&self.agent),
+                Some(ipc),
+            )),
+        )?;
         tracing::info!(engine = %LogSafe(&s.engine_id), bytes = need, device = s.layout.device, "GPU pool registered (CUDA IPC)");
         self.republish();
         Ok(need)
+    }
+
+    /// Installs a mapped pool as `s`'s, then allows scatters into it —
+    /// unless `s` was detached meanwhile or got a pool from a concurrent
+    /// call (the pool is then dropped: unregistered, unmapped, unused).
+    fn install_pool(&self, s: &Arc<Session>, pool: Arc<MappedPool>) -> Result<(), Status> {
+        let sessions = self.lock_sessions();
+        if !sessions.contains_key(&s.id) {
+            return Err(Status::not_found(
+                "the session detached while its pool was registered",
+            ));
+        }
+        let mut slot = s.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return Err(Status::failed_precondition(
+                "a pool is registered already (one pool per session)",
+            ));
+        }
+        if let Some(t) = self.agent.transport() {
+            t.allow_scatter_range(pool.addr, pool.len);
+        }
+        *slot = Some(pool);
+        Ok(())
     }
 
     fn register_shm(&self, s: &Arc<Session>, name: &str, len: u64) -> Result<u64, Status> {
@@ -660,12 +718,15 @@ impl EngineHub {
                 "pool of {len} bytes is smaller than the layout's {need} bytes"
             )));
         }
-        let mut slot = s.pool.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() {
+        if s.pool().is_some() {
             return Err(Status::failed_precondition(
                 "a pool is registered already (one pool per session)",
             ));
         }
+        // Mapped and registered without holding the session's locks (NIXL
+        // registration can take a while); installed only if the session is
+        // still attached and still has no pool — else dropped (unregistered,
+        // unmapped) before anything could use it.
         let addr = map_shm(name, need).map_err(Status::invalid_argument)?;
         let pool = Arc::new(MappedPool::new(
             addr,
@@ -678,11 +739,7 @@ impl EngineHub {
             .engine()
             .register_region(MemKind::Dram, MemDesc::host(addr, need))
             .map_err(|e| Status::internal(format!("NIXL registration of the pool: {e}")))?;
-        if let Some(t) = self.agent.transport() {
-            t.allow_scatter_range(addr, need);
-        }
-        *slot = Some(pool);
-        drop(slot);
+        self.install_pool(s, pool)?;
         tracing::info!(engine = %LogSafe(&s.engine_id), shm = %LogSafe(name), bytes = need, "pool registered");
         self.republish();
         Ok(need)
@@ -732,6 +789,27 @@ impl EngineHub {
             .find(|s| s.engine_id == a.dst_engine)
             .cloned();
         match known {
+            Some(s) if a.outcome != "success" => {
+                // A failed hand-off: DATA received before the failure may
+                // still be scattering into the pool. Report it once no
+                // scatter writes there (off the notice thread).
+                s.arrivals.fetch_add(1, Ordering::Relaxed);
+                let pool = s.pool();
+                let (agent, hub) = (self.agent.clone(), self.weak_self());
+                let _ = std::thread::Builder::new()
+                    .name("kvfabric-arrival-quiesce".into())
+                    .spawn(move || {
+                        if let (Some(p), Some(t)) = (&pool, agent.transport()) {
+                            while !t.quiesce_scatter_range(p.addr, p.len, Duration::from_secs(5)) {
+                                tracing::warn!(engine = %LogSafe(&a.dst_engine), "failed hand-off: scatters into the pool still running; arrival held back");
+                            }
+                        }
+                        drop(pool);
+                        if let Some(h) = hub.upgrade() {
+                            h.record_arrival(a);
+                        }
+                    });
+            }
             Some(s) => {
                 s.arrivals.fetch_add(1, Ordering::Relaxed);
                 self.record_arrival(a);
@@ -740,6 +818,19 @@ impl EngineHub {
                 tracing::debug!(peer = %LogSafe(peer), engine = %LogSafe(&a.dst_engine), "arrival for an engine not attached here dropped")
             }
         }
+    }
+
+    fn weak_self(&self) -> Weak<EngineHub> {
+        self.me.get().cloned().unwrap_or_default()
+    }
+
+    /// Drops every pending arrival to `engine`.
+    fn purge_arrivals_to(&self, engine: &str) {
+        self.arrivals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .done
+            .retain(|(d, _, _), _| d != engine);
     }
 
     fn record_arrival(&self, a: ArrivalNotice) {
@@ -815,6 +906,21 @@ impl EngineHub {
             return Err(Status::invalid_argument(format!(
                 "more than {MAX_BLOCKS_PER_TRANSFER} blocks or extents in one transfer"
             )));
+        }
+        if req.dst_engine == s.engine_id {
+            return Err(Status::invalid_argument(
+                "dst_engine is this session's own engine (a hand-off goes to another engine)",
+            ));
+        }
+        {
+            // A destination block named twice would be written by two
+            // copies at once (nondeterministic bytes): refused.
+            let mut seen = std::collections::HashSet::with_capacity(req.dst_blocks.len());
+            if let Some(d) = req.dst_blocks.iter().find(|d| !seen.insert(**d)) {
+                return Err(Status::invalid_argument(format!(
+                    "dst_blocks names block {d} more than once"
+                )));
+            }
         }
         let target = self.resolve(&req.dst_engine)?;
         // Layouts first: a pair that can never be mapped is refused as such.
@@ -1280,7 +1386,9 @@ impl EngineApi for EngineService {
                     }
                     _ = beat.tick() => {
                         let hb = pb::SessionEvent { event: Some(pb::session_event::Event::Heartbeat(pb::Heartbeat {})) };
-                        if tx.send(Ok(hb)).await.is_err() {
+                        // Never block on a client that stopped reading: a
+                        // full stream just skips the heartbeat.
+                        if let Err(mpsc::error::TrySendError::Closed(_)) = tx.try_send(Ok(hb)) {
                             break "client gone (heartbeat failed)";
                         }
                     }
