@@ -23,6 +23,11 @@ command -v cmake >/dev/null 2>&1 || need+=(cmake)
 # promtool (Debian prometheus): the metrics test checks a live /metrics.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
+# e2e/kube/up.sh (the operator tests' control plane): certificates,
+# health probes, port checks.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v ss >/dev/null 2>&1 || need+=(iproute2)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 # install-nixl.sh downloads the NIXL wheel with pip.
 command -v python3 >/dev/null 2>&1 || need+=(python3)
