@@ -6,7 +6,10 @@
 #     files), etcd-server/etcd-client (discovery tests), cmake/g++
 #     (vendored libzmq), python3-pip (the NIXL wheel download), python3-venv
 #     (agent/python/run-tests.sh's venv), prometheus (promtool: `promtool
-#     check metrics` on a live /metrics).
+#     check metrics` on a live /metrics), openssl/curl/iproute2
+#     (e2e/kube/up.sh). Go (for e2e/kube/install.sh) comes with the machine.
+#   - the control-plane binaries are built by e2e/kube/install.sh, which
+#     .ci/run calls after this script.
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
