@@ -304,6 +304,23 @@ pub fn block_descriptors(
     src_blocks: &[u32],
     dst_blocks: &[u32],
 ) -> Result<Vec<Descriptor>, LayoutError> {
+    let map = check_block_pairs(src, dst, src_blocks, dst_blocks)?;
+    build_block_descriptors(src, src_base, dst, dst_base, src_blocks, dst_blocks, map)
+}
+
+/// The checks of [`block_descriptors`] without building anything: the two
+/// layouts map ([`head_map`], returned), the lists have equal lengths and
+/// every id is inside its pool. A caller that moves whole blocks by id
+/// (the direct path's block kernel) needs only this.
+///
+/// # Errors
+/// As [`block_descriptors`].
+pub fn check_block_pairs(
+    src: &EngineLayout,
+    dst: &EngineLayout,
+    src_blocks: &[u32],
+    dst_blocks: &[u32],
+) -> Result<HeadMap, LayoutError> {
     let map = head_map(src, dst)?;
     if src_blocks.len() != dst_blocks.len() {
         return Err(LayoutError::OutOfRange(format!(
@@ -326,6 +343,18 @@ pub fn block_descriptors(
             )));
         }
     }
+    Ok(map)
+}
+
+fn build_block_descriptors(
+    src: &EngineLayout,
+    src_base: u64,
+    dst: &EngineLayout,
+    dst_base: u64,
+    src_blocks: &[u32],
+    dst_blocks: &[u32],
+    map: HeadMap,
+) -> Result<Vec<Descriptor>, LayoutError> {
     let whole = map.src_token_bytes == map.dst_token_bytes;
     let per_pair = if whole {
         1

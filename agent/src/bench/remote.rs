@@ -860,19 +860,7 @@ mod tests {
     use kvfabric_core::model::{preset, presets, ModelGeometry};
 
     fn core_layout(l: &pb::KvLayout) -> EngineLayout {
-        EngineLayout {
-            layers: l.layers,
-            num_blocks: l.num_blocks,
-            block_bytes: l.block_bytes,
-            kv_split: l.kv_split,
-            dtype: l.dtype.clone(),
-            tp_rank: l.tp_rank,
-            tp_size: l.tp_size,
-            block_tokens: l.block_tokens,
-            kv_heads: l.kv_heads,
-            head_dim: l.head_dim,
-            device: l.device,
-        }
+        crate::service::engines::layout_of(l)
     }
 
     /// For every preset, TP and K/V split (and odd element sizes), the

@@ -35,7 +35,9 @@ use std::time::{Duration, Instant};
 
 use kvfabric_client::pb;
 use kvfabric_client::pb::engine_api_server::{EngineApi, EngineApiServer};
-use kvfabric_core::layout::{block_descriptors, extent_descriptors, head_map, EngineLayout};
+use kvfabric_core::layout::{
+    block_descriptors, check_block_pairs, extent_descriptors, head_map, EngineLayout,
+};
 use kvfabric_core::text::LogSafe;
 use kvfabric_core::wire::{Notice, NOTICE_TOPIC_ARRIVAL};
 use kvfabric_core::Descriptor;
@@ -287,6 +289,12 @@ pub struct EngineHub {
     closing: std::sync::atomic::AtomicBool,
     /// This hub, weakly (for threads it spawns).
     me: std::sync::OnceLock<Weak<EngineHub>>,
+    /// Profiling switches of the direct path, read once at start:
+    /// `KVFABRIC_DIRECT_KERNEL=runs` uses the run-table kernel for whole
+    /// blocks too, `KVFABRIC_DIRECT_MERGE=1` merges strided runs.
+    direct_kernel_runs: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    direct_merge: bool,
     /// Copy engine of the same-node direct path between GPU pools.
     #[cfg(feature = "cuda")]
     direct: std::sync::OnceLock<Arc<crate::runtime::cuda::CudaCopyEngine>>,
@@ -313,7 +321,8 @@ fn role_name(r: i32) -> Result<&'static str, Status> {
     }
 }
 
-fn layout_of(l: &pb::KvLayout) -> EngineLayout {
+/// The core layout of an engine API `KvLayout` (field by field).
+pub fn layout_of(l: &pb::KvLayout) -> EngineLayout {
     EngineLayout {
         layers: l.layers,
         num_blocks: l.num_blocks,
@@ -365,6 +374,8 @@ impl EngineHub {
             arrived_total: AtomicU64::new(0),
             closing: std::sync::atomic::AtomicBool::new(false),
             me: std::sync::OnceLock::new(),
+            direct_kernel_runs: std::env::var("KVFABRIC_DIRECT_KERNEL").as_deref() == Ok("runs"),
+            direct_merge: std::env::var("KVFABRIC_DIRECT_MERGE").as_deref() == Ok("1"),
             #[cfg(feature = "cuda")]
             direct: std::sync::OnceLock::new(),
         });
@@ -949,7 +960,29 @@ impl EngineHub {
                 (record.layout.clone(), record.pool_addr, record.pool_len)
             }
         };
+        // Whole blocks between two GPU pools of this agent go to the
+        // block-id kernel: ids are checked, no descriptor is built.
+        let uses_blocks = req.extents.as_ref().is_none_or(|e| e.extents.is_empty());
+        let block_kernel = match &target {
+            Target::Local(d) => {
+                uses_blocks
+                    && !self.direct_kernel_runs
+                    && src_pool.kind() == MemKind::Vram
+                    && d.pool().is_some_and(|p| p.kind() == MemKind::Vram)
+                    && s.layout.block_bytes == d.layout.block_bytes
+                    && s.layout.kv_split == d.layout.kv_split
+            }
+            Target::Remote { .. } => false,
+        };
         let descs: Vec<Descriptor> = match &req.extents {
+            _ if block_kernel => {
+                if req.src_blocks.is_empty() {
+                    return Err(Status::invalid_argument("no blocks to transfer"));
+                }
+                check_block_pairs(&s.layout, &dst_layout, &req.src_blocks, &req.dst_blocks)
+                    .map_err(status_of)?;
+                Vec::new()
+            }
             Some(ex) if !ex.extents.is_empty() => {
                 if !req.src_blocks.is_empty() || !req.dst_blocks.is_empty() {
                     return Err(Status::invalid_argument("give blocks or extents, not both"));
@@ -978,7 +1011,14 @@ impl EngineHub {
                 .map_err(status_of)?
             }
         };
-        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let bytes: u64 = if block_kernel {
+            req.src_blocks.len() as u64
+                * u64::from(s.layout.layers)
+                * s.layout.planes()
+                * s.layout.block_bytes
+        } else {
+            descs.iter().map(|d| d.len).sum()
+        };
         let timeout = if req.timeout_ms == 0 {
             self.request_timeout
         } else {
@@ -1005,16 +1045,7 @@ impl EngineHub {
         }
         let result = match target {
             #[cfg(feature = "cuda")]
-            Target::Local(dst)
-                if src_pool.kind() == MemKind::Vram
-                    && dst.pool().is_some_and(|p| p.kind() == MemKind::Vram)
-                    && req.extents.as_ref().is_none_or(|e| e.extents.is_empty())
-                    && s.layout.block_bytes == dst.layout.block_bytes
-                    && s.layout.kv_split == dst.layout.kv_split
-                    && std::env::var("KVFABRIC_DIRECT_KERNEL").as_deref() != Ok("runs") =>
-            {
-                // Whole blocks between two GPU pools of this agent: the
-                // block-id kernel (ids checked by block_descriptors above).
+            Target::Local(dst) if block_kernel => {
                 self.local_blocks_gpu(s, req.request_id, &src_pool, &dst, &req, bytes, received)
             }
             Target::Local(dst) => {
@@ -1166,8 +1197,7 @@ impl EngineHub {
                 let t_runs = Instant::now();
                 // Unmerged by default (one task per block); the merge is
                 // kept for dense block lists (`KVFABRIC_DIRECT_MERGE=1`).
-                let merge = std::env::var("KVFABRIC_DIRECT_MERGE").as_deref() == Ok("1");
-                let runs = kvfabric_core::layout::direct_runs(descs, merge);
+                let runs = kvfabric_core::layout::direct_runs(descs, self.direct_merge);
                 let runs_us = t_runs.elapsed().as_micros() as u64;
                 engine
                     .run(crate::runtime::cuda::Direction::Scatter, 0, &runs)
