@@ -283,6 +283,12 @@ pub struct TransportStats {
     pub arena_bytes_in_use: AtomicU64,
     /// 1 while the scheduler is in drain mode (gauge).
     pub drain_mode: AtomicU64,
+    /// Times the scheduler entered drain mode (counter; drain mode often
+    /// lasts less than a scrape interval, so the gauge alone can miss it).
+    pub drain_entries: AtomicU64,
+    /// Chunks of this agent's bounce requests staged and not yet ACKed
+    /// (gauge: gathering, gathered, writing or DATA sent; stored each tick).
+    pub chunks_in_flight: AtomicU64,
     /// Live flows of this agent's receiver role: incoming requests the
     /// credit scheduler tracks, from their WANT until their last ACK or
     /// reclaim (gauge, a count; stored by the IO thread each tick).
@@ -1191,9 +1197,18 @@ impl Io {
         self.stats
             .arena_bytes_in_use
             .store(cap - self.scheduler.free_bytes(), Ordering::Relaxed);
+        let drain = u64::from(self.scheduler.in_drain_mode());
+        if self.stats.drain_mode.swap(drain, Ordering::Relaxed) < drain {
+            self.stats.drain_entries.fetch_add(1, Ordering::Relaxed);
+        }
+        let chunks: usize = self
+            .requests
+            .values()
+            .map(|r| r.next_stage.saturating_sub(r.acked))
+            .sum();
         self.stats
-            .drain_mode
-            .store(u64::from(self.scheduler.in_drain_mode()), Ordering::Relaxed);
+            .chunks_in_flight
+            .store(chunks as u64, Ordering::Relaxed);
         self.stats
             .recv_flows
             .store(self.scheduler.flow_count() as u64, Ordering::Relaxed);

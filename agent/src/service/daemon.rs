@@ -952,6 +952,7 @@ pub fn run(
         node.state()
             .metrics()
             .watch_engines(node.agent().name(), &hub);
+        hub.set_metrics(node.state().metrics().clone());
         hub
     });
 

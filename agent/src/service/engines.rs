@@ -289,6 +289,9 @@ pub struct EngineHub {
     closing: std::sync::atomic::AtomicBool,
     /// This hub, weakly (for threads it spawns).
     me: std::sync::OnceLock<Weak<EngineHub>>,
+    /// Where hand-offs to other agents are recorded (latency, fallbacks,
+    /// timeouts, bytes per peer and engine), once set.
+    metrics: std::sync::OnceLock<Arc<crate::service::metrics::AgentMetrics>>,
     /// Profiling switches of the direct path, read once at start:
     /// `KVFABRIC_DIRECT_KERNEL=runs` uses the run-table kernel for whole
     /// blocks too, `KVFABRIC_DIRECT_MERGE=1` merges strided runs.
@@ -374,6 +377,7 @@ impl EngineHub {
             arrived_total: AtomicU64::new(0),
             closing: std::sync::atomic::AtomicBool::new(false),
             me: std::sync::OnceLock::new(),
+            metrics: std::sync::OnceLock::new(),
             direct_kernel_runs: std::env::var("KVFABRIC_DIRECT_KERNEL").as_deref() == Ok("runs"),
             direct_merge: std::env::var("KVFABRIC_DIRECT_MERGE").as_deref() == Ok("1"),
             #[cfg(feature = "cuda")]
@@ -455,6 +459,20 @@ impl EngineHub {
             failed: self.failed.load(Ordering::Relaxed),
             arrivals: self.arrived_total.load(Ordering::Relaxed),
         }
+    }
+
+    /// Records this hub's hand-offs to other agents in `metrics` (first
+    /// call wins).
+    pub fn set_metrics(&self, metrics: Arc<crate::service::metrics::AgentMetrics>) {
+        let _ = self.metrics.set(metrics);
+    }
+
+    /// Ids of the engines attached now.
+    pub fn engine_ids(&self) -> Vec<String> {
+        self.lock_sessions()
+            .values()
+            .map(|s| s.engine_id.clone())
+            .collect()
     }
 
     /// Attaches an engine.
@@ -1251,6 +1269,15 @@ impl EngineHub {
             MemKind::Dram
         };
         let gpu_pools = src_kind == MemKind::Vram || dst_kind == MemKind::Vram;
+        // Bounce submitted here, past the routing gate: counted as the
+        // gate counts its own (kvfabric_submissions_total and _bytes).
+        let bounce = |t: &crate::runtime::transport::BounceTransport, descs| {
+            let st = self.agent.stats();
+            st.submit_bounce.fetch_add(1, Ordering::Relaxed);
+            st.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
+            t.submit(agent, descs)
+        };
+        let mut fallback = None;
         let (path, handle) = match pb::Path::try_from(req.path).unwrap_or(pb::Path::Auto) {
             pb::Path::Standard if gpu_pools => {
                 return Err(Status::failed_precondition(
@@ -1264,7 +1291,7 @@ impl EngineHub {
                 // bounce alone.
                 match self.agent.transport() {
                     Some(t) if self.agent.has_peer_handshake(agent) => {
-                        (PathKind::Bounce, t.submit(agent, descs))
+                        (PathKind::Bounce, bounce(t, descs))
                     }
                     _ => {
                         return Err(Status::failed_precondition(format!(
@@ -1274,11 +1301,23 @@ impl EngineHub {
                     }
                 }
             }
-            pb::Path::Auto => self.agent.submit_write_kinds(agent, descs, src_kind, dst_kind),
+            pb::Path::Auto => {
+                let r = self
+                    .agent
+                    .submit_write_kinds(agent, descs, src_kind, dst_kind);
+                if r.0 == PathKind::Standard && self.agent.transport().is_some() {
+                    fallback = Some(if self.agent.has_peer_handshake(agent) {
+                        "routing_gate"
+                    } else {
+                        "peer_incompatible"
+                    });
+                }
+                r
+            }
             pb::Path::Standard => (PathKind::Standard, self.agent.submit_standard(agent, descs)),
             pb::Path::Bounce => match self.agent.transport() {
                 Some(t) if self.agent.has_peer_handshake(agent) => {
-                    (PathKind::Bounce, t.submit(agent, descs))
+                    (PathKind::Bounce, bounce(t, descs))
                 }
                 _ => {
                     return Err(Status::failed_precondition(format!(
@@ -1324,6 +1363,19 @@ impl EngineHub {
             }
         };
         let transfer_us = t0.elapsed().as_micros() as u64;
+        if let Some(m) = self.metrics.get() {
+            m.observe_engine_transfer(&crate::service::metrics::EngineTransfer {
+                agent: self.agent.name(),
+                engine: &s.engine_id,
+                peer: agent,
+                path,
+                fallback,
+                ok: outcome == pb::Outcome::Success,
+                timed_out: outcome == pb::Outcome::Timeout,
+                bytes,
+                elapsed: received.elapsed(),
+            });
+        }
         // Tell the destination agent (after the last ACK for bounce, after
         // NIXL completion for the standard path).
         if let Some(t) = self.agent.transport() {

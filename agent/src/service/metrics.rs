@@ -45,6 +45,20 @@
 //! | `kvfabric_engine_pool_bytes` | gauge | | engine KV pool bytes mapped by the agent (0 once every detached pool is released) |
 //! | `kvfabric_engine_transfers_total` | counter | `outcome` = success/failure | engine hand-offs resolved |
 //! | `kvfabric_engine_arrivals_total` | counter | | arrival notices delivered to engines attached here |
+//! | `kvfabric_engine_timeouts_total` | counter | `path` | engine-API hand-offs to another agent not resolved within their timeout |
+//! | `kvfabric_peer_transfer_bytes_total` | counter | `peer`, `path` | payload bytes of successful engine-API hand-offs, by destination agent (series of forgotten peers are dropped) |
+//! | `kvfabric_engine_transfer_bytes_total` | counter | `engine`, `path` | payload bytes of successful hand-offs to other agents, by source engine attached here (series of detached engines are dropped) |
+//! | `kvfabric_chunks_in_flight` | gauge | | chunks of this agent's bounce requests staged and not yet ACKed |
+//! | `kvfabric_drain_mode_entries_total` | counter | | times the credit scheduler entered drain mode |
+//! | `kvfabric_config_generation` | gauge | | the bounce config generation in this agent's handshake (0 until the operator rolls generations out; 0 without bounce) |
+//! | `kvfabric_transport_reports` | gauge | `verdict` = native/degraded | peers whose transport probe (first chunk writes) finished, by verdict (degraded: GPU to GPU writes below 5 GB/s, likely UCX TCP or software emulation) |
+//! | `kvfabric_transport_degraded` | gauge | `peer` | 1 when the transport probe to a loaded peer judged it degraded, else 0 |
+//! | `kvfabric_transport_probe_bytes_per_second` | gauge | `peer` | fastest chunk write of the probe to a loaded peer, bytes/s |
+//!
+//! The engine-API series (`kvfabric_engine_timeouts_total`,
+//! `kvfabric_*_transfer_bytes_total`, and the engine path's share of
+//! `kvfabric_transfer_latency_seconds` and `kvfabric_fallbacks_total`) are
+//! recorded by [`AgentMetrics::observe_engine_transfer`].
 //!
 //! Units follow the Prometheus conventions (base units in the name:
 //! `_seconds`, `_bytes`; counters end in `_total`); `promtool check
@@ -66,7 +80,7 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use super::discovery::Discovery;
 use crate::runtime::fabric::{FabricAgent, FabricStats, PathKind};
-use crate::runtime::transport::{TransferHandle, TransferOutcome, TransportStats};
+use crate::runtime::transport::{TransferHandle, TransferOutcome, TransportReport, TransportStats};
 
 /// Bucket boundaries (upper bounds) of `kvfabric_transfer_latency_seconds`,
 /// seconds: 100 µs to 30 s.
@@ -92,6 +106,36 @@ struct Sources {
     engines: Vec<(String, Weak<super::engines::EngineHub>)>,
     /// Fallbacks recorded by [`AgentMetrics::submit_timed`]: (agent, reason) → count.
     fallbacks: BTreeMap<(String, &'static str), u64>,
+    /// Engine-API timeouts: (agent, path) → count.
+    engine_timeouts: BTreeMap<(String, &'static str), u64>,
+    /// Engine-API bytes by destination agent: (agent, peer, path) → bytes.
+    peer_bytes: BTreeMap<(String, String, &'static str), u64>,
+    /// Engine-API bytes by source engine: (agent, engine, path) → bytes.
+    engine_bytes: BTreeMap<(String, String, &'static str), u64>,
+}
+
+/// One engine-API hand-off to another agent, resolved (or timed out), for
+/// [`AgentMetrics::observe_engine_transfer`].
+pub struct EngineTransfer<'a> {
+    /// This agent's name.
+    pub agent: &'a str,
+    /// The source engine (attached here).
+    pub engine: &'a str,
+    /// The destination agent.
+    pub peer: &'a str,
+    /// The path it took.
+    pub path: PathKind,
+    /// `Some(reason)` when an AUTO request went to the standard path
+    /// while bounce runs here.
+    pub fallback: Option<&'static str>,
+    /// Resolved SUCCESS.
+    pub ok: bool,
+    /// Not resolved within the request's timeout.
+    pub timed_out: bool,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Call received → resolved (or given up).
+    pub elapsed: Duration,
 }
 
 type SharedSources = Arc<Mutex<Sources>>;
@@ -206,6 +250,25 @@ fn agent_gauge(
     .build();
 }
 
+/// The transport reports of `a`'s loaded peers (none without bounce).
+fn transport_reports(a: &FabricAgent) -> Vec<(String, TransportReport)> {
+    let Some(t) = a.transport() else {
+        return Vec::new();
+    };
+    let loaded: std::collections::BTreeSet<String> =
+        a.peers().into_iter().map(|(p, _)| p).collect();
+    let reports = t
+        .stats()
+        .transport_reports
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    reports
+        .iter()
+        .filter(|(p, _)| loaded.contains(*p))
+        .map(|(p, r)| (p.clone(), r.clone()))
+        .collect()
+}
+
 /// A transport counter (0 when the agent runs without bounce).
 fn tcount(a: &FabricAgent, f: impl Fn(&TransportStats) -> u64) -> u64 {
     a.transport().map(|t| f(t.stats())).unwrap_or(0)
@@ -276,6 +339,12 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "Control messages dropped on a full queue",
         |t| &t.control_dropped,
+    ),
+    (
+        "kvfabric.drain_mode.entries",
+        None,
+        "Times the credit scheduler entered drain mode",
+        |t| &t.drain_entries,
     ),
 ];
 
@@ -620,6 +689,177 @@ impl AgentMetrics {
                 })
                 .build();
         }
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.chunks_in_flight",
+            None,
+            "Chunks of this agent's bounce requests staged and not yet ACKed",
+            |a, o, kv| {
+                o.observe(
+                    tcount(a, |t| ld(&t.chunks_in_flight)),
+                    std::slice::from_ref(kv),
+                )
+            },
+        );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.config_generation",
+            None,
+            "Bounce config generation in this agent's handshake (0 without bounce)",
+            |a, o, kv| {
+                let g = a.handshake().map_or(0, |h| h.config_generation);
+                o.observe(g, std::slice::from_ref(kv))
+            },
+        );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.transport.reports",
+            None,
+            "Loaded peers whose transport probe finished, by verdict (degraded: GPU to GPU chunk writes below 5 GB/s, likely UCX TCP or software emulation)",
+            |a, o, kv| {
+                let (mut native, mut degraded) = (0, 0);
+                for (_, r) in transport_reports(a) {
+                    if r.suspect_fallback {
+                        degraded += 1;
+                    } else {
+                        native += 1;
+                    }
+                }
+                o.observe(native, &[kv.clone(), KeyValue::new("verdict", "native")]);
+                o.observe(
+                    degraded,
+                    &[kv.clone(), KeyValue::new("verdict", "degraded")],
+                );
+            },
+        );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.transport.degraded",
+            None,
+            "1 when the transport probe to a loaded peer judged it degraded (likely UCX TCP or software emulation), else 0",
+            |a, o, kv| {
+                for (peer, r) in transport_reports(a) {
+                    o.observe(
+                        u64::from(r.suspect_fallback),
+                        &[kv.clone(), KeyValue::new("peer", peer)],
+                    );
+                }
+            },
+        );
+        agent_gauge(
+            &meter,
+            &sources,
+            "kvfabric.transport.probe.rate",
+            Some("By/s"),
+            "Fastest chunk write of the transport probe to a loaded peer, bytes per second",
+            |a, o, kv| {
+                for (peer, r) in transport_reports(a) {
+                    o.observe(
+                        r.best_chunk_mbps.saturating_mul(1_000_000),
+                        &[kv.clone(), KeyValue::new("peer", peer)],
+                    );
+                }
+            },
+        );
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.engine.timeouts")
+                .with_description(
+                    "Engine-API hand-offs to another agent not resolved within their timeout, by path",
+                )
+                .with_callback(move |o| {
+                    let hubs = live_hubs(&s);
+                    let g = lock(&s);
+                    for (name, _) in &hubs {
+                        for path in ["bounce", "standard"] {
+                            let n = g
+                                .engine_timeouts
+                                .get(&(name.clone(), path))
+                                .copied()
+                                .unwrap_or(0);
+                            o.observe(
+                                n,
+                                &[
+                                    KeyValue::new("agent", name.clone()),
+                                    KeyValue::new("path", path),
+                                ],
+                            );
+                        }
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.peer.transfer")
+                .with_unit("By")
+                .with_description(
+                    "Payload bytes of successful engine-API hand-offs, by destination agent and path",
+                )
+                .with_callback(move |o| {
+                    let agents = live_agents(&s);
+                    let mut g = lock(&s);
+                    // Only peers loaded now: a forgotten peer's series go.
+                    let loaded: std::collections::BTreeSet<(String, String)> = agents
+                        .iter()
+                        .flat_map(|a| {
+                            a.peers()
+                                .into_iter()
+                                .map(|(p, _)| (a.name().to_string(), p))
+                        })
+                        .collect();
+                    g.peer_bytes
+                        .retain(|(a, p, _), _| loaded.contains(&(a.clone(), p.clone())));
+                    for ((agent, peer, path), n) in &g.peer_bytes {
+                        o.observe(
+                            *n,
+                            &[
+                                KeyValue::new("agent", agent.clone()),
+                                KeyValue::new("peer", peer.clone()),
+                                KeyValue::new("path", *path),
+                            ],
+                        );
+                    }
+                })
+                .build();
+        }
+        {
+            let s = sources.clone();
+            meter
+                .u64_observable_counter("kvfabric.engine.transfer")
+                .with_unit("By")
+                .with_description(
+                    "Payload bytes of successful hand-offs to other agents, by source engine attached here and path",
+                )
+                .with_callback(move |o| {
+                    let hubs = live_hubs(&s);
+                    let mut g = lock(&s);
+                    // Only engines attached now: a detached engine's series go.
+                    let attached: std::collections::BTreeSet<(String, String)> = hubs
+                        .iter()
+                        .flat_map(|(n, h)| h.engine_ids().into_iter().map(|e| (n.clone(), e)))
+                        .collect();
+                    g.engine_bytes
+                        .retain(|(a, e, _), _| attached.contains(&(a.clone(), e.clone())));
+                    for ((agent, engine, path), n) in &g.engine_bytes {
+                        o.observe(
+                            *n,
+                            &[
+                                KeyValue::new("agent", agent.clone()),
+                                KeyValue::new("engine", engine.clone()),
+                                KeyValue::new("path", *path),
+                            ],
+                        );
+                    }
+                })
+                .build();
+        }
         let latency = meter
             .f64_histogram("kvfabric.transfer.latency")
             .with_unit("s")
@@ -682,6 +922,32 @@ impl AgentMetrics {
                 KeyValue::new("outcome", if ok { "success" } else { "failure" }),
             ],
         );
+    }
+
+    /// Records one engine-API hand-off to another agent: its latency in
+    /// `kvfabric_transfer_latency_seconds` (a timeout as a failure, at the
+    /// moment it was given up), its fallback, its timeout, and (on success)
+    /// its bytes by destination agent and by source engine.
+    pub fn observe_engine_transfer(&self, t: &EngineTransfer<'_>) {
+        let path = path_label(t.path);
+        self.observe_transfer(t.agent, t.path, t.ok, t.elapsed);
+        if let Some(reason) = t.fallback {
+            self.record_fallback(t.agent, reason);
+        }
+        let mut g = lock(&self.sources);
+        if t.timed_out {
+            *g.engine_timeouts
+                .entry((t.agent.to_string(), path))
+                .or_insert(0) += 1;
+        }
+        if t.ok {
+            *g.peer_bytes
+                .entry((t.agent.to_string(), t.peer.to_string(), path))
+                .or_insert(0) += t.bytes;
+            *g.engine_bytes
+                .entry((t.agent.to_string(), t.engine.to_string(), path))
+                .or_insert(0) += t.bytes;
+        }
     }
 
     /// Counts a fallback of `agent` to the standard path for `reason`
@@ -823,6 +1089,56 @@ mod tests {
         drop(d);
         let text = m.render().unwrap();
         assert!(!text.contains("agent=\"a1\""), "{text}");
+    }
+
+    #[test]
+    fn engine_transfers_record_latency_fallbacks_timeouts_and_bytes() {
+        let m = AgentMetrics::new().unwrap();
+        let t = |ok, timed_out, fallback| EngineTransfer {
+            agent: "a1",
+            engine: "e1",
+            peer: "p1",
+            path: PathKind::Standard,
+            fallback,
+            ok,
+            timed_out,
+            bytes: 4096,
+            elapsed: Duration::from_millis(2),
+        };
+        m.observe_engine_transfer(&t(true, false, Some("peer_incompatible")));
+        m.observe_engine_transfer(&t(false, true, None));
+        let text = m.render().unwrap();
+        for want in [
+            "kvfabric_fallbacks_total{agent=\"a1\",reason=\"peer_incompatible\"} 1\n",
+            "kvfabric_transfer_latency_seconds_count{agent=\"a1\",outcome=\"success\",path=\"standard\"} 1\n",
+            "kvfabric_transfer_latency_seconds_count{agent=\"a1\",outcome=\"failure\",path=\"standard\"} 1\n",
+        ] {
+            assert!(text.contains(want), "no {want:?} in:\n{text}");
+        }
+        // Recorded, then dropped at the scrape: no agent has `p1` loaded and
+        // no hub has `e1` attached (the series follow what is live).
+        assert!(
+            !text.contains("kvfabric_peer_transfer_bytes_total{"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("kvfabric_engine_transfer_bytes_total{"),
+            "{text}"
+        );
+        let g = lock(&m.sources);
+        assert_eq!(g.engine_timeouts.get(&("a1".into(), "standard")), Some(&1));
+        assert!(g.peer_bytes.is_empty() && g.engine_bytes.is_empty());
+        drop(g);
+        m.observe_engine_transfer(&t(true, false, None));
+        let g = lock(&m.sources);
+        assert_eq!(
+            g.peer_bytes.get(&("a1".into(), "p1".into(), "standard")),
+            Some(&4096)
+        );
+        assert_eq!(
+            g.engine_bytes.get(&("a1".into(), "e1".into(), "standard")),
+            Some(&4096)
+        );
     }
 
     #[test]
