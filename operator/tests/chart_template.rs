@@ -1,0 +1,841 @@
+//! charts/kvfabric without a cluster: `helm lint --strict`, `helm template`
+//! validated by `kubernetes-validate --strict` for k8s 1.30 and 1.37 (the
+//! defaults and each of charts/kvfabric/ci/*-values.yaml), assertions over
+//! the rendered objects for the values that switch resources on and off,
+//! the agent's acceptance of the rendered config, and the chart's CRD copy
+//! against crds/.
+//!
+//! Tools: helm from e2e/kube/install.sh's cache, kubernetes-validate from
+//! charts/kvfabric/tests/kubernetes-validate.sh (a venv in the same cache).
+//! SKIP without them; fail instead under KVFABRIC_REQUIRE_SERVICES=1.
+
+mod chart_common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use chart_common::*;
+use serde_json::Value;
+
+/// Kubernetes versions the rendered objects are validated against.
+const K8S_VERSIONS: [&str; 2] = ["1.30.0", "1.37.0"];
+
+/// Kinds kubernetes-validate has no schema for (CRD instances); skipped
+/// explicitly, each with the reason printed.
+const CUSTOM_KINDS: [(&str, &str); 3] = [
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+];
+
+#[test]
+fn chart_crd_is_the_generated_one() {
+    let src = repo().join("crds/kvfabric.io_kvfabrics.yaml");
+    let copy = chart().join("crds/kvfabric.io_kvfabrics.yaml");
+    let a = std::fs::read(&src).expect("crds/kvfabric.io_kvfabrics.yaml");
+    let b = std::fs::read(&copy).expect("charts/kvfabric/crds/kvfabric.io_kvfabrics.yaml");
+    assert!(
+        a == b,
+        "the chart's CRD is stale: cp crds/kvfabric.io_kvfabrics.yaml charts/kvfabric/crds/"
+    );
+    let listed: Vec<_> = std::fs::read_dir(chart().join("crds"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let mut src_listed: Vec<_> = std::fs::read_dir(repo().join("crds"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    src_listed.sort();
+    let mut listed = listed;
+    listed.sort();
+    assert_eq!(
+        listed, src_listed,
+        "charts/kvfabric/crds/ must hold exactly crds/*.yaml"
+    );
+}
+
+#[test]
+fn chart_lint_strict() {
+    let Some(path) = tools_path() else { return };
+    let chart = chart();
+    let c = chart.to_str().unwrap();
+    let mut variants: Vec<Vec<&str>> = vec![vec![]];
+    let files: Vec<String> = CI_VALUES
+        .iter()
+        .map(|f| chart.join(f).to_string_lossy().into_owned())
+        .collect();
+    for f in &files {
+        variants.push(vec!["-f", f.as_str()]);
+    }
+    for v in variants {
+        let mut args = vec!["lint", "--strict", c];
+        args.extend_from_slice(&v);
+        let out = helm(&path, &args);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "helm lint --strict {v:?}:\n{text}");
+        assert!(
+            text.contains("1 chart(s) linted, 0 chart(s) failed"),
+            "{v:?}: {text}"
+        );
+        assert!(
+            !text.contains("[WARNING]") && !text.contains("[ERROR]"),
+            "{v:?}: {text}"
+        );
+        println!("ok helm lint --strict {v:?}");
+    }
+}
+
+fn kubernetes_validate() -> Option<PathBuf> {
+    let out = Command::new(chart().join("tests/kubernetes-validate.sh")).output();
+    match out {
+        Ok(o) if o.status.success() => Some(PathBuf::from(
+            String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        )),
+        Ok(o) => {
+            skip(&format!(
+                "kubernetes-validate could not be installed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ));
+            None
+        }
+        Err(e) => {
+            skip(&format!("kubernetes-validate.sh: {e}"));
+            None
+        }
+    }
+}
+
+#[test]
+fn chart_renders_valid_kubernetes_1_30_and_1_37() {
+    let Some(path) = tools_path() else { return };
+    let Some(validator) = kubernetes_validate() else {
+        return;
+    };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("chart-validate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut variants: Vec<(String, Vec<String>)> = vec![("defaults".into(), vec![])];
+    for f in CI_VALUES {
+        variants.push((
+            f.into(),
+            vec!["-f".into(), chart().join(f).to_string_lossy().into_owned()],
+        ));
+    }
+    for (label, extra) in &variants {
+        // CRDs included; the monitoring API advertised so the monitors are
+        // rendered (and then skipped below, by name).
+        let mut args: Vec<&str> = vec![
+            "--include-crds",
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+        ];
+        args.extend(extra.iter().map(String::as_str));
+        let rendered = render_raw(&path, &args);
+        // Validate helm's own text (a YAML round trip could change it, e.g.
+        // YAML 1.1 octal), split into its documents.
+        let mut keep: Vec<String> = Vec::new();
+        for raw in split_docs(&rendered) {
+            let Some(d) = parse_docs(&raw).pop() else {
+                continue;
+            };
+            let api = d["apiVersion"].as_str().unwrap_or("");
+            if CUSTOM_KINDS
+                .iter()
+                .any(|(a, k)| *a == api && *k == kind(&d))
+            {
+                println!(
+                    "{label}: not validated: {}/{} ({api} is a custom resource kubernetes-validate has no schema for)",
+                    kind(&d),
+                    name(&d)
+                );
+            } else {
+                keep.push(raw);
+            }
+        }
+        assert!(
+            keep.len() >= 8,
+            "{label}: only {} objects rendered",
+            keep.len()
+        );
+        let file = dir.join(format!("{}.yaml", label.replace('/', "_")));
+        let text: String = keep.iter().map(|d| format!("---\n{d}\n")).collect();
+        std::fs::write(&file, text).unwrap();
+        for v in K8S_VERSIONS {
+            let out = Command::new(&validator)
+                .args(["--strict", "-k", v])
+                .arg(&file)
+                .output()
+                .expect("run kubernetes-validate");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{label}: kubernetes-validate --strict -k {v} failed:\n{stdout}{stderr}"
+            );
+            let passed = stdout
+                .lines()
+                .filter(|l| l.contains(" passed for resource "))
+                .count();
+            assert_eq!(
+                passed,
+                keep.len(),
+                "{label} k8s {v}: every object must be validated (no schema-less skips):\n{stdout}{stderr}"
+            );
+            println!("ok {label}: {passed} objects valid for k8s {v} (--strict)");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `helm template` output as text.
+fn render_raw(path: &str, args: &[&str]) -> String {
+    let c = chart();
+    let mut a = vec!["template", "t", c.to_str().unwrap(), "--namespace", "kvf"];
+    a.extend_from_slice(args);
+    let out = helm(path, &a);
+    assert!(
+        out.status.success(),
+        "helm template {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A multi-document YAML text split at its `---` lines.
+fn split_docs(text: &str) -> Vec<String> {
+    let mut docs = vec![String::new()];
+    for line in text.lines() {
+        if line == "---" {
+            docs.push(String::new());
+        } else {
+            let d = docs.last_mut().unwrap();
+            d.push_str(line);
+            d.push('\n');
+        }
+    }
+    docs.into_iter()
+        .filter(|d| d.lines().any(|l| l.starts_with("kind:")))
+        .collect()
+}
+
+fn env_of<'a>(c: &'a Value, var: &str) -> Option<&'a Value> {
+    c["env"].as_array()?.iter().find(|e| e["name"] == var)
+}
+
+fn caps_added(c: &Value) -> Vec<String> {
+    strings(&c["securityContext"]["capabilities"]["add"])
+}
+
+fn volume<'a>(d: &'a Value, name: &str) -> Option<&'a Value> {
+    d["spec"]["template"]["spec"]["volumes"]
+        .as_array()?
+        .iter()
+        .find(|v| v["name"] == name)
+}
+
+fn agent_config(docs: &[Value]) -> Value {
+    let cm = one(docs, "ConfigMap", "-agent-config");
+    let text = cm["data"]["config.yaml"].as_str().expect("config.yaml");
+    parse_docs(text).remove(0)
+}
+
+fn values(f: &str) -> String {
+    chart().join(f).to_string_lossy().into_owned()
+}
+
+#[test]
+fn chart_defaults() {
+    let Some(path) = tools_path() else { return };
+    let docs = template(&path, &[]);
+
+    // Operator: 2 replicas, leader election, probes on the metrics port, PDB.
+    let dep = one(&docs, "Deployment", "-operator");
+    assert_eq!(dep["spec"]["replicas"], 2);
+    let c = container(dep);
+    assert_eq!(
+        strings(&c["args"]),
+        [
+            "--metrics-listen",
+            "0.0.0.0:9090",
+            "--leader-elect",
+            "--leader-election-namespace",
+            "$(POD_NAMESPACE)",
+            "--leader-election-lease-name",
+            "kvfabric-operator"
+        ]
+    );
+    assert_eq!(
+        env_of(c, "POD_NAMESPACE").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.namespace"
+    );
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/metrics");
+    assert_eq!(c["livenessProbe"]["tcpSocket"]["port"], "metrics");
+    assert_eq!(c["ports"][0]["containerPort"], 9090);
+    assert!(c["resources"]["requests"]["cpu"].is_string());
+    let pdb = one(&docs, "PodDisruptionBudget", "-operator");
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        dep["spec"]["selector"]["matchLabels"]
+    );
+
+    // Agent DaemonSet.
+    let ds = one(&docs, "DaemonSet", "-agent");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(pod["hostNetwork"], false);
+    assert_eq!(pod["hostPID"], false);
+    assert_eq!(pod["hostIPC"], false);
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let a = container(ds);
+    let args = strings(&a["args"]);
+    assert_eq!(args[0], "agent");
+    for (flag, val) in [
+        ("--config", "/etc/kvfabric/config.yaml"),
+        ("--logical-id", "$(POD_NAME)"),
+        ("--pod-uid", "$(POD_UID)"),
+    ] {
+        let i = args
+            .iter()
+            .position(|x| x == flag)
+            .unwrap_or_else(|| panic!("{flag} missing: {args:?}"));
+        assert_eq!(args[i + 1], val);
+    }
+    assert_eq!(
+        env_of(a, "POD_UID").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.uid"
+    );
+    assert_eq!(
+        env_of(a, "POD_NAME").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    assert_eq!(env_of(a, "NVIDIA_VISIBLE_DEVICES").unwrap()["value"], "all");
+    assert_eq!(a["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(a["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(a["readinessProbe"]["httpGet"]["port"], "http");
+    assert_eq!(caps_added(a), ["IPC_LOCK", "SYS_PTRACE"]);
+    assert_eq!(
+        strings(&a["securityContext"]["capabilities"]["drop"]),
+        ["ALL"]
+    );
+    let sock = volume(ds, "engine-socket").expect("socket hostPath");
+    assert_eq!(sock["hostPath"]["path"], "/run/kvfabric");
+    assert!(volume(ds, "dev-infiniband").is_none());
+    assert!(volume(ds, "etcd-tls").is_none());
+    assert!(a["resources"]["limits"]
+        .get("rdma/rdma_shared_device_a")
+        .is_none());
+    assert!(ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"].is_string());
+    let sa = one(&docs, "ServiceAccount", "-agent");
+    assert_eq!(sa["automountServiceAccountToken"], false);
+
+    // Config: the chart's keys; bundled etcd's three members.
+    let cfg = agent_config(&docs);
+    assert_eq!(cfg["fabric"], "default");
+    assert_eq!(cfg["listen"], "0.0.0.0:9400");
+    assert_eq!(cfg["engineSocket"], "/run/kvfabric/engine.sock");
+    assert_eq!(cfg["gpu"], 0);
+    let eps = strings(&cfg["etcdEndpoints"]);
+    assert_eq!(
+        eps,
+        (0..3)
+            .map(|i| format!("http://t-kvfabric-etcd-{i}.t-kvfabric-etcd-headless.kvf.svc:2379"))
+            .collect::<Vec<_>>()
+    );
+
+    // Bundled etcd: 3 members, headless Service, PDB, persistent volumes.
+    let sts = one(&docs, "StatefulSet", "-etcd");
+    assert_eq!(sts["spec"]["replicas"], 3);
+    assert_eq!(sts["spec"]["podManagementPolicy"], "Parallel");
+    assert_eq!(container(sts)["image"], "registry.k8s.io/etcd:3.6.4-0");
+    let init = strings(&container(sts)["args"])
+        .into_iter()
+        .find(|a| a.starts_with("--initial-cluster="))
+        .unwrap();
+    assert_eq!(init.matches("=http://").count(), 3, "{init}");
+    assert!(sts["spec"]["volumeClaimTemplates"].is_array());
+    let hl = one(&docs, "Service", "-etcd-headless");
+    assert_eq!(hl["spec"]["clusterIP"], "None");
+    assert_eq!(sts["spec"]["serviceName"], name(hl));
+    assert_eq!(
+        one(&docs, "PodDisruptionBudget", "-etcd")["spec"]["maxUnavailable"],
+        1
+    );
+
+    // NetworkPolicies: agents (HTTP from anyone, all ports from agents), etcd.
+    let np = one(&docs, "NetworkPolicy", "-agent");
+    assert_eq!(np["spec"]["ingress"][0]["ports"][0]["port"], 9400);
+    assert!(np["spec"]["ingress"][0].get("from").is_none());
+    assert_eq!(
+        np["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"],
+        ds["spec"]["selector"]["matchLabels"]
+    );
+    assert!(np["spec"]["ingress"][1].get("ports").is_none());
+    one(&docs, "NetworkPolicy", "-etcd");
+
+    // RBAC: exactly the rules the operator needs.
+    let cr = one(&docs, "ClusterRole", "-operator");
+    let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = cr["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                strings(&r["apiGroups"]),
+                strings(&r["resources"]),
+                strings(&r["verbs"]),
+            )
+        })
+        .collect();
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        rules,
+        vec![
+            (
+                s(&[""]),
+                s(&["pods", "nodes"]),
+                s(&["get", "list", "watch"])
+            ),
+            (
+                s(&["kvfabric.io"]),
+                s(&["kvfabrics"]),
+                s(&["get", "list", "watch", "patch", "update"])
+            ),
+            (
+                s(&["kvfabric.io"]),
+                s(&["kvfabrics/status"]),
+                s(&["get", "patch", "update"])
+            ),
+            (
+                s(&["kvfabric.io"]),
+                s(&["kvfabrics/finalizers"]),
+                s(&["update"])
+            ),
+            (
+                s(&["", "events.k8s.io"]),
+                s(&["events"]),
+                s(&["create", "patch"])
+            ),
+        ]
+    );
+    let role = one(&docs, "Role", "-operator");
+    let rr = role["rules"].as_array().unwrap();
+    assert_eq!(rr.len(), 2, "{rr:?}");
+    assert_eq!(strings(&rr[1]["resourceNames"]), ["kvfabric-operator"]);
+    assert!(rr.iter().all(|r| r["resources"][0] == "leases"));
+    // No cluster role, role or token for the agents.
+    assert!(!of_kind(&docs, "ClusterRole")
+        .iter()
+        .any(|d| name(d).contains("agent")));
+
+    // No monitoring.coreos.com objects unless the API is served.
+    for k in ["ServiceMonitor", "PodMonitor", "PrometheusRule"] {
+        assert!(
+            !has(&docs, k),
+            "{k} rendered without monitoring.coreos.com/v1"
+        );
+    }
+}
+
+#[test]
+fn chart_switches() {
+    let Some(path) = tools_path() else { return };
+
+    // Monitors: with the API (or forced), not without.
+    let with_api = template(&path, &["--api-versions", "monitoring.coreos.com/v1"]);
+    let sm = one(&with_api, "ServiceMonitor", "-operator");
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+    let pm = one(&with_api, "PodMonitor", "-agent");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "http");
+    let forced = template(&path, &["--set", "monitoring.force=true"]);
+    assert!(has(&forced, "ServiceMonitor") && has(&forced, "PodMonitor"));
+    let off = template(
+        &path,
+        &[
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+            "--set",
+            "monitoring.serviceMonitor.enabled=false,monitoring.podMonitor.enabled=false,monitoring.prometheusRule.enabled=false",
+        ],
+    );
+    for k in ["ServiceMonitor", "PodMonitor", "PrometheusRule"] {
+        assert!(!has(&off, k), "{k} rendered though disabled");
+    }
+
+    // Bundled etcd off → external endpoints in the config, no StatefulSet.
+    let ext = template(&path, &["-f", &values("ci/external-etcd-tls-values.yaml")]);
+    assert!(!has(&ext, "StatefulSet"));
+    assert!(!of_kind(&ext, "NetworkPolicy")
+        .iter()
+        .any(|d| name(d).ends_with("-etcd")));
+    assert!(!of_kind(&ext, "PodDisruptionBudget")
+        .iter()
+        .any(|d| name(d).ends_with("-etcd")));
+    let cfg = agent_config(&ext);
+    assert_eq!(cfg["fabric"], "prod-a");
+    assert_eq!(strings(&cfg["etcdEndpoints"]).len(), 3);
+    assert!(strings(&cfg["etcdEndpoints"])
+        .iter()
+        .all(|e| e.starts_with("https://")));
+    // TLS Secret mounted in agents and operator; the operator may read it.
+    for (k, suffix) in [("DaemonSet", "-agent"), ("Deployment", "-operator")] {
+        let d = one(&ext, k, suffix);
+        let v = volume(d, "etcd-tls").unwrap_or_else(|| panic!("{k}: no etcd-tls volume"));
+        assert_eq!(v["secret"]["secretName"], "kvfabric-etcd-client");
+        let m = container(d)["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == "etcd-tls")
+            .unwrap_or_else(|| panic!("{k}: no etcd-tls mount"));
+        assert_eq!(m["mountPath"], "/etc/kvfabric/etcd-tls");
+        assert_eq!(m["readOnly"], true);
+    }
+    let role = one(&ext, "Role", "-operator");
+    let secret_rule = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resources"][0] == "secrets")
+        .expect("secrets rule with TLS");
+    assert_eq!(strings(&secret_rule["verbs"]), ["get"]);
+    assert_eq!(
+        strings(&secret_rule["resourceNames"]),
+        ["kvfabric-etcd-client"]
+    );
+    // ... and no Secret access without TLS.
+    let plain = template(&path, &[]);
+    assert!(!one(&plain, "Role", "-operator")["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["resources"][0] == "secrets"));
+
+    // Host network + RDMA.
+    let rdma = template(&path, &["-f", &values("ci/hostnetwork-rdma-values.yaml")]);
+    let ds = one(&rdma, "DaemonSet", "-agent");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+    assert_eq!(pod["hostPID"], true);
+    assert_eq!(pod["hostIPC"], true);
+    assert_eq!(
+        volume(ds, "dev-infiniband").unwrap()["hostPath"]["path"],
+        "/dev/infiniband"
+    );
+    let a = container(ds);
+    assert_eq!(a["resources"]["limits"]["rdma/rdma_shared_device_a"], 1);
+    assert_eq!(a["resources"]["requests"]["rdma/rdma_shared_device_a"], 1);
+    assert_eq!(
+        a["resources"]["requests"]["memory"], "2Gi",
+        "defaults kept beside the RDMA resource"
+    );
+    assert_eq!(
+        env_of(a, "UCX_TLS").unwrap()["value"],
+        "rc,cuda_copy,cuda_ipc,sm,self"
+    );
+    let np = one(&rdma, "NetworkPolicy", "-agent");
+    assert_eq!(np["spec"]["ingress"][1]["ports"][0]["port"], 40000);
+    assert_eq!(np["spec"]["ingress"][1]["ports"][0]["endPort"], 40999);
+    // RDMA resource without the /dev/infiniband mount.
+    let dp = template(
+        &path,
+        &["--set", "agent.rdma.enabled=true,agent.rdma.hostDevInfiniband=false,agent.rdma.resourceName=nvidia.com/hostdev"],
+    );
+    let ds = one(&dp, "DaemonSet", "-agent");
+    assert!(volume(ds, "dev-infiniband").is_none());
+    assert_eq!(
+        container(ds)["resources"]["limits"]["nvidia.com/hostdev"],
+        1
+    );
+
+    // CPU-only: every Linux node, no NVIDIA env, host memory, no ptrace,
+    // one operator without leader election and hence no PDB and no Role,
+    // one etcd member on emptyDir, no NetworkPolicy, no dashboards.
+    let cpu = template(
+        &path,
+        &[
+            "-f",
+            &values("ci/cpu-only-values.yaml"),
+            "--set",
+            "monitoring.force=true",
+        ],
+    );
+    let ds = one(&cpu, "DaemonSet", "-agent");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert!(pod["nodeSelector"].get("nvidia.com/gpu.present").is_none());
+    assert!(pod.get("tolerations").is_none());
+    let a = container(ds);
+    assert!(env_of(a, "NVIDIA_VISIBLE_DEVICES").is_none());
+    assert_eq!(caps_added(a), ["IPC_LOCK"]);
+    assert!(agent_config(&cpu)["gpu"].is_null());
+    assert!(
+        !has(&cpu, "PodDisruptionBudget"),
+        "PDBs: operator has 1 replica, etcd PDB kept? {:?}",
+        of_kind(&cpu, "PodDisruptionBudget")
+            .iter()
+            .map(|d| name(d))
+            .collect::<Vec<_>>()
+    );
+    let dep = one(&cpu, "Deployment", "-operator");
+    assert_eq!(dep["spec"]["replicas"], 1);
+    assert!(!strings(&container(dep)["args"]).contains(&"--leader-elect".to_string()));
+    assert!(!has(&cpu, "Role") && !has(&cpu, "RoleBinding"));
+    let sts = one(&cpu, "StatefulSet", "-etcd");
+    assert_eq!(sts["spec"]["replicas"], 1);
+    assert!(sts["spec"].get("volumeClaimTemplates").is_none());
+    assert!(volume(sts, "data").unwrap()["emptyDir"].is_object());
+    assert!(!has(&cpu, "NetworkPolicy"));
+    assert!(!of_kind(&cpu, "ConfigMap")
+        .iter()
+        .any(|d| name(d).contains("dashboard")));
+
+    // PDB switch; replicas > 1 without leader election is refused.
+    let nopdb = template(&path, &["--set", "operator.podDisruptionBudget.enabled=false,etcd.bundled.podDisruptionBudget.enabled=false"]);
+    assert!(!has(&nopdb, "PodDisruptionBudget"));
+    let err = template_in(
+        &path,
+        &chart(),
+        &["--set", "operator.leaderElection.enabled=false"],
+    )
+    .expect_err("2 replicas without leader election must be refused");
+    assert!(
+        err.contains("needs operator.leaderElection.enabled=true"),
+        "{err}"
+    );
+    let err = template_in(&path, &chart(), &["--set", "etcd.bundled.enabled=false"])
+        .expect_err("no etcd at all must be refused");
+    assert!(err.contains("needs etcd.external.endpoints"), "{err}");
+    let err = template_in(&path, &chart(), &["--set", "etcd.bundled.replicas=2"])
+        .expect_err("an even etcd member count must be refused");
+    assert!(err.contains("must be odd"), "{err}");
+    let err = template_in(&path, &chart(), &["--set", "agent.config.fabric=x"])
+        .expect_err("chart-owned config keys are refused by the schema");
+    assert!(err.contains("fabric"), "{err}");
+
+    // NetworkPolicy off; agents or operator off.
+    assert!(!has(
+        &template(&path, &["--set", "networkPolicy.enabled=false"]),
+        "NetworkPolicy"
+    ));
+    let noop = template(&path, &["--set", "operator.enabled=false"]);
+    assert!(!has(&noop, "Deployment") && !has(&noop, "ClusterRole"));
+    assert!(!has(
+        &template(&path, &["--set", "agent.enabled=false"]),
+        "DaemonSet"
+    ));
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let t = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &t);
+        } else {
+            std::fs::copy(e.path(), &t).unwrap();
+        }
+    }
+}
+
+/// The dashboards and the alerts are read from files another part of the
+/// repository owns: the chart renders with them absent and turns each file
+/// into its object when present.
+#[test]
+fn chart_dashboards_and_alerts_from_files() {
+    let Some(path) = tools_path() else { return };
+    let tmp =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("chart-files-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let c = tmp.join("kvfabric");
+    copy_dir(&chart(), &c);
+    let _ = std::fs::remove_dir_all(c.join("dashboards"));
+    let _ = std::fs::remove_dir_all(c.join("alerts"));
+    let api = ["--api-versions", "monitoring.coreos.com/v1"];
+
+    let bare = template_in(&path, &c, &api).expect("renders without dashboards/ and alerts/");
+    assert!(!has(&bare, "PrometheusRule"));
+    assert!(!of_kind(&bare, "ConfigMap")
+        .iter()
+        .any(|d| name(d).contains("dashboard")));
+
+    std::fs::create_dir_all(c.join("dashboards")).unwrap();
+    std::fs::create_dir_all(c.join("alerts")).unwrap();
+    let overview = r#"{"title": "kvfabric overview", "panels": [{"targets": [{"expr": "sum(rate(kvfabric_x_total[5m]))"}]}]}"#;
+    std::fs::write(c.join("dashboards/kvfabric-overview.json"), overview).unwrap();
+    std::fs::write(
+        c.join("dashboards/kvfabric_per_peer.json"),
+        r#"{"title": "per peer"}"#,
+    )
+    .unwrap();
+    std::fs::write(c.join("dashboards/notes.txt"), "not a dashboard").unwrap();
+    let rules = "groups:\n- name: kvfabric\n  rules:\n  - alert: KvfabricLeaseLost\n    expr: max by (pod) (kvfabric_lease_state) == 0\n    for: 1m\n    labels: {severity: critical}\n    annotations: {summary: \"lease lost on {{ $labels.pod }}\"}\n";
+    std::fs::write(c.join("alerts/kvfabric.rules.yaml"), rules).unwrap();
+
+    let full = template_in(&path, &c, &api).expect("renders with the files");
+    let cms: Vec<_> = of_kind(&full, "ConfigMap")
+        .into_iter()
+        .filter(|d| name(d).contains("dashboard"))
+        .collect();
+    assert_eq!(cms.len(), 2, "one ConfigMap per dashboards/*.json");
+    let ov = cms
+        .iter()
+        .find(|d| name(d) == "t-kvfabric-dashboard-kvfabric-overview")
+        .expect("overview");
+    assert_eq!(ov["metadata"]["labels"]["grafana_dashboard"], "1");
+    let body = ov["data"]["kvfabric-overview.json"].as_str().unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(body).unwrap(),
+        serde_json::from_str::<Value>(overview).unwrap()
+    );
+    assert!(cms
+        .iter()
+        .any(|d| name(d) == "t-kvfabric-dashboard-kvfabric-per-peer"));
+    let pr = one(&full, "PrometheusRule", "t-kvfabric");
+    assert_eq!(pr["spec"]["groups"][0]["name"], "kvfabric");
+    let r = &pr["spec"]["groups"][0]["rules"][0];
+    assert_eq!(r["alert"], "KvfabricLeaseLost");
+    assert_eq!(
+        r["annotations"]["summary"], "lease lost on {{ $labels.pod }}",
+        "Prometheus templates pass through"
+    );
+    // Without the API (not forced): no PrometheusRule; the label is configurable.
+    let other = template_in(
+        &path,
+        &c,
+        &["--set", "monitoring.dashboards.label=my_dash,monitoring.dashboards.labelValue=yes,monitoring.dashboards.namespace=grafana"],
+    )
+    .unwrap();
+    assert!(!has(&other, "PrometheusRule"));
+    let d = of_kind(&other, "ConfigMap")
+        .into_iter()
+        .find(|d| name(d).contains("overview"))
+        .unwrap();
+    assert_eq!(d["metadata"]["labels"]["my_dash"], "yes");
+    assert_eq!(d["metadata"]["namespace"], "grafana");
+    assert!(d["metadata"]["labels"].get("grafana_dashboard").is_none());
+    // A rules file that does not parse fails the render, naming it.
+    std::fs::write(c.join("alerts/kvfabric.rules.yaml"), "groups: [\n").unwrap();
+    let err = template_in(&path, &c, &api).expect_err("broken rules file");
+    assert!(err.contains("alerts/kvfabric.rules.yaml"), "{err}");
+
+    // And the repository's own files, whatever is there now, render.
+    let real = template(&path, &api);
+    let n_json = std::fs::read_dir(chart().join("dashboards"))
+        .map(|r| {
+            r.filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "json")
+            })
+            .count()
+        })
+        .unwrap_or(0);
+    let n_cm = of_kind(&real, "ConfigMap")
+        .iter()
+        .filter(|d| name(d).contains("-dashboard-"))
+        .count();
+    assert_eq!(n_cm, n_json);
+    assert_eq!(
+        has(&real, "PrometheusRule"),
+        chart().join("alerts/kvfabric.rules.yaml").is_file()
+    );
+    println!(
+        "repository: {n_json} dashboard(s), PrometheusRule: {}",
+        has(&real, "PrometheusRule")
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The rendered config and flags are accepted by the real agent
+/// (`kvfabric agent ... --print-config`), for every values variant.
+#[test]
+fn chart_agent_config_accepted_by_agent() {
+    let Some(path) = tools_path() else { return };
+    let Some(bin) = kvfabric_bin() else {
+        skip("target/<profile>/kvfabric not built (cargo build -p kvfabric-agent --bin kvfabric)");
+        return;
+    };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("chart-agent-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut variants: Vec<(String, Vec<String>)> = vec![("defaults".into(), vec![])];
+    for f in CI_VALUES {
+        variants.push((f.into(), vec!["-f".into(), values(f)]));
+    }
+    for (label, extra) in &variants {
+        let args: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let docs = template(&path, &args);
+        let mut cfg = agent_config(&docs);
+        let c = container(one(&docs, "DaemonSet", "-agent")).clone();
+        // The container's args with the downward-API variables the kubelet
+        // substitutes, and the config at a local path.
+        let file = dir.join("config.yaml");
+        let run = |cfg: &Value| {
+            std::fs::write(&file, serde_yaml::to_string(cfg).unwrap()).unwrap();
+            let argv: Vec<String> = strings(&c["args"])
+                .into_iter()
+                .map(|a| match a.as_str() {
+                    "/etc/kvfabric/config.yaml" => file.to_string_lossy().into_owned(),
+                    "$(POD_NAME)" => "kvfabric-agent-x1".into(),
+                    "$(POD_UID)" => "0f4c5e7a-1111-2222-3333-444455556666".into(),
+                    _ => a,
+                })
+                .collect();
+            Command::new(&bin)
+                .args(&argv)
+                .arg("--print-config")
+                .output()
+                .expect("run kvfabric")
+        };
+        let mut out = run(&cfg);
+        if !out.status.success() && !cfg["gpu"].is_null() {
+            // This build has no `cuda` feature (the image's has): only the
+            // GPU ordinal may be refused, for that reason.
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains("this build has no GPU support"),
+                "{label}: {err}"
+            );
+            println!(
+                "{label}: gpu {} needs a cuda build; checking the rest without it",
+                cfg["gpu"]
+            );
+            cfg["gpu"] = Value::Null;
+            out = run(&cfg);
+        }
+        assert!(
+            out.status.success(),
+            "{label}: kvfabric agent refused the chart's config:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let eff = parse_docs(&String::from_utf8_lossy(&out.stdout)).remove(0);
+        for k in [
+            "fabric",
+            "listen",
+            "engineSocket",
+            "etcdEndpoints",
+            "role",
+            "leaseTtlSeconds",
+        ] {
+            assert_eq!(eff[k], cfg[k], "{label}: {k}");
+        }
+        assert_eq!(eff["logicalId"], "kvfabric-agent-x1");
+        assert_eq!(eff["podUid"], "0f4c5e7a-1111-2222-3333-444455556666");
+        for (k, v) in cfg["bounce"].as_object().unwrap() {
+            assert_eq!(&eff["bounce"][k], v, "{label}: bounce.{k}");
+        }
+        println!("ok {label}: agent accepts the chart's config and flags");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
