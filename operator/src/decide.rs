@@ -112,8 +112,9 @@ pub enum NodeState {
     Unknown,
 }
 
-/// [`NodeState`] of a node object (Ready condition True ⇒ Ready, anything
-/// else, a missing condition included, ⇒ NotReady).
+/// [`NodeState`] of a node object: Ready condition True ⇒ Ready, False or
+/// Unknown ⇒ NotReady, no Ready condition at all (a node that has not
+/// reported yet) ⇒ Unknown.
 pub fn node_state(node: &Node) -> NodeState {
     let ready = node
         .status
@@ -123,7 +124,10 @@ pub fn node_state(node: &Node) -> NodeState {
         .map(|c| c.status == "True");
     match ready {
         Some(true) => NodeState::Ready,
-        _ => NodeState::NotReady,
+        Some(false) => NodeState::NotReady,
+        // A node that never reported (just registered): nothing runs on it
+        // yet, so nothing to invalidate.
+        None => NodeState::Unknown,
     }
 }
 
@@ -394,7 +398,7 @@ pub(crate) mod tests {
         let p = pod("a", "n1", true, 0, 0);
         assert_eq!(node_state(&node("n1", "Unknown")), NodeState::NotReady);
         assert_eq!(node_state(&node("n1", "True")), NodeState::Ready);
-        assert_eq!(node_state(&Node::default()), NodeState::NotReady);
+        assert_eq!(node_state(&Node::default()), NodeState::Unknown);
         assert_eq!(
             decide(&p, NodeState::NotReady, 1, 0, &SEEN),
             PeerAction::Invalidate(Reason::NodeNotReady("n1".into()))

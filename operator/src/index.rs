@@ -74,7 +74,11 @@ fn running_since_ms(pod: &Pod) -> Option<i64> {
         .iter()
         .flatten()
         .filter_map(|c| c.state.as_ref()?.running.as_ref()?.started_at.as_ref())
-        .map(|t| t.0.as_millisecond())
+        // `startedAt` has whole-second precision on the wire: take the end
+        // of that second, so an incarnation that started earlier in the
+        // same second is not kept. (One started later in that second and
+        // removed too republishes its record: its key vanished.)
+        .map(|t| t.0.as_millisecond() - t.0.as_millisecond().rem_euclid(1000) + 999)
         .max()
 }
 
@@ -380,7 +384,7 @@ mod tests {
         });
         let out = idx.pod_event(Event::Apply(restarted.clone()), 10);
         assert_eq!(uids(&out), [("uid-a", "ContainerRestarted")]);
-        assert_eq!(out[0].started_before_ms, Some(9_000));
+        assert_eq!(out[0].started_before_ms, Some(9_999));
         assert!(!idx.is_invalidated("uid-a"));
         assert!(idx.pod_event(Event::Apply(restarted), 11).is_empty());
         assert_eq!(

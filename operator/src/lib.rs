@@ -6,6 +6,7 @@
 //!   `crdgen` writes to `crds/`;
 //! * [`decide`] — pure: pod/node state → keep or invalidate;
 //! * [`index`] — pure: watch events (init/resync/delete) → invalidations;
+//! * [`leader`] — leader election on a Lease (pure rule + IO);
 //! * [`store`] — the fabric's etcd keys (record removal, tombstones);
 //! * [`controller`] — watches, wiring, status;
 //! * [`metrics`] — Prometheus metrics and `/metrics`.
@@ -14,5 +15,6 @@ pub mod controller;
 pub mod crd;
 pub mod decide;
 pub mod index;
+pub mod leader;
 pub mod metrics;
 pub mod store;

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Buckets of [`Metrics::invalidation_seconds`], seconds (1 ms … 10 s).
@@ -25,6 +25,15 @@ pub struct Metrics {
     pub records_removed: IntCounterVec,
     /// `kvfabric_operator_errors_total{kind}` (`etcd`, `kube`, `watch`).
     pub errors: IntCounterVec,
+    /// `kvfabric_operator_leader`: 1 while this replica leads (or runs
+    /// without leader election), else 0.
+    pub leader: IntGauge,
+    /// `kvfabric_operator_reconciles_total{fabric}`: reconcile passes (one
+    /// per batch of watch events or deadline) of each fabric task.
+    pub reconciles: IntCounterVec,
+    /// `kvfabric_operator_reconcile_duration_seconds{fabric}`: one reconcile
+    /// pass (invalidations and status update), seconds.
+    pub reconcile_seconds: HistogramVec,
 }
 
 impl Metrics {
@@ -60,6 +69,28 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let leader = IntGauge::new(
+            "kvfabric_operator_leader",
+            "1 while this replica is the acting leader, else 0.",
+        )?;
+        let reconciles = IntCounterVec::new(
+            Opts::new(
+                "kvfabric_operator_reconciles_total",
+                "Reconcile passes of a fabric task.",
+            ),
+            &["fabric"],
+        )?;
+        let reconcile_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvfabric_operator_reconcile_duration_seconds",
+                "One reconcile pass (invalidations, status update), seconds.",
+            )
+            .buckets(INVALIDATION_BUCKETS_S.to_vec()),
+            &["fabric"],
+        )?;
+        registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(reconciles.clone()))?;
+        registry.register(Box::new(reconcile_seconds.clone()))?;
         registry.register(Box::new(invalidation_seconds.clone()))?;
         registry.register(Box::new(invalidations.clone()))?;
         registry.register(Box::new(records_removed.clone()))?;
@@ -70,6 +101,9 @@ impl Metrics {
             invalidations,
             records_removed,
             errors,
+            leader,
+            reconciles,
+            reconcile_seconds,
         })
     }
 
@@ -80,19 +114,22 @@ impl Metrics {
         String::from_utf8_lossy(&buf).into_owned()
     }
 
-    /// Serves `GET /metrics` on `addr` until the task is dropped; returns
+    /// Serves `GET /metrics` (and `GET /healthz`, 200 while the process
+    /// runs: the liveness probe) on `addr` until the task is dropped; returns
     /// the bound address (port 0 = ephemeral).
     pub async fn serve(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let bound = listener.local_addr()?;
         let me = self.clone();
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(move || {
-                let m = me.clone();
-                async move { m.render() }
-            }),
-        );
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let m = me.clone();
+                    async move { m.render() }
+                }),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok\n" }));
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "metrics server stopped");

@@ -154,7 +154,9 @@ impl FabricStore {
             };
             let value = serde_json::to_vec(&t).unwrap_or_default();
             let key = format!("{}{}", tombstones_prefix(&self.fabric), inv.uid);
-            ops.push(TxnOp::put(key, value, None));
+            // First in the transaction: agents read a removal that follows
+            // its tombstone (same revision) as the operator path.
+            ops.insert(0, TxnOp::put(key, value, None));
         }
         if !ops.is_empty() {
             tokio::time::timeout(self.timeout, kv.txn(Txn::new().and_then(ops)))

@@ -605,6 +605,12 @@ impl FabricAgent {
         v
     }
 
+    /// When a control message from `peer` was last received, ms since the
+    /// Unix epoch (bounce transport only; `None` otherwise or never).
+    pub fn last_heard_ms(&self, peer: &str) -> Option<i64> {
+        self.transport.as_ref().and_then(|t| t.last_heard_ms(peer))
+    }
+
     /// Forgets a peer everywhere (seed `invalidateRemoteAgent` →
     /// `forgetPeer`): the transport reclaims its flows and fails its
     /// requests synchronously; NIXL drops its metadata.

@@ -490,7 +490,15 @@ pub struct BounceTransport {
     closed: Arc<AtomicBool>,
     /// Set by the IO thread while it blocks in its channel's receive.
     io_blocked: Arc<AtomicBool>,
+    /// Peer name → when a control message from it was last received, ms
+    /// since the Unix epoch (to [`HEARD_GRANULARITY`]); see
+    /// [`BounceTransport::last_heard_ms`].
+    heard: Arc<Mutex<HashMap<String, i64>>>,
 }
+
+/// Granularity of [`BounceTransport::last_heard_ms`]: the IO thread
+/// publishes a peer's time at most this often.
+const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 
 /// Ticks without any event before the IO thread yields between engine
 /// polls (writes in flight) or blocks in the channel's receive (otherwise).
@@ -559,7 +567,10 @@ impl BounceTransport {
         .map_err(|e| format!("spawning copy workers: {e}"))?;
         let primer = workers.primer();
         let stats = Arc::new(TransportStats::default());
+        let heard = Arc::new(Mutex::new(HashMap::new()));
         let mut io = Io {
+            heard: heard.clone(),
+            heard_at: HashMap::new(),
             name: name.clone(),
             engine,
             channel,
@@ -612,7 +623,19 @@ impl BounceTransport {
             max_inflight,
             closed,
             io_blocked,
+            heard,
         })
+    }
+
+    /// When a control message from `peer` was last received, ms since the
+    /// Unix epoch (within 50 ms); `None` if never since it was loaded.
+    /// Bounds the lease-path invalidation latency (issue 14).
+    pub fn last_heard_ms(&self, peer: &str) -> Option<i64> {
+        self.heard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .copied()
     }
 
     /// Queues `cmd` for the IO thread and wakes it.
@@ -1069,6 +1092,10 @@ struct Io {
     /// without further arena space. `None` when the arena holds fewer than
     /// two such blocks.
     reserve_block: Option<u64>,
+    /// See [`BounceTransport::heard`].
+    heard: Arc<Mutex<HashMap<String, i64>>>,
+    /// When `heard` was last updated per peer (throttle).
+    heard_at: HashMap<String, Instant>,
 }
 
 impl Io {
@@ -1243,6 +1270,11 @@ impl Io {
                 let _ = reply.send(r);
             }
             Command::ForgetPeer { peer, reply } => {
+                self.heard_at.remove(&peer);
+                self.heard
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&peer);
                 self.forget_peer(&peer);
                 self.drop_transport_report(&peer);
                 let _ = reply.send(());
@@ -2221,8 +2253,30 @@ impl Io {
         n
     }
 
+    /// Records that `peer` was heard now (at most every
+    /// [`HEARD_GRANULARITY`] per peer: no lock or allocation otherwise).
+    fn note_heard(&mut self, peer: &str) {
+        let now = Instant::now();
+        if self
+            .heard_at
+            .get(peer)
+            .is_some_and(|t| now.duration_since(*t) < HEARD_GRANULARITY)
+        {
+            return;
+        }
+        self.heard_at.insert(peer.to_string(), now);
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        self.heard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer.to_string(), ms);
+    }
+
     fn on_message(&mut self, peer: &str, bytes: &[u8]) {
         tracing::trace!(bytes = bytes.len(), "message in");
+        self.note_heard(peer);
         match Message::decode(bytes) {
             Ok(Message::Want(w)) => self.on_want(peer, w),
             Ok(Message::Grant(g)) => self.on_grant(peer, g),

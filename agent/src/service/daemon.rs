@@ -631,10 +631,15 @@ impl Node {
         record.pod_uid = opts.pod_uid;
         record.config_generation = agent.handshake().map_or(0, |h| h.config_generation);
         record.validate().map_err(|e| e.to_string())?;
-        let sync = PeerSync::spawn(
+        let observer: super::discovery::InvalidationObserver = {
+            let (m, name) = (metrics.clone(), agent.name().to_string());
+            Arc::new(move |path, latency| m.observe_invalidation(&name, path.label(), latency))
+        };
+        let sync = PeerSync::spawn_observed(
             agent.clone(),
             discovery.events(),
             Some(opts.logical_id.clone()),
+            Some(observer),
         );
         match discovery.publish(record.clone()) {
             Ok(()) => {

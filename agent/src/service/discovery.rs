@@ -387,6 +387,52 @@ pub enum PeerEvent {
         /// Its NIXL agent name.
         name: String,
     },
+    /// Sent just before the `Removed` of an invalidated peer: how its end
+    /// was learnt and since when it is known dead, for
+    /// `kvfabric_peer_invalidation_seconds{path}` (issue 14). Not an
+    /// instruction by itself: consumers act on the `Removed` that follows.
+    Invalidated {
+        /// Its NIXL agent name.
+        name: String,
+        /// How the end was learnt.
+        path: InvalidationPath,
+        /// When the peer is known to have ended, ms since the Unix epoch:
+        /// the operator's observation of the pod event (tombstone), or — on
+        /// the lease path — the earliest moment the peer can have died
+        /// (deletion time − lease TTL; [`PeerSync`] raises it to the last
+        /// control message heard from the peer), an upper bound on the
+        /// detection latency.
+        since_ms: i64,
+    },
+}
+
+/// How a peer's end reached this agent (the `path` label of
+/// `kvfabric_peer_invalidation_seconds`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InvalidationPath {
+    /// The operator saw the pod die and tombstoned its UID.
+    Operator,
+    /// The record vanished without a tombstone: its lease expired (or the
+    /// peer withdrew it on shutdown).
+    Lease,
+}
+
+impl InvalidationPath {
+    /// The metric label: `operator` or `lease`.
+    pub fn label(self) -> &'static str {
+        match self {
+            InvalidationPath::Operator => "operator",
+            InvalidationPath::Lease => "lease",
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 before 1970).
+pub(crate) fn epoch_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
 }
 
 /// The state of this agent's own publication.
@@ -554,6 +600,8 @@ impl IncarnationTracker {
         match event {
             PeerEvent::Upsert(rec) => self.upsert(rec),
             PeerEvent::Removed { name } => self.remove(name),
+            // Not a change of the record set; passed through.
+            ev @ PeerEvent::Invalidated { .. } => vec![ev],
         }
     }
 
@@ -714,8 +762,10 @@ impl Hub {
     }
 
     /// Adds a tombstone: records of pod `uid` are removed now and never
-    /// loaded again.
-    pub(crate) fn add_tombstone(&self, uid: &str) {
+    /// loaded again. `observed_at_ms` (the operator's observation of the
+    /// pod event, from the tombstone's value) announces each removal as an
+    /// [`PeerEvent::Invalidated`] on the operator path.
+    pub(crate) fn add_tombstone(&self, uid: &str, observed_at_ms: Option<i64>) {
         let mut g = self.lock();
         if !g.tombstones.insert(uid.to_string()) {
             return;
@@ -727,8 +777,32 @@ impl Hub {
             .map(|r| r.name.clone())
             .collect();
         for name in doomed {
+            if let Some(since_ms) = observed_at_ms {
+                g.fan_out(vec![PeerEvent::Invalidated {
+                    name: name.clone(),
+                    path: InvalidationPath::Operator,
+                    since_ms,
+                }]);
+            }
             g.remove(&name);
         }
+    }
+
+    /// Removes record `name` whose key vanished from the store without a
+    /// tombstone (lease expiry or withdrawal), announcing it on the lease
+    /// path with `since_ms` = the earliest moment the peer can have died.
+    /// No-op for an unknown name.
+    pub(crate) fn remove_expired(&self, name: &str, since_ms: i64) {
+        let mut g = self.lock();
+        if !g.raw.contains_key(name) {
+            return;
+        }
+        g.fan_out(vec![PeerEvent::Invalidated {
+            name: name.to_string(),
+            path: InvalidationPath::Lease,
+            since_ms,
+        }]);
+        g.remove(name);
     }
 
     /// Whether pod `uid` is tombstoned.
@@ -768,10 +842,6 @@ impl Hub {
     pub(crate) fn live(&self) -> Vec<AgentRecord> {
         self.lock().tracker.live()
     }
-
-    pub(crate) fn contains_raw(&self, name: &str) -> bool {
-        self.lock().raw.contains_key(name)
-    }
 }
 
 /// What [`PeerSync`] drives: a [`FabricAgent`], or a fake in tests.
@@ -785,6 +855,12 @@ pub trait PeerSink: Send + Sync {
     fn load(&self, peer: &PeerDescriptor) -> Result<(), String>;
     /// Forgets a peer (idempotent).
     fn forget(&self, name: &str);
+    /// When this agent last received a control message from peer `name`,
+    /// ms since the Unix epoch (`None`: never, or not tracked).
+    fn last_heard_ms(&self, name: &str) -> Option<i64> {
+        let _ = name;
+        None
+    }
 }
 
 impl PeerSink for FabricAgent {
@@ -797,7 +873,18 @@ impl PeerSink for FabricAgent {
     fn forget(&self, name: &str) {
         self.forget_peer(name)
     }
+    fn last_heard_ms(&self, name: &str) -> Option<i64> {
+        FabricAgent::last_heard_ms(self, name)
+    }
 }
+
+/// Called with the path and the fault → forgotten latency of each
+/// invalidated peer a [`PeerSync`] forgot (see [`PeerSync::spawn_observed`]).
+pub type InvalidationObserver = Arc<dyn Fn(InvalidationPath, Duration) + Send + Sync>;
+
+/// How long a [`PeerEvent::Invalidated`] waits for its `Removed` before it
+/// is dropped (a removal of a peer that was never loaded sends none).
+const INVALIDATION_PENDING_MAX: Duration = Duration::from_secs(10);
 
 /// Counters of a [`PeerSync`].
 #[derive(Debug, Default)]
@@ -840,13 +927,37 @@ impl PeerSync {
         events: Receiver<PeerEvent>,
         local_logical_id: Option<String>,
     ) -> Self {
+        Self::spawn_observed(sink, events, local_logical_id, None)
+    }
+
+    /// [`PeerSync::spawn`], calling `observer(path, latency)` each time an
+    /// invalidated peer ([`PeerEvent::Invalidated`]) has been forgotten:
+    /// `latency` runs from its `since_ms` — on the lease path raised to the
+    /// last control message this agent heard from the peer
+    /// ([`PeerSink::last_heard_ms`]) — to the end of `forget`.
+    pub fn spawn_observed<S: PeerSink + ?Sized + 'static>(
+        sink: Arc<S>,
+        events: Receiver<PeerEvent>,
+        local_logical_id: Option<String>,
+        observer: Option<InvalidationObserver>,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(PeerSyncStats::default());
         let loaded = Arc::new(Mutex::new(BTreeMap::new()));
         let (stop2, stats2, loaded2) = (stop.clone(), stats.clone(), loaded.clone());
         let thread = std::thread::Builder::new()
             .name("kvfabric-peersync".into())
-            .spawn(move || sync_loop(&*sink, &events, local_logical_id, &stop2, &stats2, &loaded2))
+            .spawn(move || {
+                sync_loop(
+                    &*sink,
+                    &events,
+                    local_logical_id,
+                    &stop2,
+                    &stats2,
+                    &loaded2,
+                    observer,
+                )
+            })
             .expect("spawning the peer-sync thread");
         Self {
             stop,
@@ -918,11 +1029,15 @@ fn sync_loop<S: PeerSink + ?Sized>(
     stop: &AtomicBool,
     stats: &PeerSyncStats,
     loaded: &Mutex<BTreeMap<String, AgentRecord>>,
+    observer: Option<InvalidationObserver>,
 ) {
     let me = sink.local_name().to_string();
     let mut retry: HashMap<String, PendingLoad> = HashMap::new();
+    let mut invalidated: HashMap<String, (InvalidationPath, i64, std::time::Instant)> =
+        HashMap::new();
     while !stop.load(Ordering::SeqCst) {
         let now = std::time::Instant::now();
+        invalidated.retain(|_, (_, _, at)| now.duration_since(*at) < INVALIDATION_PENDING_MAX);
         let wait = retry
             .values()
             .map(|p| p.at.saturating_duration_since(now))
@@ -949,8 +1064,22 @@ fn sync_loop<S: PeerSink + ?Sized>(
                     }
                 }
             }
+            Ok(PeerEvent::Invalidated {
+                name,
+                path,
+                since_ms,
+            }) => {
+                let since_ms = match path {
+                    InvalidationPath::Lease => sink
+                        .last_heard_ms(&name)
+                        .map_or(since_ms, |h| h.max(since_ms)),
+                    InvalidationPath::Operator => since_ms,
+                };
+                invalidated.insert(name, (path, since_ms, now));
+            }
             Ok(PeerEvent::Removed { name }) => {
                 retry.remove(&name);
+                let origin = invalidated.remove(&name);
                 let known = loaded
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -964,6 +1093,12 @@ fn sync_loop<S: PeerSink + ?Sized>(
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&name);
+                    if let (Some((path, since_ms, _)), Some(obs)) = (origin, observer.as_ref()) {
+                        let ms = epoch_ms().saturating_sub(since_ms).max(0);
+                        let latency = Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+                        obs(path, latency);
+                        tracing::info!(agent = %me, peer = %name, path = path.label(), latency_ms = ms, "invalidated peer forgotten");
+                    }
                     tracing::info!(agent = %me, peer = %name, "peer forgotten");
                 }
             }

@@ -22,6 +22,7 @@
 //! | `kvfabric_bounce_timeouts_total` | counter | | bounce requests failed by the no-progress timeout |
 //! | `kvfabric_standard_failures_total` | counter | | standard-path transfers that failed |
 //! | `kvfabric_transfer_latency_seconds` | histogram | `path`, `outcome` | submit → resolution, seconds (buckets [`LATENCY_BUCKETS_SECONDS`]; recorded by [`AgentMetrics::submit_timed`] / [`AgentMetrics::observe_transfer`]) |
+//! | `kvfabric_peer_invalidation_seconds` | histogram | `path` = operator/lease | a peer's end known (operator: the pod event the operator saw, from its tombstone; lease: the later of deletion − lease TTL and the last control message heard from the peer — an upper bound) until forgotten by this agent, seconds ([`AgentMetrics::observe_invalidation`]) |
 //! | `kvfabric_requests_in_flight` | gauge | `path` = bounce/standard | requests submitted and not yet resolved |
 //! | `kvfabric_credit_grants_total` | counter | | credits granted by the receiver role |
 //! | `kvfabric_credit_wait_seconds_total` | counter | | summed submit → first GRANT wait of bounce requests, seconds (µs resolution) |
@@ -87,6 +88,13 @@ use crate::runtime::transport::{TransferHandle, TransferOutcome, TransportReport
 pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0, 30.0,
+];
+
+/// Bucket boundaries of `kvfabric_peer_invalidation_seconds`, seconds:
+/// 1 ms to 60 s (the operator path is ms; the lease path is bounded by the
+/// lease TTL).
+pub const INVALIDATION_BUCKETS_SECONDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0,
 ];
 
 /// The `path` label value of a [`PathKind`].
@@ -191,6 +199,7 @@ pub struct AgentMetrics {
     /// Keeps the pipeline (and the exporter's reader) alive.
     _provider: SdkMeterProvider,
     latency: Histogram<f64>,
+    invalidation: Histogram<f64>,
     sources: SharedSources,
     shutting_down: Arc<AtomicBool>,
 }
@@ -368,6 +377,19 @@ const AGENT_COUNTERS: &[(&str, &str, AgentField)] = &[
 ];
 
 impl AgentMetrics {
+    /// Records one peer invalidation as seen by agent `agent`:
+    /// `kvfabric_peer_invalidation_seconds{agent, path}` (issue 14; fed by
+    /// [`crate::service::discovery::PeerSync::spawn_observed`]).
+    pub fn observe_invalidation(&self, agent: &str, path: &'static str, latency: Duration) {
+        self.invalidation.record(
+            latency.as_secs_f64(),
+            &[
+                KeyValue::new("agent", agent.to_string()),
+                KeyValue::new("path", path),
+            ],
+        );
+    }
+
     /// Builds the provider, the exporter and every instrument.
     ///
     /// # Errors
@@ -866,10 +888,19 @@ impl AgentMetrics {
             .with_description("Transfer latency from submit to resolution, seconds")
             .with_boundaries(LATENCY_BUCKETS_SECONDS.to_vec())
             .build();
+        let invalidation = meter
+            .f64_histogram("kvfabric.peer.invalidation")
+            .with_unit("s")
+            .with_description(
+                "Peer end known (operator: pod event seen; lease: last sign of life, upper bound) until forgotten here, seconds",
+            )
+            .with_boundaries(INVALIDATION_BUCKETS_SECONDS.to_vec())
+            .build();
         Ok(Self {
             registry,
             _provider: provider,
             latency,
+            invalidation,
             sources,
             shutting_down,
         })

@@ -874,7 +874,7 @@ impl WatchTask {
         let mut snapshot = Vec::new();
         for kv in resp.kvs() {
             if let Some(uid) = self.tomb_of(kv.key()) {
-                self.shared.hub.add_tombstone(uid);
+                self.shared.hub.add_tombstone(uid, None);
             }
         }
         for kv in resp.kvs() {
@@ -928,13 +928,22 @@ impl WatchTask {
                     resp.cancel_reason()
                 ));
             }
+            // Tombstones first: the operator removes a dead pod's records
+            // and tombstones its UID in one transaction (one revision), and
+            // a removal that has a tombstone is the operator path.
             for ev in resp.events() {
                 let Some(kv) = ev.kv() else { continue };
                 if let Some(uid) = self.tomb_of(kv.key()) {
                     if ev.event_type() == EventType::Put {
                         tracing::info!(pod_uid = %LogSafe(uid), "pod invalidated by the operator (tombstone)");
-                        self.shared.hub.add_tombstone(uid);
+                        let observed = tombstone_observed_at_ms(kv.value());
+                        self.shared.hub.add_tombstone(uid, observed);
                     }
+                }
+            }
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                if self.tomb_of(kv.key()).is_some() {
                     continue;
                 }
                 let Some(name) = self.name_of(kv.key()) else {
@@ -946,13 +955,22 @@ impl WatchTask {
                         None => self.shared.hub.remove(name),
                     },
                     EventType::Delete => {
-                        if self.shared.hub.contains_raw(name) {
-                            self.shared.hub.remove(name);
-                        }
+                        let ttl_ms =
+                            i64::try_from(self.opts.lease_ttl.as_millis()).unwrap_or(i64::MAX);
+                        self.shared
+                            .hub
+                            .remove_expired(name, super::epoch_ms().saturating_sub(ttl_ms));
                         self.own_key_gone(name, kv.mod_revision());
                     }
                 }
             }
         }
     }
+}
+
+/// `observedAtMs` of a tombstone's JSON value (the operator's
+/// `store::Tombstone`); `None` when absent or not JSON.
+fn tombstone_observed_at_ms(value: &[u8]) -> Option<i64> {
+    let v: serde_json::Value = serde_json::from_slice(value).ok()?;
+    v.get("observedAtMs")?.as_i64()
 }
