@@ -4,8 +4,11 @@
 //! ([`FabricStore`]), then reports counts and the last latency in the
 //! fabric's status.
 //!
-//! First slice of issue 14: no leader election, finalizer, Events or
-//! config rollout yet (see operator/README.md).
+//! Each `KvFabric` carries the finalizer [`FINALIZER`]: on delete, the
+//! fabric task stops and its etcd keys (`/kvfabric/<fabric>/`) are removed
+//! before the object may go. Invalidations and configuration problems are
+//! recorded as Kubernetes Events on the `KvFabric` (events.k8s.io/v1).
+//! Not yet: config rollout by generation (see operator/README.md).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -15,9 +18,10 @@ use futures::{stream, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
 use crate::crd::{condition, KvFabric, KvFabricSpec, KvFabricStatus};
@@ -32,6 +36,36 @@ pub const ETCD_TIMEOUT: Duration = Duration::from_secs(2);
 pub const RETRY_INITIAL: Duration = Duration::from_millis(50);
 /// Longest retry delay.
 pub const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// The finalizer on every `KvFabric`: its etcd keys are deleted before the
+/// object goes.
+pub const FINALIZER: &str = "kvfabric.io/etcd-cleanup";
+
+/// What to do about [`FINALIZER`] on a `KvFabric` seen by the watch. Pure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinalizerStep {
+    /// Live object without the finalizer: add it (before anything is
+    /// written to etcd for it, so a delete cannot leak keys).
+    Add,
+    /// Being deleted and still carries the finalizer: stop the fabric,
+    /// delete its etcd keys, then remove the finalizer.
+    Cleanup,
+    /// Live with the finalizer: run the fabric.
+    Run,
+    /// Being deleted without our finalizer: nothing left to do.
+    Gone,
+}
+
+/// [`FinalizerStep`] for an object's `deletionTimestamp` and finalizers.
+pub fn finalizer_step(deleting: bool, finalizers: &[String]) -> FinalizerStep {
+    let ours = finalizers.iter().any(|f| f == FINALIZER);
+    match (deleting, ours) {
+        (false, false) => FinalizerStep::Add,
+        (false, true) => FinalizerStep::Run,
+        (true, true) => FinalizerStep::Cleanup,
+        (true, false) => FinalizerStep::Gone,
+    }
+}
 
 /// Milliseconds since the Unix epoch now (0 if the clock is before 1970).
 pub fn now_ms() -> i64 {
@@ -172,10 +206,22 @@ pub async fn run(client: Client, metrics: Arc<Metrics>) {
     let api: Api<KvFabric> = Api::all(client.clone());
     let mut tasks: HashMap<String, (KvFabricSpec, tokio::task::JoinHandle<()>)> = HashMap::new();
     let mut relist: Option<Vec<String>> = None;
+    let mut cleaning: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let (cleaned_tx, mut cleaned_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut events = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
         .boxed();
-    while let Some(ev) = events.next().await {
+    loop {
+        let ev = tokio::select! {
+            ev = events.next() => match ev {
+                Some(ev) => ev,
+                None => break,
+            },
+            Some(done) = cleaned_rx.recv() => {
+                cleaning.remove(&done);
+                continue;
+            }
+        };
         let ev = match ev {
             Ok(ev) => ev,
             Err(e) => {
@@ -190,6 +236,37 @@ pub async fn run(client: Client, metrics: Arc<Metrics>) {
                 let key = format!("{}/{}", f.namespace().unwrap_or_default(), f.name_any());
                 if let Some(r) = relist.as_mut() {
                     r.push(key.clone());
+                }
+                let step = finalizer_step(
+                    f.metadata.deletion_timestamp.is_some(),
+                    f.metadata.finalizers.as_deref().unwrap_or(&[]),
+                );
+                match step {
+                    FinalizerStep::Run => {}
+                    FinalizerStep::Add => {
+                        if let Err(e) = add_finalizer(&client, &f).await {
+                            metrics.errors.with_label_values(&["kube"]).inc();
+                            tracing::warn!(fabric = %key, error = %e, "adding the finalizer failed; retried on the next event");
+                        }
+                        // The update comes back as an Apply event.
+                        continue;
+                    }
+                    FinalizerStep::Cleanup | FinalizerStep::Gone => {
+                        if let Some((_, h)) = tasks.remove(&key) {
+                            tracing::info!(fabric = %key, "fabric deleted; stopping its task");
+                            h.abort();
+                        }
+                        if step == FinalizerStep::Cleanup && !cleaning.contains(&key) {
+                            cleaning.insert(key.clone());
+                            let (c, m, done) =
+                                (client.clone(), metrics.clone(), cleaned_tx.clone());
+                            tokio::spawn(async move {
+                                cleanup(c, f, &m).await;
+                                let _ = done.send(key);
+                            });
+                        }
+                        continue;
+                    }
                 }
                 let same = tasks.get(&key).is_some_and(|(spec, _)| *spec == f.spec);
                 if !same {
@@ -223,6 +300,135 @@ pub async fn run(client: Client, metrics: Arc<Metrics>) {
     }
 }
 
+/// Adds [`FINALIZER`] (JSON patch: append, or create the list).
+async fn add_finalizer(client: &Client, f: &KvFabric) -> kube::Result<()> {
+    let api: Api<KvFabric> = Api::namespaced(client.clone(), &f.namespace().unwrap_or_default());
+    let patch = if f
+        .metadata
+        .finalizers
+        .as_ref()
+        .is_some_and(|v| !v.is_empty())
+    {
+        json!([{"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER}])
+    } else {
+        json!([{"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]}])
+    };
+    let patch: json_patch::Patch =
+        serde_json::from_value(patch).map_err(kube::Error::SerdeError)?;
+    api.patch(
+        &f.name_any(),
+        &PatchParams::default(),
+        &Patch::Json::<()>(patch),
+    )
+    .await
+    .map(|_| ())
+}
+
+/// The finalizer's work: deletes the fabric's etcd keys (retrying with
+/// backoff until etcd answers), records an Event, then removes
+/// [`FINALIZER`] (a JSON patch that tests the entry it removes, so a
+/// concurrent change of the list makes it fail and retry).
+async fn cleanup(client: Client, f: KvFabric, metrics: &Metrics) {
+    let name = f.name_any();
+    let ns = f.namespace().unwrap_or_default();
+    let fabric = f.fabric_name();
+    let store = connect_store(&f.spec.etcd.endpoints, &fabric, metrics).await;
+    let mut delay = RETRY_INITIAL;
+    let deleted = loop {
+        match store.delete_fabric().await {
+            Ok(n) => break n,
+            Err(e) => {
+                metrics.errors.with_label_values(&["etcd"]).inc();
+                tracing::warn!(fabric = %name, error = %e, "deleting the fabric's etcd keys failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+        }
+    };
+    tracing::info!(fabric = %name, keys = deleted, "fabric's etcd keys deleted");
+    publish_event(
+        &client,
+        &f,
+        EventType::Normal,
+        "EtcdKeysDeleted",
+        "Finalize",
+        format!("deleted {deleted} keys under /kvfabric/{fabric}/"),
+    )
+    .await;
+    let api: Api<KvFabric> = Api::namespaced(client, &ns);
+    let mut delay = RETRY_INITIAL;
+    loop {
+        let current = match api.get_opt(&name).await {
+            Ok(Some(c)) => c,
+            Ok(None) => return,
+            Err(e) => {
+                metrics.errors.with_label_values(&["kube"]).inc();
+                tracing::warn!(fabric = %name, error = %e, "reading the fabric failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RETRY_MAX);
+                continue;
+            }
+        };
+        let list = current.metadata.finalizers.clone().unwrap_or_default();
+        let Some(i) = list.iter().position(|x| x == FINALIZER) else {
+            return;
+        };
+        let patch: json_patch::Patch = match serde_json::from_value(json!([
+            {"op": "test", "path": format!("/metadata/finalizers/{i}"), "value": FINALIZER},
+            {"op": "remove", "path": format!("/metadata/finalizers/{i}")}
+        ])) {
+            Ok(p) => p,
+            Err(_) => return,
+        };
+        match api
+            .patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch))
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(fabric = %name, "finalizer removed");
+                return;
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => return,
+            Err(e) => {
+                metrics.errors.with_label_values(&["kube"]).inc();
+                tracing::warn!(fabric = %name, error = %e, "removing the finalizer failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+/// Records a Kubernetes Event on the `KvFabric` (events.k8s.io/v1),
+/// bounded to 2 s; a failure is logged, never fatal.
+async fn publish_event(
+    client: &Client,
+    f: &KvFabric,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
+    let reporter = Reporter {
+        controller: "kvfabric-operator".into(),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    let recorder = Recorder::new(client.clone(), reporter);
+    let ev = KubeEvent {
+        type_,
+        reason: reason.into(),
+        note: Some(note.chars().take(1000).collect()),
+        action: action.into(),
+        secondary: None,
+    };
+    let reference = f.object_ref(&());
+    match tokio::time::timeout(Duration::from_secs(2), recorder.publish(&ev, &reference)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, reason, "publishing an Event failed"),
+        Err(_) => tracing::warn!(reason, "publishing an Event timed out"),
+    }
+}
+
 enum Msg {
     Pod(Role, Box<Event<Pod>>),
     Node(Box<Event<Node>>),
@@ -253,6 +459,17 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let generation = fabric.metadata.generation.unwrap_or(0);
     let grace_ms = u64::from(fabric.spec.not_ready_grace_seconds) * 1000;
     let config_error = fabric.spec.bounce.validate().err().map(|e| e.to_string());
+    if let Some(e) = &config_error {
+        publish_event(
+            &client,
+            &fabric,
+            EventType::Warning,
+            "InvalidBounceConfig",
+            "Validate",
+            format!("bounce config refused: {e}"),
+        )
+        .await;
+    }
     let fabric_api: Api<KvFabric> = Api::namespaced(client.clone(), &ns);
 
     let mut streams = Vec::new();
@@ -339,6 +556,10 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
             }
         }
         pending.extend(fresh.into_iter().map(|i| (i, seen)));
+        metrics
+            .reconciles
+            .with_label_values(&[fabric_name.as_str()])
+            .inc();
 
         // Carry out invalidations (oldest first); keep failures for retry.
         let mut failed = Vec::new();
@@ -365,6 +586,29 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                         removed = keys.len(), latency_ms = dt.as_secs_f64() * 1e3,
                         "peer invalidated"
                     );
+                    {
+                        let (c, f) = (client.clone(), fabric.clone());
+                        let note = format!(
+                            "pod {}/{} (uid {}) {}: {} record(s) removed in {:.1} ms",
+                            inv.namespace,
+                            inv.name,
+                            inv.uid,
+                            inv.reason,
+                            keys.len(),
+                            dt.as_secs_f64() * 1e3
+                        );
+                        tokio::spawn(async move {
+                            publish_event(
+                                &c,
+                                &f,
+                                EventType::Normal,
+                                "PeerInvalidated",
+                                "Invalidate",
+                                note,
+                            )
+                            .await
+                        });
+                    }
                     status.peers_invalidated = status.peers_invalidated.saturating_add(1);
                     status.last_invalidation_latency_ms =
                         Some(u64::try_from(dt.as_micros().div_ceil(1000)).unwrap_or(u64::MAX));
@@ -421,6 +665,10 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                 tracing::warn!(fabric = %name, error = %e, "status update failed");
             }
         }
+        metrics
+            .reconcile_seconds
+            .with_label_values(&[fabric_name.as_str()])
+            .observe(seen.elapsed().as_secs_f64());
     }
 }
 
@@ -474,6 +722,17 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(selector_string(&bad), None);
+    }
+
+    #[test]
+    fn finalizer_steps() {
+        let ours = vec![FINALIZER.to_string()];
+        let other = vec!["example.com/x".to_string()];
+        assert_eq!(finalizer_step(false, &[]), FinalizerStep::Add);
+        assert_eq!(finalizer_step(false, &other), FinalizerStep::Add);
+        assert_eq!(finalizer_step(false, &ours), FinalizerStep::Run);
+        assert_eq!(finalizer_step(true, &ours), FinalizerStep::Cleanup);
+        assert_eq!(finalizer_step(true, &other), FinalizerStep::Gone);
     }
 
     #[test]

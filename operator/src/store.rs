@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 
 use crate::index::Invalidation;
@@ -20,6 +20,12 @@ use crate::index::Invalidation;
 /// `/kvfabric/<fabric>/agents/`.
 pub fn agents_prefix(fabric: &str) -> String {
     format!("/kvfabric/{fabric}/agents/")
+}
+
+/// `/kvfabric/<fabric>/`: every key of the fabric (agents, engines,
+/// tombstones); what the `KvFabric` finalizer deletes.
+pub fn fabric_prefix(fabric: &str) -> String {
+    format!("/kvfabric/{fabric}/")
 }
 
 /// `/kvfabric/<fabric>/tombstones/`.
@@ -116,6 +122,20 @@ impl FabricStore {
             fabric: fabric.to_string(),
             timeout,
         })
+    }
+
+    /// Deletes every key under [`fabric_prefix`] (the finalizer's cleanup).
+    /// Returns how many keys were deleted.
+    pub async fn delete_fabric(&self) -> Result<i64, StoreError> {
+        let mut kv = self.client.kv_client();
+        let prefix = fabric_prefix(&self.fabric);
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(resp.deleted())
     }
 
     /// Removes `inv`'s agent records and, for a terminal reason, writes its

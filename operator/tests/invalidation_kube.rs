@@ -206,10 +206,24 @@ impl Agent {
                 return Err(erx.recv_timeout(Duration::from_secs(5)).unwrap_or_default());
             }
         };
-        let name = get_json(addr, "/v1/config")["agent"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+        // The HTTP API may answer a moment after the address is printed
+        // (a loaded machine): retry, bounded.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let name = loop {
+            let n = get_json(addr, "/v1/config")["agent"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if !n.is_empty() {
+                break n;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("agent at {addr} never named itself on /v1/config"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
         Ok(Self { child, addr, name })
     }
 
@@ -389,6 +403,24 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         client.clone(),
         metrics.clone(),
     ));
+    wait_for(
+        "the operator adds its finalizer",
+        Duration::from_secs(10),
+        || {
+            let fabrics = fabrics.clone();
+            let f = fabric.clone();
+            async move {
+                fabrics.get(&f).await.ok().is_some_and(|k| {
+                    k.metadata
+                        .finalizers
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|x| x == kvfabric_operator::controller::FINALIZER)
+                })
+            }
+        },
+    )
+    .await;
 
     // The observer: an agent that is no pod and loads every peer.
     let observer = match Agent::spawn(&bin, &etcd_url, &fabric, "observer", None) {
@@ -427,18 +459,19 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         let key = format!("/kvfabric/{fabric}/agents/{}", agent.name);
         let obs = observer.addr;
         let name = agent.name.clone();
-        wait_for(
-            "observer loads the pod's agent",
-            Duration::from_secs(20),
-            || {
-                let name = name.clone();
-                async move {
-                    tokio::task::spawn_blocking(move || peer_names(obs).contains(&name))
-                        .await
-                        .unwrap_or(false)
-                }
-            },
-        )
+        let what = format!(
+            "round {round}: observer loads the pod's agent {} (observer lists {:?})",
+            agent.name,
+            peer_names(obs)
+        );
+        wait_for(&what, Duration::from_secs(30), || {
+            let name = name.clone();
+            async move {
+                tokio::task::spawn_blocking(move || peer_names(obs).contains(&name))
+                    .await
+                    .unwrap_or(false)
+            }
+        })
         .await;
         // Wait until the pod is Ready (kwok), so the operator has seen a live pod.
         wait_for("pod Ready", Duration::from_secs(20), || {
@@ -770,7 +803,77 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         })
         .collect();
     println!("operator histogram (event seen → record removed): {op_sum:?}");
-    operator.abort();
+    // Events on the KvFabric for the invalidations.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let reasons = |list: &[k8s_openapi::api::events::v1::Event]| -> Vec<String> {
+        list.iter()
+            .filter(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(fabric.as_str())
+            })
+            .filter_map(|e| e.reason.clone())
+            .collect()
+    };
+    wait_for("PeerInvalidated Events", Duration::from_secs(10), || {
+        let events = events.clone();
+        let reasons = &reasons;
+        async move {
+            events
+                .list(&Default::default())
+                .await
+                .map(|l| reasons(&l.items).iter().any(|r| r == "PeerInvalidated"))
+                .unwrap_or(false)
+        }
+    })
+    .await;
+
+    // Finalizer: deleting the KvFabric deletes its etcd keys (tombstones,
+    // the killed observer's record whose lease is still valid), then the
+    // object goes.
     drop(observer);
+    let before = etcd
+        .get(
+            format!("/kvfabric/{fabric}/"),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .expect("etcd count");
+    assert!(
+        before.count() > 0,
+        "expected tombstones and the observer's record"
+    );
+    fabrics
+        .delete(&fabric, &DeleteParams::default())
+        .await
+        .expect("delete KvFabric");
+    wait_for(
+        "KvFabric gone after its finalizer",
+        Duration::from_secs(15),
+        || {
+            let fabrics = fabrics.clone();
+            let f = fabric.clone();
+            async move { matches!(fabrics.get_opt(&f).await, Ok(None)) }
+        },
+    )
+    .await;
+    let after = etcd
+        .get(
+            format!("/kvfabric/{fabric}/"),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .expect("etcd count");
+    assert_eq!(after.count(), 0, "etcd keys of the deleted fabric left");
+    let all = events.list(&Default::default()).await.expect("list events");
+    assert!(
+        reasons(&all.items).iter().any(|r| r == "EtcdKeysDeleted"),
+        "no EtcdKeysDeleted Event: {:?}",
+        reasons(&all.items)
+    );
+    println!(
+        "finalizer: {} etcd keys of the fabric deleted before the KvFabric went",
+        before.count()
+    );
+    operator.abort();
     drop(cluster);
 }
