@@ -15,7 +15,6 @@
 //! `kvfabric` binary or the NIXL runtime are missing; fails instead under
 //! `KVFABRIC_REQUIRE_SERVICES=1`.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -24,10 +23,13 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod kube_common;
+
 use etcd_client::GetOptions;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube_common::{repo, skip, wait_for, Cluster};
 use kvfabric_operator::crd::{KvFabric, CRD_PATH};
 use kvfabric_operator::metrics::Metrics;
 use serde_json::{json, Value};
@@ -46,92 +48,12 @@ fn rounds() -> usize {
 /// The bound of the issue: delete → record removed → agents forgot it.
 const BOUND: Duration = Duration::from_secs(1);
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// SKIP (or, under KVFABRIC_REQUIRE_SERVICES=1, fail) with `why`.
-fn skip(why: &str) {
-    if std::env::var("KVFABRIC_REQUIRE_SERVICES").as_deref() == Ok("1") {
-        panic!("required service missing: {why}");
-    }
-    println!("SKIP: {why}");
-}
-
 /// The `kvfabric` binary next to this test's target dir.
 fn kvfabric_bin() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?.parent()?; // target/<profile>/deps/.. → target/<profile>
     let p = dir.join("kvfabric");
     p.is_file().then_some(p)
-}
-
-/// A control plane started by e2e/kube/up.sh in its own directory; stopped
-/// (and the directory removed) on drop.
-struct Cluster {
-    dir: PathBuf,
-    env: BTreeMap<String, String>,
-}
-
-impl Cluster {
-    fn up() -> Option<Self> {
-        let kube = repo().join("e2e/kube");
-        if !kube.join("up.sh").is_file() {
-            skip("e2e/kube/up.sh not present");
-            return None;
-        }
-        let cached = Command::new(kube.join("install.sh"))
-            .arg("--path")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !cached {
-            skip("control-plane tools not installed (run e2e/kube/install.sh)");
-            return None;
-        }
-        let dir = std::env::temp_dir().join(format!("kvfabric-op-kube-{}", std::process::id()));
-        let out = Command::new(kube.join("up.sh"))
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run up.sh");
-        let mut cluster = Self {
-            dir: dir.clone(),
-            env: BTreeMap::new(),
-        };
-        assert!(
-            out.status.success(),
-            "up.sh failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let env = std::fs::read_to_string(dir.join("env")).expect("DIR/env");
-        cluster.env = env
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Some(cluster)
-    }
-
-    fn var(&self, k: &str) -> &str {
-        self.env
-            .get(k)
-            .map(String::as_str)
-            .unwrap_or_else(|| panic!("{k} missing from env"))
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new(repo().join("e2e/kube/down.sh"))
-            .arg(&self.dir)
-            .arg("--purge")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
 }
 
 /// A `kvfabric agent` child, killed on drop.
@@ -298,25 +220,13 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_delete_removes_the_agent_record_within_a_second() {
     let Some(bin) = kvfabric_bin() else {
         skip("target/<profile>/kvfabric not built (cargo build -p kvfabric-agent)");
         return;
     };
-    let Some(cluster) = Cluster::up() else {
+    let Some(cluster) = Cluster::up("kvfabric-op-kube") else {
         return;
     };
     let etcd_url = cluster.var("KVFABRIC_KUBE_ETCD").to_string();
