@@ -487,13 +487,22 @@ impl AgentMetrics {
                 .u64_observable_counter("kvfabric.fallbacks")
                 .with_description("Transfers or agents that fell back from bounce to the standard path, by reason")
                 .with_callback(move |o| {
-                    for a in live_agents(&s) {
+                    let agents = live_agents(&s);
+                    let mut g = lock(&s);
+                    for a in &agents {
                         o.observe(
                             ld(&a.stats().fallbacks),
-                            &[agent_kv(&a), KeyValue::new("reason", "bounce_init_failed")],
+                            &[agent_kv(a), KeyValue::new("reason", "bounce_init_failed")],
                         );
+                        // Every reason exported from the start (0), so the
+                        // first fallback shows up in rate()/increase().
+                        for reason in ["peer_incompatible", "routing_gate"] {
+                            g.fallbacks
+                                .entry((a.name().to_string(), reason))
+                                .or_insert(0);
+                        }
                     }
-                    for ((agent, reason), n) in &lock(&s).fallbacks {
+                    for ((agent, reason), n) in &g.fallbacks {
                         o.observe(
                             *n,
                             &[
@@ -775,7 +784,7 @@ impl AgentMetrics {
         agent_gauge(
             &meter,
             &sources,
-            "kvfabric.transport.probe.rate",
+            "kvfabric.transport.probe",
             Some("By/s"),
             "Fastest chunk write of the transport probe to a loaded peer, bytes per second",
             |a, o, kv| {
