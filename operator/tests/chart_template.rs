@@ -274,8 +274,9 @@ fn chart_defaults() {
         env_of(c, "POD_NAMESPACE").unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
         "metadata.namespace"
     );
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/metrics");
-    assert_eq!(c["livenessProbe"]["tcpSocket"]["port"], "metrics");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"], "metrics");
     assert_eq!(c["ports"][0]["containerPort"], 9090);
     assert!(c["resources"]["requests"]["cpu"].is_string());
     let pdb = one(&docs, "PodDisruptionBudget", "-operator");

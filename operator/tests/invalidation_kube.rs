@@ -29,7 +29,7 @@ use etcd_client::GetOptions;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube_common::{repo, skip, wait_for, Cluster};
+use kube_common::{poll_until, repo, skip, wait_for, Cluster};
 use kvfabric_operator::crd::{KvFabric, CRD_PATH};
 use kvfabric_operator::metrics::Metrics;
 use serde_json::{json, Value};
@@ -61,9 +61,21 @@ struct Agent {
     child: Child,
     addr: SocketAddr,
     name: String,
+    /// The last stderr lines (diagnostics of a failure).
+    log: Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
 }
 
 impl Agent {
+    fn log_tail(&self) -> String {
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     /// Starts an agent; `Err(stderr)` when it never announced its address.
     fn spawn(
         bin: &Path,
@@ -96,7 +108,7 @@ impl Agent {
                 "--lease-ttl",
                 "60",
             ])
-            .env("KVFABRIC_LOG", "warn")
+            .env("KVFABRIC_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -113,19 +125,31 @@ impl Agent {
                 }
             }
         });
-        let mut err = child.stderr.take().ok_or("no stderr")?;
-        let (etx, erx) = mpsc::channel();
+        let err = child.stderr.take().ok_or("no stderr")?;
+        let log = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+        let log2 = log.clone();
         std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            let _ = etx.send(s);
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut l = log2.lock().unwrap_or_else(|p| p.into_inner());
+                if l.len() >= 40 {
+                    l.pop_front();
+                }
+                l.push_back(line);
+            }
         });
         let addr = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(a) => a,
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(erx.recv_timeout(Duration::from_secs(5)).unwrap_or_default());
+                std::thread::sleep(Duration::from_millis(200));
+                return Err(log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n"));
             }
         };
         // The HTTP API may answer a moment after the address is printed
@@ -146,7 +170,12 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(50));
         };
-        Ok(Self { child, addr, name })
+        Ok(Self {
+            child,
+            addr,
+            name,
+            log,
+        })
     }
 
     /// SIGSTOP (kill(1); this crate has no libc dependency).
@@ -369,12 +398,7 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         let key = format!("/kvfabric/{fabric}/agents/{}", agent.name);
         let obs = observer.addr;
         let name = agent.name.clone();
-        let what = format!(
-            "round {round}: observer loads the pod's agent {} (observer lists {:?})",
-            agent.name,
-            peer_names(obs)
-        );
-        wait_for(&what, Duration::from_secs(30), || {
+        let loaded = poll_until(Duration::from_secs(30), || {
             let name = name.clone();
             async move {
                 tokio::task::spawn_blocking(move || peer_names(obs).contains(&name))
@@ -383,6 +407,16 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
             }
         })
         .await;
+        if !loaded {
+            let rec = etcd.get(key.as_str(), None).await.map(|r| r.kvs().len());
+            panic!(
+                "round {round}: observer did not load {} within 30 s; its record in etcd: {rec:?}; observer lists {:?}\n--- agent log ---\n{}\n--- observer log ---\n{}",
+                agent.name,
+                peer_names(obs),
+                agent.log_tail(),
+                observer.log_tail()
+            );
+        }
         // Wait until the pod is Ready (kwok), so the operator has seen a live pod.
         wait_for("pod Ready", Duration::from_secs(20), || {
             let pods = pods.clone();

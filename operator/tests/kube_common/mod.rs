@@ -104,3 +104,22 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Polls `cond` every 20 ms until true (→ `true`) or `within` passed (→
+/// `false`), for callers that add diagnostics to a failure.
+pub async fn poll_until<F, Fut>(within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
