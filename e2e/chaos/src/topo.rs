@@ -1,0 +1,540 @@
+//! The topology the suite starts: the control plane of e2e/kube/up.sh
+//! (its own etcd, kube-apiserver, controller-manager, scheduler, kwok fake
+//! nodes), a separate etcd for the fabric (so that a fault can restart it
+//! without touching the apiserver's), the operator binary, and `kvfabric
+//! agent` processes. Every wait here is bounded.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Sends `sig` to `pid` (kill(2)); false when it failed.
+pub fn signal(pid: u32, sig: libc::c_int) -> bool {
+    // SAFETY: plain kill(2) on a child of this process.
+    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
+}
+
+/// A free loopback TCP port (bound then released).
+pub fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+/// A child process, SIGKILLed and reaped on drop.
+pub struct Proc {
+    /// The child.
+    pub child: Child,
+    /// What it is (for messages).
+    pub what: String,
+    /// Its log (stderr, and stdout when not read).
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`; reaped.
+    pub fn terminate(&mut self, grace: Duration) {
+        signal(self.pid(), libc::SIGTERM);
+        let t0 = Instant::now();
+        while t0.elapsed() < grace {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+    }
+
+    /// Whether it still runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The last `n` bytes of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        s[s.len().saturating_sub(n)..].to_string()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGCONT first: a stopped process does not die of SIGKILL until
+        // continued on some kernels' accounting (harmless otherwise).
+        signal(self.pid(), libc::SIGCONT);
+        self.kill();
+    }
+}
+
+fn log_file(path: &Path) -> Result<std::fs::File, String> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The repository root (this crate is e2e/chaos).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The control plane of e2e/kube/up.sh in `dir`; down (and purged) on drop.
+pub struct Kube {
+    /// Its directory (kubeconfig, env, logs).
+    pub dir: PathBuf,
+    env: BTreeMap<String, String>,
+    keep: bool,
+}
+
+impl Kube {
+    /// Whether the tools are installed (e2e/kube/install.sh --path).
+    pub fn tools_installed() -> bool {
+        Command::new(repo().join("e2e/kube/install.sh"))
+            .arg("--path")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    }
+
+    /// Runs up.sh in `dir`.
+    ///
+    /// # Errors
+    /// up.sh failing (its stderr).
+    pub fn up(dir: &Path, keep: bool) -> Result<Self, String> {
+        let out = Command::new(repo().join("e2e/kube/up.sh"))
+            .arg(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("up.sh: {e}"))?;
+        let mut k = Self {
+            dir: dir.to_path_buf(),
+            env: BTreeMap::new(),
+            keep,
+        };
+        if !out.status.success() {
+            return Err(format!(
+                "up.sh failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let env = std::fs::read_to_string(dir.join("env")).map_err(|e| format!("DIR/env: {e}"))?;
+        k.env = env
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        Ok(k)
+    }
+
+    /// A variable of DIR/env.
+    pub fn var(&self, k: &str) -> Option<&str> {
+        self.env.get(k).map(String::as_str)
+    }
+
+    /// The first fake node.
+    pub fn node(&self) -> String {
+        self.var("KVFABRIC_KUBE_NODES")
+            .and_then(|n| n.split(',').next())
+            .unwrap_or("kwok-gpu-0")
+            .to_string()
+    }
+
+    /// An executable from the cached tools (`KVFABRIC_KUBE_PATH`).
+    pub fn tool(&self, name: &str) -> PathBuf {
+        for d in self.var("KVFABRIC_KUBE_PATH").unwrap_or("").split(':') {
+            let p = Path::new(d).join(name);
+            if p.is_file() {
+                return p;
+            }
+        }
+        PathBuf::from(name)
+    }
+
+    /// Runs kubectl with `args` (stdin `input`), bounded by 30 s.
+    ///
+    /// # Errors
+    /// A non-zero exit (stderr) or no exit within the bound.
+    pub fn kubectl(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
+        let mut child = Command::new(self.tool("kubectl"))
+            .args(args)
+            .arg("--request-timeout=20s")
+            .env("KUBECONFIG", self.dir.join("kubeconfig"))
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("kubectl: {e}"))?;
+        if let (Some(i), Some(mut s)) = (input, child.stdin.take()) {
+            let _ = s.write_all(i.as_bytes());
+        }
+        let (tx, rx) = mpsc::channel();
+        let mut so = child.stdout.take();
+        let mut se = child.stderr.take();
+        std::thread::spawn(move || {
+            let (mut a, mut b) = (String::new(), String::new());
+            if let Some(s) = so.as_mut() {
+                let _ = s.read_to_string(&mut a);
+            }
+            if let Some(s) = se.as_mut() {
+                let _ = s.read_to_string(&mut b);
+            }
+            let _ = tx.send((a, b));
+        });
+        let Ok((out, err)) = rx.recv_timeout(Duration::from_secs(30)) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("kubectl {args:?}: no exit within 30 s"));
+        };
+        let st = child.wait().map_err(|e| e.to_string())?;
+        if st.success() {
+            Ok(out)
+        } else {
+            Err(format!("kubectl {args:?}: {err}"))
+        }
+    }
+
+    /// Creates a pod `name` with `labels` on the first fake node; its UID.
+    ///
+    /// # Errors
+    /// kubectl failing.
+    pub fn create_pod(&self, name: &str, labels: &[(&str, &str)]) -> Result<String, String> {
+        let labels: serde_json::Map<String, Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), Value::from(*v)))
+            .collect();
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": labels},
+            "spec": {"nodeName": self.node(), "containers": [{"name": "c", "image": "kvfabric:chaos"}]}
+        });
+        let out = self.kubectl(
+            &["create", "-o", "jsonpath={.metadata.uid}", "-f", "-"],
+            Some(&pod.to_string()),
+        )?;
+        Ok(out.trim().to_string())
+    }
+
+    /// Deletes pod `name` through the API (no wait for the kubelet).
+    ///
+    /// # Errors
+    /// kubectl failing.
+    pub fn delete_pod(&self, name: &str) -> Result<(), String> {
+        self.kubectl(
+            &["delete", "pod", name, "--wait=false", "--grace-period=0"],
+            None,
+        )
+        .map(|_| ())
+    }
+}
+
+impl Drop for Kube {
+    fn drop(&mut self) {
+        let mut c = Command::new(repo().join("e2e/kube/down.sh"));
+        c.arg(&self.dir);
+        if !self.keep {
+            c.arg("--purge");
+        }
+        let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
+    }
+}
+
+/// The fabric's etcd (single member), restartable on the same data dir and
+/// ports.
+pub struct Etcd {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    peer: u16,
+    /// The running member.
+    pub proc: Option<Proc>,
+}
+
+impl Etcd {
+    /// Starts it in `dir` and waits (≤ 20 s) until it answers.
+    ///
+    /// # Errors
+    /// Spawn failures or no answer.
+    pub fn start(bin: &Path, dir: &Path) -> Result<Self, String> {
+        let mut e = Self {
+            bin: bin.to_path_buf(),
+            dir: dir.to_path_buf(),
+            port: free_port()?,
+            peer: free_port()?,
+            proc: None,
+        };
+        e.spawn()?;
+        Ok(e)
+    }
+
+    /// The client endpoint.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| e.to_string())?;
+        let log = self.dir.join("etcd.log");
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.peer);
+        let child = Command::new(&self.bin)
+            .args(["--name", "fabric", "--data-dir"])
+            .arg(self.dir.join("data"))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("fabric={peer}")])
+            .args(["--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log_file(&log)?))
+            .stderr(Stdio::from(log_file(&log)?))
+            .spawn()
+            .map_err(|e| format!("etcd {}: {e}", self.bin.display()))?;
+        self.proc = Some(Proc {
+            child,
+            what: "fabric etcd".into(),
+            log,
+        });
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+            if http_get(addr, "/health")
+                .map(|(_, b)| b.contains("true"))
+                .unwrap_or(false)
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err("fabric etcd not healthy within 20 s".into())
+    }
+
+    /// SIGKILLs the member and starts it again on the same data and ports;
+    /// the time it was away.
+    ///
+    /// # Errors
+    /// The new member not answering.
+    pub fn restart(&mut self) -> Result<Duration, String> {
+        let t0 = Instant::now();
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+        self.spawn()?;
+        Ok(t0.elapsed())
+    }
+}
+
+/// One HTTP/1.0 GET (connect 2 s, read 5 s): (status line, body).
+///
+/// # Errors
+/// Connect or IO failures.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String> {
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    ))
+}
+
+/// Sum of the samples of metric `name` (any labels) whose label set
+/// contains every one of `labels`.
+pub fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Whether the agent of a role is a prefill or a decode agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Side {
+    /// Prefill.
+    Prefill,
+    /// Decode.
+    Decode,
+}
+
+/// How agents are started (common to all four).
+#[derive(Clone, Debug)]
+pub struct AgentConf {
+    /// The `kvfabric` binary.
+    pub bin: PathBuf,
+    /// Fabric etcd endpoint.
+    pub etcd: String,
+    /// Fabric name.
+    pub fabric: String,
+    /// Lease TTL, s.
+    pub lease_ttl_s: u64,
+    /// Bounce requestTimeoutMs.
+    pub request_timeout_ms: u64,
+    /// Where sockets and logs go.
+    pub dir: PathBuf,
+}
+
+/// A running `kvfabric agent`.
+pub struct AgentProc {
+    /// The process.
+    pub proc: Proc,
+    /// Its HTTP address.
+    pub http: SocketAddr,
+    /// Its NIXL name (incarnation included).
+    pub name: String,
+    /// Its engine socket.
+    pub socket: PathBuf,
+}
+
+impl AgentProc {
+    /// Starts agent `logical` (pod `pod_uid`) of `side`, generation `gen`
+    /// (log file name), and waits (≤ 60 s) for its HTTP API and name.
+    ///
+    /// # Errors
+    /// The agent not coming up (its log tail).
+    pub fn spawn(
+        conf: &AgentConf,
+        logical: &str,
+        pod_uid: &str,
+        side: Side,
+        gen: u32,
+    ) -> Result<Self, String> {
+        let socket = conf.dir.join(format!("{logical}.sock"));
+        let log = conf.dir.join(format!("{logical}.{gen}.log"));
+        let role = match side {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        };
+        let mut child = Command::new(&conf.bin)
+            .arg("agent")
+            .args(["--etcd", &conf.etcd, "--fabric", &conf.fabric])
+            .args([
+                "--logical-id",
+                logical,
+                "--pod-uid",
+                pod_uid,
+                "--role",
+                role,
+            ])
+            .args(["--listen", "127.0.0.1:0", "--pool-size", "4MiB"])
+            .args(["--control-bind", "loopback"])
+            .args(["--lease-ttl", &conf.lease_ttl_s.to_string()])
+            .arg("--engine-socket")
+            .arg(&socket)
+            .env("KVFABRIC_BOUNCE_ENABLE", "1")
+            .env(
+                "KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS",
+                conf.request_timeout_ms.to_string(),
+            )
+            .env("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")
+            .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "67108864")
+            .env("KVFABRIC_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file(&log)?))
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", conf.bin.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            let mut f = log_file(&log2).ok();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.split("listening on http://").nth(1) {
+                    if let Ok(a) = a.trim().parse::<SocketAddr>() {
+                        let _ = tx.send(a);
+                    }
+                }
+                if let Some(f) = f.as_mut() {
+                    let _ = writeln!(f, "{line}");
+                }
+            }
+        });
+        let mut proc = Proc {
+            child,
+            what: format!("agent {logical}"),
+            log,
+        };
+        let http = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                proc.kill();
+                return Err(format!(
+                    "agent {logical} never announced its address:\n{}",
+                    proc.log_tail(3000)
+                ));
+            }
+        };
+        let t0 = Instant::now();
+        let name = loop {
+            let n = http_get(http, "/v1/config")
+                .ok()
+                .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
+                .and_then(|v| v["agent"].as_str().map(String::from))
+                .unwrap_or_default();
+            if !n.is_empty() {
+                break n;
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                return Err(format!("agent {logical} never named itself on /v1/config"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Ok(Self {
+            proc,
+            http,
+            name,
+            socket,
+        })
+    }
+
+    /// Its /metrics text.
+    ///
+    /// # Errors
+    /// HTTP failures.
+    pub fn metrics(&self) -> Result<String, String> {
+        http_get(self.http, "/metrics").map(|(_, b)| b)
+    }
+
+    /// Names of the peers it has loaded.
+    pub fn peers(&self) -> Result<Vec<String>, String> {
+        let (_, b) = http_get(self.http, "/v1/peers")?;
+        let v: Value = serde_json::from_str(&b).map_err(|e| e.to_string())?;
+        Ok(v["peers"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|p| p["name"].as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
