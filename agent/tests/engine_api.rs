@@ -436,3 +436,71 @@ async fn engines_attach_and_hand_off_blocks_byte_exact() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 14, engine pods: when the operator tombstones an engine's pod UID,
+/// the agent detaches the engine's session within 1 s (its requests fail,
+/// its pool is released) and refuses a later Attach with that UID.
+#[tokio::test(flavor = "current_thread")]
+async fn tombstoned_engine_pod_is_detached_and_refused() {
+    let Some(etcd) = Etcd::start("engines-tomb") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-tomb-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("engt-{}", std::process::id());
+    let Some(a) = spawn_agent(&etcd, &fabric, "node-a", "prefill", &dir) else {
+        return;
+    };
+    let la = layout(0, 1, 8);
+    let (keep, _kpool) = attach(&a, "keep-0", pb::Role::Prefill, la.clone()).await;
+    let (doomed, _dpool) = attach(&a, "doomed-0", pb::Role::Prefill, la.clone()).await;
+    assert_eq!(sample(&scrape(&a), "kvfabric_engines"), 2.0);
+
+    let mut kv = etcd_client::Client::connect([etcd.endpoint().as_str()], None)
+        .await
+        .expect("etcd");
+    let t0 = Instant::now();
+    kv.put(
+        format!("/kvfabric/{fabric}/tombstones/uid-doomed-0"),
+        r#"{"uid":"uid-doomed-0","namespace":"default","pod":"doomed","reason":"PodDeleting","observedAtMs":0}"#,
+        None,
+    )
+    .await
+    .expect("put tombstone");
+    while doomed.is_open() && t0.elapsed() < Duration::from_secs(1) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let closed_after = t0.elapsed();
+    assert!(
+        !doomed.is_open(),
+        "session of the tombstoned pod still open after 1 s"
+    );
+    assert!(keep.is_open(), "the other engine's session was closed");
+    println!("tombstone → engine session closed after {closed_after:?}");
+    // Its pool is released and it is no longer counted.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = scrape(&a);
+        if sample(&m, "kvfabric_engines") == 1.0
+            && sample(&m, "kvfabric_engine_pool_bytes") == kvfabric_client::pool_bytes(&la) as f64
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "detached engine still counted:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A late Attach from the dead pod is refused.
+    let client = Client::connect(&a.socket).await.expect("connect");
+    match client
+        .attach("doomed-1", "uid-doomed-0", pb::Role::Prefill, la.clone())
+        .await
+    {
+        Err(e) => assert_eq!(e.code(), Some(tonic::Code::FailedPrecondition), "{e}"),
+        Ok(_) => panic!("Attach of a tombstoned pod accepted"),
+    }
+    drop(keep);
+    drop(a);
+}

@@ -292,8 +292,12 @@ bring_up() {
   # kwok: the kubelet of every node labelled type=kwok; the stages are
   # kwokctl's defaults (node fast + lease heartbeat, pod fast).
   # (No KwokConfiguration document: given one, kwok 0.8.0 skips its
-  # defaults and fails on "playStageParallelism must be greater than 0";
-  # the defaults include node leases of 40 s.)
+  # defaults and fails on "playStageParallelism must be greater than 0".)
+  # Node leases of 40 s must be asked for (--node-lease-duration-seconds):
+  # without them the heartbeat stage (every 600 s) relies on leases kwok
+  # never renews, and the node lifecycle controller marks every node
+  # NotReady 50 s after start (found by the chaos suite: the operator then
+  # tombstoned every pod of the node).
   {
     for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
              pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
@@ -302,7 +306,7 @@ bring_up() {
     done
   } >"$DIR/kwok.yaml"
   start kwok "$KWOK_BIN/kwok" --kubeconfig "$DIR/kubeconfig" --config "$DIR/kwok.yaml" \
-    --manage-all-nodes=false --manage-nodes-with-label-selector type=kwok \
+    --manage-all-nodes=false --manage-nodes-with-label-selector type=kwok --node-lease-duration-seconds 40 \
     --cidr 10.244.0.1/16 --node-ip 10.0.0.1
 
   wait_for "kube-controller-manager /healthz" controller-manager \

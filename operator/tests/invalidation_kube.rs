@@ -409,8 +409,20 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         .await;
         if !loaded {
             let rec = etcd.get(key.as_str(), None).await.map(|r| r.kvs().len());
+            let last = fabrics
+                .get(&fabric)
+                .await
+                .ok()
+                .and_then(|k| k.status)
+                .map(|s| s.last_invalidated);
+            let by_reason: Vec<String> = metrics
+                .render()
+                .lines()
+                .filter(|l| l.starts_with("kvfabric_operator_invalidations_total"))
+                .map(String::from)
+                .collect();
             panic!(
-                "round {round}: observer did not load {} within 30 s; its record in etcd: {rec:?}; observer lists {:?}\n--- agent log ---\n{}\n--- observer log ---\n{}",
+                "round {round}: observer did not load {} (pod uid {uid}) within 30 s; its record in etcd: {rec:?}; fabric's last invalidation {last:?}; operator invalidations {by_reason:?}; observer lists {:?}\n--- agent log ---\n{}\n--- observer log ---\n{}",
                 agent.name,
                 peer_names(obs),
                 agent.log_tail(),

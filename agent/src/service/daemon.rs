@@ -958,6 +958,7 @@ pub fn run(
             .metrics()
             .watch_engines(node.agent().name(), &hub);
         hub.set_metrics(node.state().metrics().clone());
+        hub.follow_tombstones();
         hub
     });
 

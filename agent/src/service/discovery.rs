@@ -554,6 +554,16 @@ pub trait Discovery: Send + Sync {
 
     /// Full re-reads of the store after the first (each a lost and
     /// re-established watch); 0 for stores without a watch to lose.
+    /// Pod UIDs the operator invalidated (tombstones), those known first
+    /// then each new one; `None` for a store without tombstones.
+    fn tombstones(&self) -> Option<Receiver<String>> {
+        None
+    }
+    /// Whether the operator invalidated pod `uid` (a tombstone exists).
+    fn is_tombstoned(&self, uid: &str) -> bool {
+        let _ = uid;
+        false
+    }
     fn resyncs(&self) -> u64 {
         0
     }
@@ -706,6 +716,8 @@ struct HubInner {
     tombstones: std::collections::HashSet<String>,
     tracker: IncarnationTracker,
     subs: Vec<Sender<PeerEvent>>,
+    /// Subscribers of tombstoned pod UIDs ([`Hub::subscribe_tombstones`]).
+    tomb_subs: Vec<Sender<String>>,
 }
 
 impl HubInner {
@@ -770,6 +782,7 @@ impl Hub {
         if !g.tombstones.insert(uid.to_string()) {
             return;
         }
+        g.tomb_subs.retain(|t| t.send(uid.to_string()).is_ok());
         let doomed: Vec<String> = g
             .raw
             .values()
@@ -803,6 +816,18 @@ impl Hub {
             since_ms,
         }]);
         g.remove(name);
+    }
+
+    /// Every pod UID tombstoned from now on (and those already known, sent
+    /// first): engine sessions of an invalidated pod are detached.
+    pub(crate) fn subscribe_tombstones(&self) -> Receiver<String> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut g = self.lock();
+        for uid in &g.tombstones {
+            let _ = tx.send(uid.clone());
+        }
+        g.tomb_subs.push(tx);
+        rx
     }
 
     /// Whether pod `uid` is tombstoned.

@@ -497,6 +497,17 @@ impl EngineHub {
                 "pod_uid: too long or not printable",
             ));
         }
+        if !req.pod_uid.is_empty()
+            && self
+                .discovery
+                .as_ref()
+                .is_some_and(|d| d.is_tombstoned(&req.pod_uid))
+        {
+            return Err(Status::failed_precondition(format!(
+                "pod_uid {}: the operator invalidated this pod (tombstone); a new pod has a new UID",
+                LogSafe(&req.pod_uid)
+            )));
+        }
         let role = role_name(req.role)?;
         let layout = layout_of(
             req.layout
@@ -557,6 +568,55 @@ impl EngineHub {
 
         self.republish();
         Ok(s)
+    }
+
+    /// Detaches every session of pod `pod_uid` (the operator invalidated
+    /// the pod: issue 14, "the engine's flows failed and reclaimed"), as
+    /// [`EngineHub::detach`] does. Returns how many. An empty UID matches
+    /// nothing.
+    pub fn detach_pod(&self, pod_uid: &str, why: &str) -> usize {
+        if pod_uid.is_empty() {
+            return 0;
+        }
+        let doomed: Vec<String> = self
+            .lock_sessions()
+            .values()
+            .filter(|s| s.pod_uid == pod_uid)
+            .map(|s| s.id.clone())
+            .collect();
+        for sid in &doomed {
+            self.detach(sid, why);
+        }
+        doomed.len()
+    }
+
+    /// Detaches the sessions of each pod `discovery` reports tombstoned,
+    /// on a thread of its own that ends when this hub is dropped (checked
+    /// every 200 ms).
+    pub fn follow_tombstones(self: &Arc<Self>) {
+        let Some(rx) = self.discovery.as_ref().and_then(|d| d.tombstones()) else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("kvfabric-engine-tombstones".into())
+            .spawn(move || loop {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(uid) => {
+                        let Some(hub) = weak.upgrade() else { return };
+                        let n = hub.detach_pod(&uid, "pod invalidated by the operator (tombstone)");
+                        if n > 0 {
+                            tracing::info!(pod_uid = %LogSafe(&uid), sessions = n, "engine sessions of an invalidated pod detached");
+                        }
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        if weak.strong_count() == 0 {
+                            return;
+                        }
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+                }
+            });
     }
 
     /// Ends a session: fails its requests, withdraws it, and lets its pool

@@ -339,6 +339,14 @@ impl Drop for EtcdDiscovery {
 }
 
 impl Discovery for EtcdDiscovery {
+    fn tombstones(&self) -> Option<Receiver<String>> {
+        Some(self.shared.hub.subscribe_tombstones())
+    }
+
+    fn is_tombstoned(&self, uid: &str) -> bool {
+        self.shared.hub.is_tombstoned(uid)
+    }
+
     /// Grants a lease if none is held, then puts the record under it.
     /// Returns once etcd confirmed the put.
     ///
