@@ -68,6 +68,9 @@ pub struct RoundReport {
     pub leaks: Vec<String>,
     /// Invariant violations (fault, round and request named).
     pub violations: Vec<String>,
+    /// Bounds missed that do not fail the run: a surviving pair's new
+    /// transfer later than the probe bound (but within 10 s).
+    pub warnings: Vec<String>,
     /// Notes (cancel hits, etcd downtime...).
     pub notes: Vec<String>,
     /// Wall time of the round, s.
@@ -85,6 +88,8 @@ pub struct Latency {
     pub p99_ms: Option<f64>,
     /// max, ms (external samples only).
     pub max_ms: Option<f64>,
+    /// mean, ms.
+    pub mean_ms: Option<f64>,
 }
 
 impl Latency {
@@ -100,6 +105,7 @@ impl Latency {
             p50_ms: Some(p(0.5)),
             p99_ms: Some(p(0.99)),
             max_ms: v.last().copied(),
+            mean_ms: Some(v.iter().sum::<f64>() / v.len() as f64),
         }
     }
 }
@@ -184,6 +190,8 @@ pub struct Report {
     pub leaks: u64,
     /// Every violation, naming fault, round and request.
     pub violations: Vec<String>,
+    /// Every warning (see [`RoundReport::warnings`]).
+    pub warnings: Vec<String>,
     /// Rounds.
     pub round_reports: Vec<RoundReport>,
     /// Wall time, s.
@@ -260,10 +268,11 @@ impl Report {
         ));
         for (path, l) in &self.detection {
             s.push_str(&format!(
-                "detection {path:<8}: histogram n={} p50 {} ms p99 {} ms | external n={} p50 {} ms p99 {} ms max {} ms\n",
+                "detection {path:<8}: histogram n={} p50 {} ms p99 {} ms mean {} ms | external n={} p50 {} ms p99 {} ms max {} ms\n",
                 l.histogram.count,
                 opt(l.histogram.p50_ms),
                 opt(l.histogram.p99_ms),
+                opt(l.histogram.mean_ms),
                 l.external.count,
                 opt(l.external.p50_ms),
                 opt(l.external.p99_ms),
@@ -278,6 +287,15 @@ impl Report {
             opt(self.probe.max_ms)
         ));
         s.push_str(&format!("leaks: {}\n", self.leaks));
+        if !self.warnings.is_empty() {
+            s.push_str(&format!(
+                "warnings ({}; the run still passes):\n",
+                self.warnings.len()
+            ));
+            for w in self.warnings.iter().take(20) {
+                s.push_str(&format!("  {w}\n"));
+            }
+        }
         if self.violations.is_empty() {
             s.push_str("invariants: all held\n");
         } else {
