@@ -442,6 +442,8 @@ struct Suite {
     logs: PathBuf,
     /// Notes of the current round (sides that disagreed), capped.
     round_notes: Mutex<Vec<String>>,
+    /// UIDs of the decode engine pods (never replaced).
+    decode_uids: Vec<String>,
 }
 
 const PREFILL_BLOCKS: u32 = 4096;
@@ -693,6 +695,7 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         decode_blocks: DECODE_BLOCKS,
         logs,
         round_notes: Mutex::new(Vec::new()),
+        decode_uids: vec![uids["decode-0"].clone(), uids["decode-1"].clone()],
     });
     for j in 0..2 {
         let d = suite
@@ -1245,6 +1248,18 @@ impl Suite {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let mut bad = Vec::new();
+            for s in lock(&self.agents).iter_mut() {
+                if !s.agent.proc.alive() {
+                    bad.push(format!(
+                        "agent {} exited unexpectedly: {}",
+                        s.agent.name,
+                        s.agent.proc.log_tail(600)
+                    ));
+                }
+            }
+            if !lock(&self.operator).alive() {
+                bad.push("the operator exited".into());
+            }
             let targets: Vec<(usize, String, SocketAddr)> = lock(&self.agents)
                 .iter()
                 .enumerate()
@@ -1278,6 +1293,7 @@ impl Suite {
                     ("kvfabric_flows", 0.0),
                     ("kvfabric_arena_in_use_bytes", 0.0),
                     ("kvfabric_requests_in_flight", 0.0),
+                    ("kvfabric_chunks_in_flight", 0.0),
                     ("kvfabric_engines", want_engines),
                     ("kvfabric_engine_pool_bytes", want_engines * pool),
                 ] {
@@ -1345,7 +1361,7 @@ impl Suite {
     }
 
     /// Polls `f.observers` until none lists `f.name`; ms since `t0`.
-    async fn wait_forgotten(f: &Forget, t0: Instant, within: Duration) -> Option<f64> {
+    async fn wait_forgotten(f: Forget, t0: Instant, within: Duration) -> Option<f64> {
         let deadline = t0 + within;
         while Instant::now() < deadline {
             let (obs, name) = (f.observers.clone(), f.name.clone());
@@ -1500,16 +1516,7 @@ impl Suite {
                 // would restart it: killed here, restarted below.
                 lock_r(&self.prefill)[i].kill();
                 probe = Some(start_probe(&self, vec![i], t_f));
-                let mut new_pod = None;
-                if kind == FaultKind::DeleteAgentPod {
-                    let np = format!("agent-p{i}-g{gen}");
-                    let (k, np2) = (self.clone(), np.clone());
-                    match blocking(move || k.kube.create_pod(&np2, &[("app", FABRIC_LABEL)])).await
-                    {
-                        Ok(uid) => new_pod = Some((np, uid)),
-                        Err(e) => r.violations.push(format!("replacement pod: {e}")),
-                    }
-                }
+                // Polled from the fault on, while the replacement comes.
                 let f = Forget {
                     name: old.clone(),
                     observers,
@@ -1521,7 +1528,18 @@ impl Suite {
                 };
                 let within = Duration::from_secs(self.opts.lease_ttl_s + 10);
                 r.forget_path = Some(f.path.into());
-                r.forget_ms = Self::wait_forgotten(&f, t_f, within).await;
+                let forget = tokio::spawn(Self::wait_forgotten(f, t_f, within));
+                let mut new_pod = None;
+                if kind == FaultKind::DeleteAgentPod {
+                    let np = format!("agent-p{i}-g{gen}");
+                    let (k, np2) = (self.clone(), np.clone());
+                    match blocking(move || k.kube.create_pod(&np2, &[("app", FABRIC_LABEL)])).await
+                    {
+                        Ok(uid) => new_pod = Some((np, uid)),
+                        Err(e) => r.violations.push(format!("replacement pod: {e}")),
+                    }
+                }
+                r.forget_ms = forget.await.ok().flatten();
                 if r.forget_ms.is_none() {
                     r.violations.push(format!(
                         "decode agents still list {old} {within:?} after the fault"
@@ -1600,6 +1618,17 @@ impl Suite {
                 let t_f = Instant::now();
                 lock(&self.agents)[slot].agent.proc.kill();
                 probe = Some(start_probe(&self, vec![slot], t_f));
+                let f = Forget {
+                    name: old.clone(),
+                    observers,
+                    path: "incarnation",
+                };
+                r.forget_path = Some(f.path.into());
+                let forget = tokio::spawn(Self::wait_forgotten(
+                    f,
+                    t_f,
+                    Duration::from_secs(self.opts.lease_ttl_s + 10),
+                ));
                 let restarted = self.restart_agent(slot, None).await;
                 match restarted {
                     Ok((old, new)) => {
@@ -1608,26 +1637,13 @@ impl Suite {
                                 .push(format!("restarted agent kept its name {new}"));
                         }
                         r.notes.push(format!("new incarnation {new}"));
-                        let uid = lock(&self.agents)[slot].uid.clone();
-                        // The decode pod's uid: its engine re-attaches.
-                        let duid = self.decode_uid(j);
-                        let _ = uid;
+                        // The decode engine (its pod unchanged) re-attaches.
+                        let duid = self.decode_uids[j].clone();
                         match self.attach_decode(j, &duid).await {
                             Ok(d) => lock_w(&self.decode)[j] = Arc::new(d),
                             Err(e) => r.violations.push(format!("decode engine re-attach: {e}")),
                         }
-                        let f = Forget {
-                            name: old.clone(),
-                            observers,
-                            path: "incarnation",
-                        };
-                        r.forget_path = Some(f.path.into());
-                        r.forget_ms = Self::wait_forgotten(
-                            &f,
-                            t_f,
-                            Duration::from_secs(self.opts.lease_ttl_s + 10),
-                        )
-                        .await;
+                        r.forget_ms = forget.await.ok().flatten();
                         if r.forget_ms.is_none() {
                             r.violations.push(format!(
                                 "prefill agents still list the old incarnation {old}"
@@ -1667,7 +1683,7 @@ impl Suite {
                     } else {
                         self.next_blocks()
                     };
-                    let after = cancel.then(|| brng.below(2000));
+                    let after = cancel.then(|| brng.below(500));
                     set.spawn(async move { s.hand_off(p, d, n, false, after).await });
                 }
                 while let Some(x) = set.join_next().await {
@@ -1744,24 +1760,6 @@ impl Suite {
             }
         }
         r
-    }
-
-    fn decode_uid(&self, j: usize) -> String {
-        // Decode engine pods never change: read the UID from the API.
-        self.kube
-            .kubectl(
-                &[
-                    "get",
-                    "pod",
-                    &format!("decode-{j}"),
-                    "-o",
-                    "jsonpath={.metadata.uid}",
-                ],
-                None,
-            )
-            .unwrap_or_default()
-            .trim()
-            .to_string()
     }
 
     async fn sum_metric(self: &Arc<Self>, name: &'static str) -> f64 {
