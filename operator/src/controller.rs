@@ -124,10 +124,35 @@ impl Role {
 /// the bounce config validates (`config_error`) and whether etcd answers.
 /// Transition times are kept from `previous` when a status is unchanged.
 /// Pure.
+/// How long after the last bounce traffic seen a fabric stays
+/// `Transferring` (ms): a few polls, so a pause between requests does not
+/// flap the condition.
+pub const TRANSFERRING_WINDOW_MS: i64 = 60_000;
+
+/// What a fabric task knows of its agents from their reports
+/// ([`crate::reports`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FleetStatus {
+    /// Some agent has answered a poll.
+    pub observed: bool,
+    /// Bounce traffic was seen within [`TRANSFERRING_WINDOW_MS`].
+    pub transferring: bool,
+    /// `agent → peer` pairs whose transport is suspected of a silent
+    /// TCP/emulation fallback.
+    pub degraded: Vec<String>,
+}
+
+/// The conditions for `status` given what the fabric task knows: whether
+/// the bounce config validates (`config_error`), whether etcd answers, and
+/// the agents' reports (`fleet`). Ready = not Degraded and Transferring (a
+/// healthy fabric that moves nothing is not Ready).
+/// Transition times are kept from `previous` when a status is unchanged.
+/// Pure.
 pub fn conditions(
     generation: i64,
     config_error: Option<&str>,
     etcd_error: Option<&str>,
+    fleet: &FleetStatus,
     previous: &[Condition],
     now: &Time,
 ) -> Vec<Condition> {
@@ -161,6 +186,55 @@ pub fn conditions(
         ),
         (None, None) => mk(condition::DEGRADED, "False", "AsExpected", String::new()),
     };
+    let transferring = match (fleet.observed, fleet.transferring) {
+        (false, _) => mk(
+            condition::TRANSFERRING,
+            "Unknown",
+            "NoAgentReport",
+            "no agent of the fabric has answered GET /v1/report yet".into(),
+        ),
+        (true, true) => mk(
+            condition::TRANSFERRING,
+            "True",
+            "BounceTrafficObserved",
+            format!(
+                "bounce traffic seen within the last {} s",
+                TRANSFERRING_WINDOW_MS / 1000
+            ),
+        ),
+        (true, false) => mk(
+            condition::TRANSFERRING,
+            "False",
+            "NoBounceTraffic",
+            format!(
+                "no bounce request sent or chunk scattered by any agent within {} s",
+                TRANSFERRING_WINDOW_MS / 1000
+            ),
+        ),
+    };
+    let transport = match (fleet.observed, fleet.degraded.is_empty()) {
+        (false, _) => mk(
+            condition::TRANSPORT_DEGRADED,
+            "Unknown",
+            "NoAgentReport",
+            String::new(),
+        ),
+        (true, true) => mk(
+            condition::TRANSPORT_DEGRADED,
+            "False",
+            "AsExpected",
+            String::new(),
+        ),
+        (true, false) => mk(
+            condition::TRANSPORT_DEGRADED,
+            "True",
+            "SuspectTransportFallback",
+            format!(
+                "GPU-to-GPU writes far below cuda_ipc/RDMA rates (TCP or software emulation?): {}",
+                fleet.degraded.join(", ")
+            ),
+        ),
+    };
     let ready = if degraded.status == "True" {
         mk(
             condition::READY,
@@ -168,13 +242,15 @@ pub fn conditions(
             "Degraded",
             degraded.message.clone(),
         )
-    } else {
+    } else if transferring.status != "True" {
         mk(
             condition::READY,
             "False",
-            "TransferringNotObserved",
-            "bounce traffic is not observed yet (first slice of issue 14)".into(),
+            &transferring.reason,
+            transferring.message.clone(),
         )
+    } else {
+        mk(condition::READY, "True", "AsExpected", String::new())
     };
     vec![
         ready,
@@ -185,18 +261,8 @@ pub fn conditions(
             "config rollout is not implemented yet".into(),
         ),
         degraded,
-        mk(
-            condition::TRANSPORT_DEGRADED,
-            "Unknown",
-            "NotObserved",
-            String::new(),
-        ),
-        mk(
-            condition::TRANSFERRING,
-            "Unknown",
-            "NotObserved",
-            String::new(),
-        ),
+        transport,
+        transferring,
     ]
 }
 
@@ -430,9 +496,19 @@ async fn publish_event(
 }
 
 enum Msg {
+    Reports(BTreeMap<String, kvfabric_core::report::AgentReport>),
     Pod(Role, Box<Event<Pod>>),
     Node(Box<Event<Node>>),
     Error(String),
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Connects to etcd, retrying with backoff until it answers.
@@ -501,6 +577,29 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let mut events = stream::select_all(streams);
 
     let store = connect_store(&fabric.spec.etcd.endpoints, &fabric_name, &metrics).await;
+    // Agent reports, polled on a task of their own (a slow agent never
+    // delays an invalidation); aborted with this task.
+    let (report_tx, mut report_rx) = tokio::sync::mpsc::channel(1);
+    let poller = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(crate::reports::POLL_INTERVAL).await;
+                match crate::reports::poll(&store).await {
+                    Ok(r) => {
+                        if report_tx.send(r).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "agent reports: cannot list agents"),
+                }
+            }
+        })
+    };
+    let _poller = AbortOnDrop(poller);
+    let mut fleet = FleetStatus::default();
+    let mut last_reports = BTreeMap::new();
+    let mut last_moved_ms: Option<i64> = None;
     let mut indices: BTreeMap<Role, PeerIndex> = Role::ALL
         .iter()
         .map(|r| (*r, PeerIndex::new(grace_ms)))
@@ -528,6 +627,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                 Some(m) => Some(m),
                 None => return,
             },
+            Some(r) = report_rx.recv() => Some(Msg::Reports(r)),
             _ = tokio::time::sleep(wait) => None,
         };
         let now = now_ms();
@@ -544,6 +644,23 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                 for idx in indices.values_mut() {
                     fresh.extend(idx.node_event((*ev).clone(), now));
                 }
+            }
+            Some(Msg::Reports(now_reports)) => {
+                let view = kvfabric_core::report::fleet_view(&last_reports, &now_reports);
+                if view.moved {
+                    last_moved_ms = Some(now);
+                }
+                let next = FleetStatus {
+                    observed: fleet.observed || view.answered > 0,
+                    transferring: last_moved_ms
+                        .is_some_and(|t| now.saturating_sub(t) <= TRANSFERRING_WINDOW_MS),
+                    degraded: view.degraded,
+                };
+                if next != fleet {
+                    fleet = next;
+                    status_dirty = true;
+                }
+                last_reports = now_reports;
             }
             Some(Msg::Error(e)) => {
                 metrics.errors.with_label_values(&["watch"]).inc();
@@ -657,6 +774,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                 generation,
                 config_error.as_deref(),
                 etcd_error.as_deref(),
+                &fleet,
                 &status.conditions,
                 &t,
             );
@@ -725,6 +843,47 @@ mod tests {
     }
 
     #[test]
+    fn ready_needs_traffic_and_transport_degraded_follows_reports() {
+        let t = Time(k8s_openapi::jiff::Timestamp::from_second(100).unwrap());
+        let get = |cs: &[Condition], ty: &str| {
+            let c = cs.iter().find(|c| c.type_ == ty).unwrap();
+            (c.status.clone(), c.reason.clone())
+        };
+        let unknown = conditions(1, None, None, &FleetStatus::default(), &[], &t);
+        assert_eq!(get(&unknown, "Transferring").0, "Unknown");
+        assert_eq!(get(&unknown, "Ready").0, "False");
+        let idle = FleetStatus {
+            observed: true,
+            ..Default::default()
+        };
+        let c = conditions(1, None, None, &idle, &[], &t);
+        assert_eq!(
+            get(&c, "Transferring"),
+            ("False".into(), "NoBounceTraffic".into())
+        );
+        assert_eq!(get(&c, "Ready"), ("False".into(), "NoBounceTraffic".into()));
+        assert_eq!(get(&c, "TransportDegraded").0, "False");
+        let busy = FleetStatus {
+            observed: true,
+            transferring: true,
+            degraded: vec![],
+        };
+        let c = conditions(1, None, None, &busy, &[], &t);
+        assert_eq!(get(&c, "Ready"), ("True".into(), "AsExpected".into()));
+        let slow = FleetStatus {
+            degraded: vec!["p-1 → d-1".into()],
+            ..busy.clone()
+        };
+        let c = conditions(1, None, None, &slow, &[], &t);
+        assert_eq!(
+            get(&c, "TransportDegraded"),
+            ("True".into(), "SuspectTransportFallback".into())
+        );
+        let c = conditions(1, Some("bad"), None, &busy, &[], &t);
+        assert_eq!(get(&c, "Ready"), ("False".into(), "Degraded".into()));
+    }
+
+    #[test]
     fn finalizer_steps() {
         let ours = vec![FINALIZER.to_string()];
         let other = vec!["example.com/x".to_string()];
@@ -739,12 +898,13 @@ mod tests {
     fn conditions_keep_transition_times() {
         let t0 = Time(k8s_openapi::jiff::Timestamp::from_second(100).unwrap());
         let t1 = Time(k8s_openapi::jiff::Timestamp::from_second(200).unwrap());
-        let c0 = conditions(1, None, None, &[], &t0);
+        let f = FleetStatus::default();
+        let c0 = conditions(1, None, None, &f, &[], &t0);
         assert_eq!(c0.len(), 5);
-        let c1 = conditions(2, None, None, &c0, &t1);
+        let c1 = conditions(2, None, None, &f, &c0, &t1);
         assert!(c1.iter().all(|c| c.last_transition_time == t0));
         assert!(c1.iter().all(|c| c.observed_generation == Some(2)));
-        let c2 = conditions(2, Some("arena too small"), None, &c1, &t1);
+        let c2 = conditions(2, Some("arena too small"), None, &f, &c1, &t1);
         let deg = c2.iter().find(|c| c.type_ == "Degraded").unwrap();
         assert_eq!(
             (deg.status.as_str(), deg.reason.as_str()),

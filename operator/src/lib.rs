@@ -9,6 +9,7 @@
 //! * [`leader`] — leader election on a Lease (pure rule + IO);
 //! * [`store`] — the fabric's etcd keys (record removal, tombstones);
 //! * [`controller`] — watches, wiring, status;
+//! * [`reports`] — polls agents' `/v1/report` (Transferring, TransportDegraded);
 //! * [`metrics`] — Prometheus metrics and `/metrics`.
 
 pub mod controller;
@@ -17,4 +18,5 @@ pub mod decide;
 pub mod index;
 pub mod leader;
 pub mod metrics;
+pub mod reports;
 pub mod store;

@@ -124,6 +124,32 @@ impl FabricStore {
         })
     }
 
+    /// `(agent name, HTTP base URL)` of every agent record of the fabric
+    /// that publishes one (records that do not decode are skipped).
+    pub async fn agent_http_urls(&self) -> Result<Vec<(String, String)>, StoreError> {
+        #[derive(Deserialize)]
+        struct Http {
+            name: String,
+            #[serde(default)]
+            http: String,
+        }
+        let mut kv = self.client.kv_client();
+        let prefix = agents_prefix(&self.fabric);
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| serde_json::from_slice::<Http>(kv.value()).ok())
+            .filter(|h| h.http.starts_with("http://") || h.http.starts_with("https://"))
+            .map(|h| (h.name, h.http))
+            .collect())
+    }
+
     /// Deletes every key under [`fabric_prefix`] (the finalizer's cleanup).
     /// Returns how many keys were deleted.
     pub async fn delete_fabric(&self) -> Result<i64, StoreError> {

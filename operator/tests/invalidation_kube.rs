@@ -34,9 +34,9 @@ use kvfabric_operator::crd::{KvFabric, CRD_PATH};
 use kvfabric_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
-/// Pod deletions measured (issue 14: p50/p99 over ≥ 100);
-/// `KVFABRIC_INVALIDATION_ROUNDS` overrides.
-const ROUNDS: usize = 100;
+/// Pod deletions in CI. The figures in docs/ are over 100
+/// (`KVFABRIC_INVALIDATION_ROUNDS=100`, ≈ 165 s on 2 cores).
+const ROUNDS: usize = 30;
 
 fn rounds() -> usize {
     std::env::var("KVFABRIC_INVALIDATION_ROUNDS")

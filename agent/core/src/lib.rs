@@ -22,6 +22,7 @@ pub mod config;
 pub mod layout;
 pub mod model;
 pub mod plan;
+pub mod report;
 pub mod scheduler;
 pub mod text;
 pub mod types;

@@ -6,6 +6,7 @@
 //! | `GET /readyz` | 200 when the NIXL agent is up, the bounce arena is up (or bounce is disabled by config), discovery has published (lease `ok` or `renewing`) and no shutdown began; else 503 with the failing checks and a `reason` |
 //! | `GET /metrics` | Prometheus text format ([`AgentMetrics`]) |
 //! | `GET /v1/peers` | loaded peers: name, logical id, incarnation, handshake compatibility (and why not), path in use |
+//! | `GET /v1/report` | [`AgentReport`](crate::core::report::AgentReport) for the operator: config generation, bounce activity counters (requests sent, chunks scattered), peers whose transport probe suspects a silent TCP/emulation fallback |
 //! | `GET /v1/config` | the effective config (as given by the daemon; `config.warnings` lists environment values it did not apply) plus the bounce sizes in force |
 //!
 //! Only with [`ServiceInit::debug_api`] (the daemon's `--debug-api`, off by
@@ -499,6 +500,45 @@ async fn peers(State(s): St) -> Response {
     }
 }
 
+/// The agent's [`crate::core::report::AgentReport`].
+pub fn agent_report(s: &ServiceState) -> crate::core::report::AgentReport {
+    let a = &s.agent;
+    let (succeeded, sent, scattered, mut degraded) = match a.transport() {
+        Some(t) => {
+            let st = t.stats();
+            let degraded: Vec<String> = st
+                .transport_reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .filter(|(_, r)| r.suspect_fallback)
+                .map(|(peer, _)| peer.clone())
+                .collect();
+            (
+                st.succeeded.load(Ordering::Relaxed),
+                st.bytes_sent.load(Ordering::Relaxed),
+                st.chunks_scattered.load(Ordering::Relaxed),
+                degraded,
+            )
+        }
+        None => (0, 0, 0, Vec::new()),
+    };
+    degraded.sort();
+    crate::core::report::AgentReport {
+        agent: a.name().to_string(),
+        config_generation: a.handshake().map_or(0, |h| h.config_generation),
+        bounce_active: a.transport().is_some(),
+        bounce_succeeded_total: succeeded,
+        bounce_sent_bytes_total: sent,
+        bounce_chunks_scattered_total: scattered,
+        degraded_peers: degraded,
+    }
+}
+
+async fn report(State(s): St) -> Response {
+    Json(agent_report(&s)).into_response()
+}
+
 async fn config(State(s): St) -> Response {
     let a = &s.agent;
     let hs = a.handshake();
@@ -783,7 +823,8 @@ pub fn router(state: Arc<ServiceState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/peers", get(peers))
-        .route("/v1/config", get(config));
+        .route("/v1/config", get(config))
+        .route("/v1/report", get(report));
     if state.debug_api {
         r = r
             .route(
