@@ -379,6 +379,13 @@ fn chart_defaults() {
         ds["spec"]["selector"]["matchLabels"]
     );
     assert!(np["spec"]["ingress"][1].get("ports").is_none());
+    // The operator polls the agents' GET /v1/report on the HTTP port.
+    let op = one(&docs, "Deployment", "-operator");
+    assert_eq!(
+        np["spec"]["ingress"][2]["from"][0]["podSelector"]["matchLabels"],
+        op["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(np["spec"]["ingress"][2]["ports"][0]["port"], 9400);
     one(&docs, "NetworkPolicy", "-etcd");
 
     // RBAC: exactly the rules the operator needs.
