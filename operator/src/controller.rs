@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::{stream, StreamExt};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
@@ -27,7 +27,7 @@ use serde_json::json;
 use crate::crd::{condition, KvFabric, KvFabricSpec, KvFabricStatus};
 use crate::index::{Invalidation, PeerIndex};
 use crate::metrics::Metrics;
-use crate::store::FabricStore;
+use crate::store::{check_endpoints, EtcdTls, FabricStore};
 
 /// Bound on each etcd request of the operator.
 pub const ETCD_TIMEOUT: Duration = Duration::from_secs(2);
@@ -398,7 +398,7 @@ async fn cleanup(client: Client, f: KvFabric, metrics: &Metrics) {
     let name = f.name_any();
     let ns = f.namespace().unwrap_or_default();
     let fabric = f.fabric_name();
-    let store = connect_store(&f.spec.etcd.endpoints, &fabric, metrics).await;
+    let store = connect_store(&client, &f, metrics).await;
     let mut delay = RETRY_INITIAL;
     let deleted = loop {
         match store.delete_fabric().await {
@@ -511,15 +511,62 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Connects to etcd, retrying with backoff until it answers.
-async fn connect_store(endpoints: &[String], fabric: &str, metrics: &Metrics) -> FabricStore {
+/// The etcd client TLS material of `f` (its `spec.etcd.tlsSecretRef`
+/// Secret, read now), `None` without one.
+///
+/// # Errors
+/// The Secret cannot be read, or lacks PEM `ca.crt`/`tls.crt`/`tls.key`.
+async fn etcd_tls(client: &Client, f: &KvFabric) -> Result<Option<EtcdTls>, String> {
+    let Some(name) = &f.spec.etcd.tls_secret_ref else {
+        return Ok(None);
+    };
+    let ns = f.namespace().unwrap_or_default();
+    let api: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let secret = tokio::time::timeout(ETCD_TIMEOUT, api.get(name))
+        .await
+        .map_err(|_| format!("etcd TLS Secret {ns}/{name}: read timed out"))?
+        .map_err(|e| format!("etcd TLS Secret {ns}/{name}: {e}"))?;
+    let data = secret
+        .data
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    EtcdTls::from_secret_data(&format!("{ns}/{name}"), &data).map(Some)
+}
+
+/// Connects to etcd for `f` (TLS from its Secret when it names one),
+/// retrying with backoff until it answers; the first failure of each
+/// attempt series is recorded as a Warning Event on the fabric.
+async fn connect_store(client: &Client, f: &KvFabric, metrics: &Metrics) -> FabricStore {
+    let fabric = f.fabric_name();
     let mut delay = RETRY_INITIAL;
+    let mut warned = false;
     loop {
-        match FabricStore::connect(endpoints, fabric, ETCD_TIMEOUT).await {
+        let attempt = async {
+            let tls = etcd_tls(client, f).await?;
+            check_endpoints(&f.spec.etcd.endpoints, tls.is_some())?;
+            FabricStore::connect(&f.spec.etcd.endpoints, &fabric, ETCD_TIMEOUT, tls.as_ref())
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match attempt.await {
             Ok(s) => return s,
             Err(e) => {
                 metrics.errors.with_label_values(&["etcd"]).inc();
                 tracing::warn!(fabric, error = %e, "cannot connect to etcd; retrying");
+                if !warned {
+                    warned = true;
+                    publish_event(
+                        client,
+                        f,
+                        EventType::Warning,
+                        "EtcdUnavailable",
+                        "Connect",
+                        e,
+                    )
+                    .await;
+                }
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(RETRY_MAX);
             }
@@ -576,7 +623,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     );
     let mut events = stream::select_all(streams);
 
-    let store = connect_store(&fabric.spec.etcd.endpoints, &fabric_name, &metrics).await;
+    let store = connect_store(&client, &fabric, &metrics).await;
     // Agent reports, polled on a task of their own (a slow agent never
     // delays an invalidation); aborted with this task.
     let (report_tx, mut report_rx) = tokio::sync::mpsc::channel(1);

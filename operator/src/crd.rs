@@ -90,7 +90,13 @@ pub struct EtcdSpec {
     /// Client URLs, e.g. `http://etcd.kvfabric:2379`.
     #[schemars(length(min = 1, max = 16))]
     pub endpoints: Vec<String>,
-    // TODO(issue 14): `secretRef` for TLS client certificates and auth.
+    /// Name of a Secret in the fabric's namespace holding the etcd client
+    /// TLS material: `ca.crt` (the CA that signed etcd's serving
+    /// certificate), `tls.crt` and `tls.key` (this client's certificate and
+    /// key, PEM; the `kubernetes.io/tls` type plus `ca.crt`). Endpoints must
+    /// then be `https://`. Unset: plain `http://`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_secret_ref: Option<String>,
 }
 
 /// Observed state of a fabric.

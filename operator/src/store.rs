@@ -84,6 +84,88 @@ pub fn records_to_remove(records: &[(String, Vec<u8>)], inv: &Invalidation) -> V
         .collect()
 }
 
+/// Client TLS material for etcd (PEM), from the Secret named by
+/// `spec.etcd.tlsSecretRef`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// CA certificate(s) that signed etcd's serving certificate.
+    pub ca_pem: Vec<u8>,
+    /// This client's certificate.
+    pub cert_pem: Vec<u8>,
+    /// Its private key.
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("EtcdTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The keys of a TLS Secret [`EtcdTls::from_secret_data`] reads.
+pub const TLS_SECRET_KEYS: [&str; 3] = ["ca.crt", "tls.crt", "tls.key"];
+
+impl EtcdTls {
+    /// Reads `ca.crt`, `tls.crt` and `tls.key` from a Secret's `data`.
+    /// Pure.
+    ///
+    /// # Errors
+    /// A message naming the Secret and every missing, empty or non-PEM key.
+    pub fn from_secret_data(
+        secret: &str,
+        data: &std::collections::BTreeMap<String, Vec<u8>>,
+    ) -> Result<Self, String> {
+        let mut bad = Vec::new();
+        let mut get = |k: &str| match data.get(k) {
+            Some(v) if v.windows(11).any(|w| w == b"-----BEGIN ") => v.clone(),
+            Some(_) => {
+                bad.push(format!("{k} (not PEM)"));
+                Vec::new()
+            }
+            None => {
+                bad.push(format!("{k} (missing)"));
+                Vec::new()
+            }
+        };
+        let (ca_pem, cert_pem, key_pem) = (get("ca.crt"), get("tls.crt"), get("tls.key"));
+        if !bad.is_empty() {
+            return Err(format!(
+                "etcd TLS Secret {secret}: {} (want PEM ca.crt, tls.crt, tls.key)",
+                bad.join(", ")
+            ));
+        }
+        Ok(Self {
+            ca_pem,
+            cert_pem,
+            key_pem,
+        })
+    }
+}
+
+/// Checks that every endpoint's scheme matches the TLS setting: `https://`
+/// with TLS, `http://` without. Pure.
+///
+/// # Errors
+/// A message naming the first endpoint that does not.
+pub fn check_endpoints(endpoints: &[String], tls: bool) -> Result<(), String> {
+    let want = if tls { "https://" } else { "http://" };
+    match endpoints.iter().find(|e| !e.starts_with(want)) {
+        None => Ok(()),
+        Some(e) => Err(format!(
+            "etcd endpoint {e}: want {want}… ({})",
+            if tls {
+                "tlsSecretRef is set"
+            } else {
+                "set spec.etcd.tlsSecretRef for https"
+            }
+        )),
+    }
+}
+
 /// Why an etcd step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -104,16 +186,25 @@ pub struct FabricStore {
 }
 
 impl FabricStore {
-    /// Connects to `endpoints` for `fabric`; every request is bounded by
+    /// Connects to `endpoints` for `fabric` (over TLS with client
+    /// certificates when `tls` is given); every request is bounded by
     /// `timeout`.
     pub async fn connect(
         endpoints: &[String],
         fabric: &str,
         timeout: Duration,
+        tls: Option<&EtcdTls>,
     ) -> Result<Self, StoreError> {
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(timeout)
             .with_timeout(timeout);
+        if let Some(t) = tls {
+            opts = opts.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(&t.ca_pem))
+                    .identity(etcd_client::Identity::from_pem(&t.cert_pem, &t.key_pem)),
+            );
+        }
         let client = tokio::time::timeout(timeout, Client::connect(endpoints, Some(opts)))
             .await
             .map_err(|_| StoreError::Timeout(timeout))??;
@@ -240,6 +331,30 @@ mod tests {
             v["pod_uid"] = u.into();
         }
         (key.to_string(), serde_json::to_vec(&v).unwrap())
+    }
+
+    #[test]
+    fn tls_secret_keys_and_endpoint_schemes() {
+        let pem = b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n".to_vec();
+        let mut data = std::collections::BTreeMap::new();
+        data.insert("ca.crt".to_string(), pem.clone());
+        data.insert("tls.crt".to_string(), pem.clone());
+        let e = EtcdTls::from_secret_data("etcd-client", &data).unwrap_err();
+        assert!(
+            e.contains("etcd-client") && e.contains("tls.key (missing)"),
+            "{e}"
+        );
+        data.insert("tls.key".to_string(), b"not pem".to_vec());
+        let e = EtcdTls::from_secret_data("etcd-client", &data).unwrap_err();
+        assert!(e.contains("tls.key (not PEM)"), "{e}");
+        data.insert("tls.key".to_string(), pem.clone());
+        let t = EtcdTls::from_secret_data("etcd-client", &data).unwrap();
+        assert!(!format!("{t:?}").contains("BEGIN"), "key material printed");
+        assert!(check_endpoints(&["https://e:2379".into()], true).is_ok());
+        assert!(check_endpoints(&["http://e:2379".into()], true)
+            .unwrap_err()
+            .contains("http://e:2379"));
+        assert!(check_endpoints(&["https://e:2379".into()], false).is_err());
     }
 
     #[test]
