@@ -48,11 +48,18 @@ pub enum FaultKind {
     NeverAwait,
     /// SIGKILL the fabric's etcd and start it again within the lease TTL.
     RestartEtcd,
+    /// SIGKILL the fabric's etcd and start it again after the lease TTL:
+    /// every lease expired; the fabric must come back by itself.
+    RestartEtcdBeyondTtl,
+    /// Delete a decode agent's pod through the API, SIGKILL the agent, and
+    /// replace it by a pod of the same name (new UID) whose agent listens
+    /// on the same host:port (a StatefulSet's replacement).
+    ReplaceDecodePod,
 }
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [FaultKind; 9] = [
+    pub const ALL: [FaultKind; 11] = [
         FaultKind::DeletePrefillPod,
         FaultKind::KillPrefillEngine,
         FaultKind::KillPrefillAgent,
@@ -62,6 +69,8 @@ impl FaultKind {
         FaultKind::CancelBurst,
         FaultKind::NeverAwait,
         FaultKind::RestartEtcd,
+        FaultKind::RestartEtcdBeyondTtl,
+        FaultKind::ReplaceDecodePod,
     ];
 
     /// Its name in reports and on the command line.
@@ -76,6 +85,8 @@ impl FaultKind {
             FaultKind::CancelBurst => "cancel-burst",
             FaultKind::NeverAwait => "never-await",
             FaultKind::RestartEtcd => "restart-etcd",
+            FaultKind::RestartEtcdBeyondTtl => "restart-etcd-beyond-ttl",
+            FaultKind::ReplaceDecodePod => "replace-decode-pod",
         }
     }
 
@@ -89,8 +100,6 @@ impl FaultKind {
 pub const MISSING: &[&str] = &[
     "partition an agent (nftables drop) and heal: not in this first version (root nftables rules on a shared machine)",
     "random loss on control traffic: not in this first version",
-    "restart etcd beyond the lease TTL: not in this first version",
-    "replace a decode pod on the same host:port: agents listen on ephemeral ports here",
     "a peer dying in the middle of the handshake: not timed to the handshake in this version",
 ];
 
@@ -399,6 +408,8 @@ struct AgentSlot {
     side: Side,
     gen: u32,
     agent: AgentProc,
+    /// Its HTTP port, kept across restarts (the same host:port).
+    port: u16,
 }
 
 /// Fault → forgotten, measured from outside.
@@ -652,7 +663,7 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
     {
         let side = if i < 2 { Side::Prefill } else { Side::Decode };
         let (c, n, u) = (conf.clone(), name.to_string(), uids[name].clone());
-        let agent = match blocking(move || AgentProc::spawn(&c, &n, &u, side, 0)).await {
+        let agent = match blocking(move || AgentProc::spawn(&c, &n, &u, side, 0, 0)).await {
             Ok(a) => a,
             Err(e) if e.contains("NIXL runtime") => {
                 return Err(RunError::Skip(format!("NIXL runtime not available: {e}")))
@@ -664,6 +675,7 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
             uid: uids[name].clone(),
             side,
             gen: 0,
+            port: agent.http.port(),
             agent,
         });
     }
@@ -1388,7 +1400,7 @@ impl Suite {
         slot: usize,
         pod: Option<(String, String)>,
     ) -> Result<(String, String), String> {
-        let (conf, logical, uid, side, gen, old) = {
+        let (conf, logical, uid, side, gen, old, port) = {
             let mut a = lock(&self.agents);
             let s = &mut a[slot];
             s.agent.proc.kill();
@@ -1403,9 +1415,11 @@ impl Suite {
                 s.side,
                 s.gen + 1,
                 s.agent.name.clone(),
+                s.port,
             )
         };
-        let new = blocking(move || AgentProc::spawn(&conf, &logical, &uid, side, gen)).await?;
+        let new =
+            blocking(move || AgentProc::spawn(&conf, &logical, &uid, side, gen, port)).await?;
         let name = new.name.clone();
         {
             let mut a = lock(&self.agents);
@@ -1697,6 +1711,145 @@ impl Suite {
                     r.outcomes.success, r.outcomes.failure
                 ));
             }
+            FaultKind::ReplaceDecodePod => {
+                let j = rng.below(2) as usize;
+                let slot = 2 + j;
+                self.scrape_hist(slot).await;
+                let (old, logical, http) = {
+                    let a = lock(&self.agents);
+                    (
+                        a[slot].agent.name.clone(),
+                        a[slot].logical.clone(),
+                        a[slot].agent.http,
+                    )
+                };
+                r.target = format!("pod {logical} ({old}) on {http}");
+                let observers = vec![self.agent_http(0), self.agent_http(1)];
+                let (k, pod) = (self.clone(), logical.clone());
+                if let Err(e) = blocking(move || k.kube.delete_pod(&pod)).await {
+                    r.violations.push(format!("delete pod: {e}"));
+                }
+                let t_f = Instant::now();
+                lock(&self.agents)[slot].agent.proc.kill();
+                probe = Some(start_probe(&self, vec![slot], t_f));
+                let f = Forget {
+                    name: old.clone(),
+                    observers,
+                    path: "operator",
+                };
+                r.forget_path = Some(f.path.into());
+                let forget = tokio::spawn(Self::wait_forgotten(
+                    f,
+                    t_f,
+                    Duration::from_secs(self.opts.lease_ttl_s + 10),
+                ));
+                // The same pod name again once the old pod is gone (≤ 20 s).
+                let (k, pod) = (self.clone(), logical.clone());
+                let uid = blocking(move || {
+                    let t = Instant::now();
+                    loop {
+                        match k.kube.create_pod(&pod, &[("app", FABRIC_LABEL)]) {
+                            Ok(u) => return Ok(u),
+                            Err(e) if t.elapsed() > Duration::from_secs(20) => return Err(e),
+                            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                        }
+                    }
+                })
+                .await;
+                match uid {
+                    Ok(uid) => match self.restart_agent(slot, Some((logical.clone(), uid))).await {
+                        Ok((old, new)) => {
+                            let now = self.agent_http(slot);
+                            if now != http {
+                                r.violations
+                                    .push(format!("replacement listens on {now}, not {http}"));
+                            }
+                            if old == new {
+                                r.violations
+                                    .push(format!("replacement kept the name {new}"));
+                            }
+                            r.notes.push(format!("replaced by {new} on {now}"));
+                            let duid = self.decode_uids[j].clone();
+                            match self.attach_decode(j, &duid).await {
+                                Ok(d) => lock_w(&self.decode)[j] = Arc::new(d),
+                                Err(e) => {
+                                    r.violations.push(format!("decode engine re-attach: {e}"))
+                                }
+                            }
+                            r.forget_ms = forget.await.ok().flatten();
+                            if r.forget_ms.is_none() {
+                                r.violations
+                                    .push(format!("prefill agents still list the replaced {old}"));
+                            }
+                            let t_r = Instant::now();
+                            let i = rng.below(2) as usize;
+                            match self.pair_probe(i, j, t_r, Duration::from_secs(20)).await {
+                                Ok(ms) => r.rejoin_ms = Some(ms),
+                                Err(e) => r
+                                    .violations
+                                    .push(format!("replacement {new} carries no traffic: {e}")),
+                            }
+                        }
+                        Err(e) => r.violations.push(format!("replacement agent: {e}")),
+                    },
+                    Err(e) => r.violations.push(format!("replacement pod {logical}: {e}")),
+                }
+            }
+            FaultKind::RestartEtcdBeyondTtl => {
+                let before: Vec<u32> = lock(&self.agents)
+                    .iter()
+                    .map(|a| a.agent.proc.pid())
+                    .collect();
+                let away = Duration::from_secs(self.opts.lease_ttl_s + 2);
+                r.target = format!("fabric etcd, away {} s", away.as_secs());
+                let forgotten_before = self.sum_metric("kvfabric_peers_forgotten_total").await;
+                let t_f = Instant::now();
+                if let Some(mut p) = lock(&self.etcd).proc.take() {
+                    p.kill();
+                }
+                // The data path needs no etcd: a pair keeps working.
+                probe = Some(start_probe(&self, vec![], t_f));
+                tokio::time::sleep(away).await;
+                let s = self.clone();
+                if let Err(e) = blocking(move || lock(&s.etcd).restart()).await {
+                    r.violations.push(format!("etcd restart: {e}"));
+                }
+                // Every lease expired: the fabric must come back by itself,
+                // every pair carrying a verified hand-off (≤ 30 s).
+                let t_back = Instant::now();
+                let mut worst: f64 = 0.0;
+                for i in 0..2 {
+                    for j in 0..2 {
+                        match self.pair_probe(i, j, t_back, Duration::from_secs(30)).await {
+                            Ok(ms) => worst = worst.max(ms),
+                            Err(e) => r.violations.push(format!(
+                                "after etcd came back, prefill {i} → decode {j}: {e}"
+                            )),
+                        }
+                    }
+                }
+                r.rejoin_ms = Some(worst);
+                let after: Vec<u32> = lock(&self.agents)
+                    .iter()
+                    .map(|a| a.agent.proc.pid())
+                    .collect();
+                let alive: Vec<bool> = lock(&self.agents)
+                    .iter_mut()
+                    .map(|a| a.agent.proc.alive())
+                    .collect();
+                if before != after || alive.iter().any(|a| !a) {
+                    r.violations.push(format!("agents restarted or exited across the etcd outage: {before:?} → {after:?}, alive {alive:?}"));
+                }
+                // etcd refreshes every lease when its member comes back
+                // (lessor promote), so no lease expires: nobody may be
+                // forgotten either.
+                let forgotten_after = self.sum_metric("kvfabric_peers_forgotten_total").await;
+                if forgotten_after > forgotten_before {
+                    r.notes.push(format!(
+                        "peers forgotten across the outage: {forgotten_before} → {forgotten_after}"
+                    ));
+                }
+            }
             FaultKind::RestartEtcd => {
                 let before: Vec<(u32, String)> = lock(&self.agents)
                     .iter()
@@ -1781,13 +1934,14 @@ mod tests {
 
     #[test]
     fn schedule_cycles_every_kind_in_a_seeded_order() {
-        let s = schedule(&FaultKind::ALL, 10, 7);
-        assert_eq!(s.len(), 10);
+        let n = FaultKind::ALL.len();
+        let s = schedule(&FaultKind::ALL, n + 1, 7);
+        assert_eq!(s.len(), n + 1);
         for k in FaultKind::ALL {
-            assert!(s[..9].contains(&k), "{k:?} missing from the first cycle");
+            assert!(s[..n].contains(&k), "{k:?} missing from the first cycle");
         }
-        assert_eq!(s, schedule(&FaultKind::ALL, 10, 7));
-        assert_ne!(s, schedule(&FaultKind::ALL, 10, 8));
+        assert_eq!(s, schedule(&FaultKind::ALL, n + 1, 7));
+        assert_ne!(s, schedule(&FaultKind::ALL, n + 1, 8));
         for k in FaultKind::ALL {
             assert_eq!(FaultKind::parse(k.name()), Some(k));
         }

@@ -416,7 +416,8 @@ pub struct AgentProc {
 
 impl AgentProc {
     /// Starts agent `logical` (pod `pod_uid`) of `side`, generation `gen`
-    /// (log file name), and waits (≤ 60 s) for its HTTP API and name.
+    /// (log file name), its HTTP API on 127.0.0.1:`port` (0 = ephemeral),
+    /// and waits (≤ 60 s) for its HTTP API and name.
     ///
     /// # Errors
     /// The agent not coming up (its log tail).
@@ -426,8 +427,10 @@ impl AgentProc {
         pod_uid: &str,
         side: Side,
         gen: u32,
+        port: u16,
     ) -> Result<Self, String> {
         let socket = conf.dir.join(format!("{logical}.sock"));
+        let listen = format!("127.0.0.1:{port}");
         let log = conf.dir.join(format!("{logical}.{gen}.log"));
         let role = match side {
             Side::Prefill => "prefill",
@@ -444,7 +447,7 @@ impl AgentProc {
                 "--role",
                 role,
             ])
-            .args(["--listen", "127.0.0.1:0", "--pool-size", "4MiB"])
+            .args(["--listen", &listen, "--pool-size", "4MiB"])
             .args(["--control-bind", "loopback"])
             .args(["--lease-ttl", &conf.lease_ttl_s.to_string()])
             .arg("--engine-socket")

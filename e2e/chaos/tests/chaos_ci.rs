@@ -9,7 +9,8 @@
 //! tools (e2e/kube/install.sh), the NIXL runtime and the trace in
 //! ../shared/data; prints SKIP without them, or fails under
 //! `KVFABRIC_REQUIRE_SERVICES=1`. `KVFABRIC_CHAOS_ROUNDS` and
-//! `KVFABRIC_CHAOS_SEED` override the rounds (≥ 10) and the seed.
+//! `KVFABRIC_CHAOS_SEED` override the rounds (at least one per fault kind
+//! plus one, and ≥ 10) and the seed.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -33,7 +34,9 @@ fn every_fault_kind_under_load_no_hang_leak_or_corrupt_byte() {
     let target = exe.parent().expect("target dir").to_path_buf();
     let mut opts = Options::with_target_dir(&target);
     opts.engine_exe = exe;
-    opts.rounds = env_u64("KVFABRIC_CHAOS_ROUNDS").unwrap_or(10).max(10) as usize;
+    // Every kind once, then one more round; never fewer than 10.
+    let min = (FaultKind::ALL.len() + 1).max(10) as u64;
+    opts.rounds = env_u64("KVFABRIC_CHAOS_ROUNDS").unwrap_or(min).max(min) as usize;
     opts.seed = env_u64("KVFABRIC_CHAOS_SEED").unwrap_or(16);
     let t0 = Instant::now();
     let report = match run(opts.clone()) {
