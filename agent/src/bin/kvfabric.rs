@@ -211,6 +211,18 @@ struct AgentArgs {
     /// endpoints (tests and debugging); loopback --listen only.
     #[arg(long)]
     debug_api: bool,
+    /// Export OpenTelemetry traces of engine hand-offs (a `kvfabric.transfer`
+    /// span per sampled Transfer call, parented by the engine's
+    /// traceparent, with submit/bounce stage spans and per-chunk events) to
+    /// this OTLP/gRPC endpoint, e.g. http://collector:4317. Unset = no
+    /// tracing (env KVFABRIC_OTLP_ENDPOINT).
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
+    /// Fraction of hand-offs traced when the engine's traceparent is absent
+    /// (a sampled traceparent is always followed, an unsampled one never):
+    /// 0 to 1, default 0.01 (env KVFABRIC_TRACE_SAMPLE_RATIO).
+    #[arg(long, value_name = "RATIO", value_parser = sample_ratio)]
+    trace_sample_ratio: Option<f64>,
     /// Print the effective config as YAML and exit.
     #[arg(long)]
     print_config: bool,
@@ -243,6 +255,8 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         engine_socket: a.engine_socket,
         gpu: a.gpu,
         pod_uid: a.pod_uid,
+        otlp_endpoint: a.otlp_endpoint,
+        trace_sample_ratio: a.trace_sample_ratio,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);
@@ -262,6 +276,14 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         let _ = writeln!(out, "kvfabric agent listening on http://{addr}");
         let _ = out.flush();
     })
+}
+
+/// A ratio from 0 to 1.
+fn sample_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("expected a ratio from 0 to 1, got {s:?}")),
+    }
 }
 
 /// A path that is not empty.

@@ -682,12 +682,31 @@ impl FabricAgent {
         src_kind: MemKind,
         dst_kind: MemKind,
     ) -> (PathKind, TransferHandle) {
+        self.submit_write_kinds_traced(peer, descs, src_kind, dst_kind, false)
+    }
+
+    /// [`submit_write_kinds`](Self::submit_write_kinds); `traced` makes a
+    /// bounce request record its stages
+    /// ([`BounceTransport::submit_traced`]).
+    pub fn submit_write_kinds_traced(
+        &self,
+        peer: &str,
+        descs: Vec<Descriptor>,
+        src_kind: MemKind,
+        dst_kind: MemKind,
+        traced: bool,
+    ) -> (PathKind, TransferHandle) {
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         if self.should_use_bounce(peer, &descs, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
             let t = self.transport.as_ref().expect("checked by the gate");
-            (PathKind::Bounce, t.submit(peer, descs))
+            let h = if traced {
+                t.submit_traced(peer, descs)
+            } else {
+                t.submit(peer, descs)
+            };
+            (PathKind::Bounce, h)
         } else {
             (PathKind::Standard, self.submit_standard(peer, descs))
         }

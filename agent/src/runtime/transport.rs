@@ -119,6 +119,58 @@ struct CompletionState {
     outcome: Option<TransferOutcome>,
 }
 
+/// A stage of a bounce request as its sending IO thread saw it: the seed's
+/// NVTX ranges, recorded only for traced requests
+/// ([`BounceTransport::submit_traced`]; issue 15, OpenTelemetry traces).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// WANT sent to the receiver (chunk 0; the request is planned).
+    Want,
+    /// The chunk was gathered into its staging region.
+    Gathered,
+    /// Its NIXL write into the granted region was posted.
+    WritePosted,
+    /// The write landed and its DATA was sent (the receiver may scatter).
+    DataSent,
+    /// Its ACK came back: the receiver scattered the chunk.
+    Acked,
+}
+
+impl Stage {
+    /// The span event's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Want => "want",
+            Stage::Gathered => "gather",
+            Stage::WritePosted => "write",
+            Stage::DataSent => "data",
+            Stage::Acked => "ack",
+        }
+    }
+}
+
+/// One [`Stage`] of one chunk, timed by the IO thread.
+#[derive(Clone, Copy, Debug)]
+pub struct StageEvent {
+    /// Which stage.
+    pub stage: Stage,
+    /// The chunk's index in its request.
+    pub chunk: u32,
+    /// When the IO thread saw it (an instant it takes anyway).
+    pub at: Instant,
+}
+
+/// Most stage events kept per traced request (later ones are counted, not
+/// kept: a span's events stay bounded).
+pub const MAX_STAGE_EVENTS: usize = 1024;
+
+/// The stage events of a traced request (see [`Completion::note`]).
+#[derive(Default)]
+struct Timeline {
+    events: Vec<StageEvent>,
+    dropped: u32,
+}
+
 /// Shared completion cell of one request (the seed's promise/future).
 #[derive(Default)]
 pub struct Completion {
@@ -129,6 +181,9 @@ pub struct Completion {
     resolved: AtomicBool,
     /// How long [`TransferHandle::wait`] polls before it blocks.
     spin: Duration,
+    /// Stage events, for a traced request only (`None`: one branch on the
+    /// IO thread, nothing recorded).
+    timeline: Option<Mutex<Timeline>>,
 }
 
 impl Completion {
@@ -154,6 +209,25 @@ impl Completion {
         self.resolved.store(true, Ordering::Release);
         self.cv.notify_all();
         true
+    }
+
+    /// Records `stage` of `chunk` at `at` if the request is traced; the IO
+    /// thread passes an instant it took anyway, so an untraced request
+    /// costs one branch.
+    #[inline]
+    pub(crate) fn note(&self, stage: Stage, chunk: usize, at: Instant) {
+        if let Some(t) = &self.timeline {
+            let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+            if t.events.len() < MAX_STAGE_EVENTS {
+                t.events.push(StageEvent {
+                    stage,
+                    chunk: chunk as u32,
+                    at,
+                });
+            } else {
+                t.dropped = t.dropped.saturating_add(1);
+            }
+        }
     }
 }
 
@@ -236,6 +310,21 @@ impl TransferHandle {
                 .wait_timeout(s, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+        }
+    }
+
+    /// Takes the stage events recorded so far (traced requests only; empty
+    /// otherwise) and how many were dropped past [`MAX_STAGE_EVENTS`].
+    pub fn take_timeline(&self) -> (Vec<StageEvent>, u32) {
+        match &self.completion.timeline {
+            Some(t) => {
+                let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+                (
+                    std::mem::take(&mut t.events),
+                    std::mem::take(&mut t.dropped),
+                )
+            }
+            None => (Vec::new(), 0),
         }
     }
 
@@ -806,8 +895,23 @@ impl BounceTransport {
     /// many chunks) resolve the handle FAILURE at once, with a message
     /// naming the descriptor.
     pub fn submit(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
+        self.submit_with(peer, descs, false)
+    }
+
+    /// [`submit`](Self::submit) for a traced request: the IO thread records
+    /// each chunk's [`Stage`]s (read with [`TransferHandle::take_timeline`])
+    /// from instants it takes anyway.
+    pub fn submit_traced(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
+        self.submit_with(peer, descs, true)
+    }
+
+    fn submit_with(&self, peer: &str, descs: Vec<Descriptor>, traced: bool) -> TransferHandle {
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
-        let completion = Arc::new(Completion::with_spin(self.busy_poll));
+        let mut completion = Completion::with_spin(self.busy_poll);
+        if traced {
+            completion.timeline = Some(Mutex::new(Timeline::default()));
+        }
+        let completion = Arc::new(completion);
         let handle = TransferHandle {
             completion: completion.clone(),
             request_id: rid,
@@ -1412,6 +1516,7 @@ impl Io {
             "planned"
         );
         let now = Instant::now();
+        completion.note(Stage::Want, 0, now);
         let state = chunks
             .iter()
             .map(|_| SendChunk {
@@ -1581,6 +1686,7 @@ impl Io {
             .map_err(|e| format!("posting write of chunk {i}: {e}"))?;
         req.state[i].state = ChunkState::Writing(h);
         req.state[i].posted_at = Some(posted_at);
+        req.completion.note(Stage::WritePosted, i, posted_at);
         self.writes.push((rid, i));
         Ok(())
     }
@@ -1615,7 +1721,9 @@ impl Io {
                     self.stats.chunks_written.fetch_add(1, Ordering::Relaxed);
                     let req = self.requests.get_mut(&rid).expect("checked");
                     req.state[i].state = ChunkState::DataSent;
-                    req.last_progress = Instant::now();
+                    let now = Instant::now();
+                    req.last_progress = now;
+                    req.completion.note(Stage::DataSent, i, now);
                     if let Some(t) = req.state[i].posted_at.take() {
                         let (peer, kind, bytes) = (
                             req.peer.clone(),
@@ -1698,7 +1806,9 @@ impl Io {
             let _ = self.scheduler.release_local(local);
         }
         req.acked += 1;
-        req.last_progress = Instant::now();
+        let now = Instant::now();
+        req.last_progress = now;
+        req.completion.note(Stage::Acked, i, now);
         if req.acked == req.chunks.len() {
             let req = self.requests.remove(&rid).expect("exists");
             self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
@@ -2196,7 +2306,9 @@ impl Io {
                                 tracing::trace!(rid, chunk, "gathered");
                                 req.state[chunk].state = ChunkState::Gathered;
                                 req.state[chunk].scatter_runs = done.scatter_runs;
-                                req.last_progress = Instant::now();
+                                let now = Instant::now();
+                                req.last_progress = now;
+                                req.completion.note(Stage::Gathered, chunk, now);
                                 self.pump(rid);
                             } else {
                                 let _ = self.scheduler.release_local(local);

@@ -110,6 +110,14 @@ pub struct AgentConfig {
     /// unauthenticated and can overwrite any part of a peer's KV pool.
     /// Env `KVFABRIC_DEBUG_API`, flag `--debug-api`.
     pub debug_api: bool,
+    /// OTLP/gRPC endpoint for traces of engine hand-offs
+    /// (`http://collector:4317`); empty (default) = no tracing pipeline.
+    /// Env `KVFABRIC_OTLP_ENDPOINT`, flag `--otlp-endpoint`.
+    pub otlp_endpoint: String,
+    /// Fraction of hand-offs traced when the engine sends no sampled
+    /// parent (`ParentBased(TraceIdRatioBased)`), 0 to 1. Default 0.01.
+    /// Env `KVFABRIC_TRACE_SAMPLE_RATIO`, flag `--trace-sample-ratio`.
+    pub trace_sample_ratio: SampleRatio,
     /// The bounce engine's configuration (core schema; env
     /// `KVFABRIC_BOUNCE_*`).
     pub bounce: BounceConfig,
@@ -137,11 +145,27 @@ impl Default for AgentConfig {
             gpu: None,
             engine_socket: String::new(),
             debug_api: false,
+            otlp_endpoint: String::new(),
+            trace_sample_ratio: SampleRatio(super::traces::DEFAULT_SAMPLE_RATIO),
             bounce: BounceConfig::default(),
             env_warnings: Vec::new(),
         }
     }
 }
+
+/// A sampling ratio in [0, 1] (`traceSampleRatio`); compared by its bits
+/// so the config stays `Eq`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SampleRatio(pub f64);
+
+impl PartialEq for SampleRatio {
+    fn eq(&self, o: &Self) -> bool {
+        self.0.to_bits() == o.0.to_bits()
+    }
+}
+
+impl Eq for SampleRatio {}
 
 /// Largest accepted discovery lease TTL: 3600 s (a dead agent stays a
 /// peer for at most this long without the operator's help).
@@ -188,6 +212,10 @@ pub struct AgentOverrides {
     pub gpu: Option<u32>,
     /// `--pod-uid`.
     pub pod_uid: Option<String>,
+    /// `--otlp-endpoint`.
+    pub otlp_endpoint: Option<String>,
+    /// `--trace-sample-ratio`.
+    pub trace_sample_ratio: Option<f64>,
 }
 
 fn split_list(v: &str) -> Vec<String> {
@@ -259,6 +287,11 @@ impl AgentConfig {
                 "CONTROL_BIND" => self.control_bind = v.to_string(),
                 "ENGINE_SOCKET" => self.engine_socket = v.to_string(),
                 "POD_UID" => self.pod_uid = v.to_string(),
+                "OTLP_ENDPOINT" => self.otlp_endpoint = v.to_string(),
+                "TRACE_SAMPLE_RATIO" => match v.parse::<f64>() {
+                    Ok(r) if (0.0..=1.0).contains(&r) => self.trace_sample_ratio = SampleRatio(r),
+                    _ => bad("a ratio from 0 to 1 (0.01 = one request in a hundred)"),
+                },
                 "GPU" => match v.parse() {
                     Ok(n) => self.gpu = Some(n),
                     Err(_) => bad("a CUDA device ordinal (0, 1, ...)"),
@@ -334,6 +367,12 @@ impl AgentConfig {
         }
         if let Some(v) = o.pod_uid {
             self.pod_uid = v;
+        }
+        if let Some(v) = o.otlp_endpoint {
+            self.otlp_endpoint = v;
+        }
+        if let Some(v) = o.trace_sample_ratio {
+            self.trace_sample_ratio = SampleRatio(v);
         }
     }
 
@@ -440,6 +479,19 @@ impl AgentConfig {
                 "debugApi: the debug endpoints are unauthenticated and write KV memory; \
                  they need a loopback listen address (127.0.0.1:PORT or [::1]:PORT), got {:?}",
                 self.listen
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.trace_sample_ratio.0) {
+            errs.push(format!(
+                "traceSampleRatio: expected 0 to 1, got {}",
+                self.trace_sample_ratio.0
+            ));
+        }
+        let otlp = &self.otlp_endpoint;
+        if !(otlp.is_empty() || otlp.starts_with("http://") || otlp.starts_with("https://")) {
+            errs.push(format!(
+                "otlpEndpoint: expected an http:// or https:// URL (the OTLP/gRPC port, e.g. http://collector:4317), got {:?}",
+                self.otlp_endpoint
             ));
         }
         if let Err(e) = self.bounce.validate() {
@@ -941,6 +993,19 @@ pub fn run(
         pool_bytes = pool_len, bounce = node.agent().transport().is_some(), "agent started"
     );
 
+    // Traces of engine hand-offs: only with an endpoint (otherwise the
+    // engine API checks an empty cell per request).
+    let traces = if cfg.otlp_endpoint.is_empty() {
+        None
+    } else {
+        let t = super::traces::Traces::start(
+            &cfg.otlp_endpoint,
+            cfg.trace_sample_ratio.0,
+            node.agent().name(),
+        )?;
+        tracing::info!(endpoint = %cfg.otlp_endpoint, sample_ratio = cfg.trace_sample_ratio.0, "OTLP traces of engine hand-offs");
+        Some(Arc::new(t))
+    };
     let engine_socket = super::engines::socket_path(&cfg.engine_socket);
     let hub = engine_socket.as_ref().map(|_| {
         let weak = Arc::downgrade(&node);
@@ -959,6 +1024,9 @@ pub fn run(
             .watch_engines(node.agent().name(), &hub);
         hub.set_metrics(node.state().metrics().clone());
         hub.follow_tombstones();
+        if let Some(t) = &traces {
+            hub.set_traces(t.clone());
+        }
         hub
     });
 
@@ -1039,6 +1107,10 @@ pub fn run(
     // the pool it registered.
     drop(rt);
     drop(hub);
+    if let Some(t) = &traces {
+        // The hand-offs' last spans, flushed (bounded).
+        t.shutdown();
+    }
     drop(node);
     drop(discovery);
     drop(pool);
@@ -1046,4 +1118,43 @@ pub fn run(
         tracing::info!("exit");
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_settings_from_env_and_flags() {
+        let mut c = AgentConfig::default();
+        assert_eq!(c.otlp_endpoint, "");
+        assert_eq!(c.trace_sample_ratio, SampleRatio(0.01));
+        let r = c.apply_env_vars([
+            ("KVFABRIC_OTLP_ENDPOINT", "http://collector:4317"),
+            ("KVFABRIC_TRACE_SAMPLE_RATIO", "0.25"),
+        ]);
+        assert!(r.errors.is_empty(), "{r:?}");
+        assert_eq!(c.otlp_endpoint, "http://collector:4317");
+        assert_eq!(c.trace_sample_ratio, SampleRatio(0.25));
+        for bad in ["1.5", "-0.1", "often", "NaN"] {
+            let r = AgentConfig::default().apply_env_vars([("KVFABRIC_TRACE_SAMPLE_RATIO", bad)]);
+            assert!(
+                r.errors.len() == 1 && r.errors[0].contains("KVFABRIC_TRACE_SAMPLE_RATIO"),
+                "{bad}: {r:?}"
+            );
+        }
+        c.apply_overrides(&AgentOverrides {
+            trace_sample_ratio: Some(1.0),
+            ..AgentOverrides::default()
+        });
+        assert_eq!(c.trace_sample_ratio, SampleRatio(1.0));
+        // YAML keys round-trip.
+        let y = serde_yaml::to_string(&c).unwrap();
+        assert!(y.contains("otlpEndpoint: http://collector:4317"), "{y}");
+        assert_eq!(AgentConfig::from_yaml_str(&y).unwrap(), c);
+        c.otlp_endpoint = "collector:4317".into();
+        c.logical_id = "x".into();
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("otlpEndpoint"), "{e}");
+    }
 }

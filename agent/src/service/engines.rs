@@ -46,6 +46,7 @@ use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
 use super::discovery::{Discovery, EngineRecord};
+use super::traces::{Traces, TransferTrace};
 use crate::runtime::engine::{MemDesc, MemKind};
 use crate::runtime::fabric::{FabricAgent, PathKind};
 use crate::runtime::transport::{TransferHandle, TransferOutcome};
@@ -81,6 +82,10 @@ pub struct ArrivalNotice {
     /// Why, for a failure.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reason: String,
+    /// W3C trace context of the sender's `kvfabric.transfer` span (traced
+    /// hand-offs only): the receiver's `kvfabric.arrival` span is its child.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub traceparent: String,
 }
 
 /// A pool mapped into the agent: registered with NIXL and allowed as a
@@ -292,6 +297,8 @@ pub struct EngineHub {
     /// Where hand-offs to other agents are recorded (latency, fallbacks,
     /// timeouts, bytes per peer and engine), once set.
     metrics: std::sync::OnceLock<Arc<crate::service::metrics::AgentMetrics>>,
+    /// The trace pipeline, when an OTLP endpoint is configured.
+    traces: std::sync::OnceLock<Arc<Traces>>,
     /// Profiling switches of the direct path, read once at start:
     /// `KVFABRIC_DIRECT_KERNEL=runs` uses the run-table kernel for whole
     /// blocks too, `KVFABRIC_DIRECT_MERGE=1` merges strided runs.
@@ -378,6 +385,7 @@ impl EngineHub {
             closing: std::sync::atomic::AtomicBool::new(false),
             me: std::sync::OnceLock::new(),
             metrics: std::sync::OnceLock::new(),
+            traces: std::sync::OnceLock::new(),
             direct_kernel_runs: std::env::var("KVFABRIC_DIRECT_KERNEL").as_deref() == Ok("runs"),
             direct_merge: std::env::var("KVFABRIC_DIRECT_MERGE").as_deref() == Ok("1"),
             #[cfg(feature = "cuda")]
@@ -465,6 +473,11 @@ impl EngineHub {
     /// call wins).
     pub fn set_metrics(&self, metrics: Arc<crate::service::metrics::AgentMetrics>) {
         let _ = self.metrics.set(metrics);
+    }
+
+    /// Traces hand-offs through `traces` (see [`crate::service::traces`]).
+    pub fn set_traces(&self, traces: Arc<Traces>) {
+        let _ = self.traces.set(traces);
     }
 
     /// Ids of the engines attached now.
@@ -868,10 +881,25 @@ impl EngineHub {
             tracing::debug!(peer = %LogSafe(peer), topic = n.topic, "notice of an unknown topic dropped");
             return;
         }
-        let Ok(a) = serde_json::from_slice::<ArrivalNotice>(&n.payload) else {
+        let Ok(mut a) = serde_json::from_slice::<ArrivalNotice>(&n.payload) else {
             tracing::warn!(peer = %LogSafe(peer), "undecodable arrival notice dropped");
             return;
         };
+        let traceparent = std::mem::take(&mut a.traceparent);
+        if let (Some(t), false) = (self.traces.get(), traceparent.is_empty()) {
+            t.arrival(
+                &traceparent,
+                vec![
+                    opentelemetry::KeyValue::new("kvfabric.request_id", a.request_id as i64),
+                    opentelemetry::KeyValue::new("kvfabric.engine", a.src_engine.clone()),
+                    opentelemetry::KeyValue::new("kvfabric.dst_engine", a.dst_engine.clone()),
+                    opentelemetry::KeyValue::new("kvfabric.peer", peer.to_string()),
+                    opentelemetry::KeyValue::new("kvfabric.bytes", a.bytes as i64),
+                    opentelemetry::KeyValue::new("kvfabric.outcome", a.outcome.clone()),
+                ],
+                a.outcome == "success",
+            );
+        }
         let known = self
             .lock_sessions()
             .values()
@@ -976,12 +1004,46 @@ impl EngineHub {
         }
     }
 
-    /// Runs one hand-off to its end (blocking; call off the async runtime).
+    /// Runs one hand-off to its end (blocking; call off the async runtime);
+    /// ends its trace, if sampled.
     fn transfer_blocking(
         self: &Arc<Self>,
         s: &Arc<Session>,
         req: pb::TransferRequest,
         received: Instant,
+        mut trace: Option<TransferTrace>,
+    ) -> Result<pb::TransferResponse, Status> {
+        let r = self.transfer_inner(s, req, received, &mut trace);
+        if let Some(t) = trace {
+            let end = Instant::now();
+            match &r {
+                Ok(r) => t.finish(
+                    match r.outcome() {
+                        pb::Outcome::Success => "success",
+                        pb::Outcome::Timeout => "timeout",
+                        pb::Outcome::Cancelled => "cancelled",
+                        _ => "failure",
+                    },
+                    &r.reason,
+                    &r.path,
+                    r.bytes,
+                    r.descriptors,
+                    Some(r.submit_us),
+                    Some(r.transfer_us),
+                    end,
+                ),
+                Err(st) => t.finish("rejected", st.message(), "", 0, 0, None, None, end),
+            }
+        }
+        r
+    }
+
+    fn transfer_inner(
+        self: &Arc<Self>,
+        s: &Arc<Session>,
+        req: pb::TransferRequest,
+        received: Instant,
+        trace: &mut Option<TransferTrace>,
     ) -> Result<pb::TransferResponse, Status> {
         let src_pool = s
             .pool()
@@ -1012,6 +1074,12 @@ impl EngineHub {
             }
         }
         let target = self.resolve(&req.dst_engine)?;
+        if let Some(t) = trace {
+            t.peer = Some(match &target {
+                Target::Local(_) => self.agent.name().to_string(),
+                Target::Remote { agent, .. } => agent.clone(),
+            });
+        }
         // Layouts first: a pair that can never be mapped is refused as such.
         let dst_layout_first = match &target {
             Target::Local(d) => d.layout.clone(),
@@ -1130,7 +1198,7 @@ impl EngineHub {
                 self.local_copy(s, req.request_id, &src_pool, &dst, &descs, received)
             }
             Target::Remote { agent, record } => {
-                self.remote_write(s, &req, &agent, &record, descs, timeout, received)
+                self.remote_write(s, &req, &agent, &record, descs, timeout, received, trace)
             }
         };
         s.in_flight
@@ -1225,6 +1293,7 @@ impl EngineHub {
             bytes,
             outcome: "success".into(),
             reason: String::new(),
+            traceparent: String::new(),
         });
         pb::TransferResponse {
             outcome: pb::Outcome::Success as i32,
@@ -1319,8 +1388,10 @@ impl EngineHub {
         descs: Vec<Descriptor>,
         timeout: Duration,
         received: Instant,
+        trace: &mut Option<TransferTrace>,
     ) -> Result<pb::TransferResponse, Status> {
         let n = descs.len() as u32;
+        let traced = trace.is_some();
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         let src_kind = s.pool().map_or(MemKind::Dram, |p| p.kind());
         let dst_kind = if record.layout.device >= 0 {
@@ -1335,9 +1406,16 @@ impl EngineHub {
             let st = self.agent.stats();
             st.submit_bounce.fetch_add(1, Ordering::Relaxed);
             st.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
-            t.submit(agent, descs)
+            if traced {
+                t.submit_traced(agent, descs)
+            } else {
+                t.submit(agent, descs)
+            }
         };
         let mut fallback = None;
+        // Handed to the path from here (a traced bounce request's WANT can
+        // go out before submit() returns).
+        let handing = Instant::now();
         let (path, handle) = match pb::Path::try_from(req.path).unwrap_or(pb::Path::Auto) {
             pb::Path::Standard if gpu_pools => {
                 return Err(Status::failed_precondition(
@@ -1364,7 +1442,7 @@ impl EngineHub {
             pb::Path::Auto => {
                 let r = self
                     .agent
-                    .submit_write_kinds(agent, descs, src_kind, dst_kind);
+                    .submit_write_kinds_traced(agent, descs, src_kind, dst_kind, traced);
                 if r.0 == PathKind::Standard && self.agent.transport().is_some() {
                     fallback = Some(if self.agent.has_peer_handshake(agent) {
                         "routing_gate"
@@ -1387,7 +1465,8 @@ impl EngineHub {
                 }
             },
         };
-        let submit_us = received.elapsed().as_micros() as u64;
+        let submitted = Instant::now();
+        let submit_us = submitted.duration_since(received).as_micros() as u64;
         let path_name = crate::service::metrics::path_label(path);
         if let Some(f) = s
             .in_flight
@@ -1422,7 +1501,27 @@ impl EngineHub {
                 )
             }
         };
-        let transfer_us = t0.elapsed().as_micros() as u64;
+        let resolved = Instant::now();
+        let transfer_us = resolved.duration_since(t0).as_micros() as u64;
+        if let Some(t) = trace.as_mut() {
+            t.path = Some((
+                if path == PathKind::Bounce {
+                    "kvfabric.bounce"
+                } else {
+                    "kvfabric.standard"
+                },
+                handing,
+                resolved,
+            ));
+            (t.timeline, t.dropped) = handle.take_timeline();
+            if let Some(f) = fallback {
+                t.set(opentelemetry::KeyValue::new("kvfabric.fallback", f));
+            }
+            t.set(opentelemetry::KeyValue::new(
+                "kvfabric.bounce_rid",
+                handle.request_id as i64,
+            ));
+        }
         if let Some(m) = self.metrics.get() {
             m.observe_engine_transfer(&crate::service::metrics::EngineTransfer {
                 agent: self.agent.name(),
@@ -1450,9 +1549,16 @@ impl EngineHub {
                     "failure".into()
                 },
                 reason: reason.clone(),
+                traceparent: trace
+                    .as_ref()
+                    .map(TransferTrace::traceparent)
+                    .unwrap_or_default(),
             };
             if let Ok(payload) = serde_json::to_vec(&notice) {
                 t.send_notice(agent, NOTICE_TOPIC_ARRIVAL, payload);
+                if let Some(tr) = trace.as_mut() {
+                    tr.arrival_sent = Some(Instant::now());
+                }
             }
         }
         if outcome != pb::Outcome::Success {
@@ -1585,10 +1691,25 @@ impl EngineApi for EngineService {
         let received = Instant::now();
         let req = req.into_inner();
         let s = self.hub.session(&req.session)?;
+        // Untraced agents: one empty OnceLock checked.
+        let trace = self.hub.traces.get().and_then(|t| {
+            t.begin_transfer(&req.traceparent, received, || {
+                vec![
+                    opentelemetry::KeyValue::new("kvfabric.request_id", req.request_id as i64),
+                    opentelemetry::KeyValue::new("kvfabric.engine", s.engine_id.clone()),
+                    opentelemetry::KeyValue::new("kvfabric.dst_engine", req.dst_engine.clone()),
+                    opentelemetry::KeyValue::new(
+                        "kvfabric.agent",
+                        self.hub.agent.name().to_string(),
+                    ),
+                ]
+            })
+        });
         let hub = self.hub.clone();
-        let r = tokio::task::spawn_blocking(move || hub.transfer_blocking(&s, req, received))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+        let r =
+            tokio::task::spawn_blocking(move || hub.transfer_blocking(&s, req, received, trace))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(r))
     }
 
