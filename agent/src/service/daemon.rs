@@ -111,7 +111,8 @@ pub struct AgentConfig {
     /// Env `KVFABRIC_DEBUG_API`, flag `--debug-api`.
     pub debug_api: bool,
     /// OTLP/gRPC endpoint for traces of engine hand-offs
-    /// (`http://collector:4317`); empty (default) = no tracing pipeline.
+    /// (`http://collector:4317`; plain HTTP/2, no TLS in this build);
+    /// empty (default) = no tracing pipeline.
     /// Env `KVFABRIC_OTLP_ENDPOINT`, flag `--otlp-endpoint`.
     pub otlp_endpoint: String,
     /// Fraction of hand-offs traced when the engine sends no sampled
@@ -488,9 +489,9 @@ impl AgentConfig {
             ));
         }
         let otlp = &self.otlp_endpoint;
-        if !(otlp.is_empty() || otlp.starts_with("http://") || otlp.starts_with("https://")) {
+        if !(otlp.is_empty() || otlp.starts_with("http://")) {
             errs.push(format!(
-                "otlpEndpoint: expected an http:// or https:// URL (the OTLP/gRPC port, e.g. http://collector:4317), got {:?}",
+                "otlpEndpoint: expected an http:// URL (the OTLP/gRPC port, e.g. http://collector:4317; this build has no TLS for OTLP: use a collector on the node), got {:?}",
                 self.otlp_endpoint
             ));
         }
