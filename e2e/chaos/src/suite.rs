@@ -55,11 +55,15 @@ pub enum FaultKind {
     /// replace it by a pod of the same name (new UID) whose agent listens
     /// on the same host:port (a StatefulSet's replacement).
     ReplaceDecodePod,
+    /// Start a third decode agent (its own pod) and SIGKILL it 0–300 ms
+    /// after it answers, while the others load it and handshake with it;
+    /// its pod is then deleted.
+    JoinerDies,
 }
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [FaultKind; 11] = [
+    pub const ALL: [FaultKind; 12] = [
         FaultKind::DeletePrefillPod,
         FaultKind::KillPrefillEngine,
         FaultKind::KillPrefillAgent,
@@ -71,6 +75,7 @@ impl FaultKind {
         FaultKind::RestartEtcd,
         FaultKind::RestartEtcdBeyondTtl,
         FaultKind::ReplaceDecodePod,
+        FaultKind::JoinerDies,
     ];
 
     /// Its name in reports and on the command line.
@@ -87,6 +92,7 @@ impl FaultKind {
             FaultKind::RestartEtcd => "restart-etcd",
             FaultKind::RestartEtcdBeyondTtl => "restart-etcd-beyond-ttl",
             FaultKind::ReplaceDecodePod => "replace-decode-pod",
+            FaultKind::JoinerDies => "joiner-dies",
         }
     }
 
@@ -100,7 +106,8 @@ impl FaultKind {
 pub const MISSING: &[&str] = &[
     "partition an agent (nftables drop) and heal: not in this first version (root nftables rules on a shared machine)",
     "random loss on control traffic: not in this first version",
-    "a peer dying in the middle of the handshake: not timed to the handshake in this version",
+        "a peer dying in the middle of the handshake: approximated by joiner-dies (a new agent SIGKILLed 0-300 ms after it answers, while its peers load it), not timed to a handshake message",
+
 ];
 
 /// Suite options.
@@ -1848,6 +1855,62 @@ impl Suite {
                     r.notes.push(format!(
                         "peers forgotten across the outage: {forgotten_before} → {forgotten_after}"
                     ));
+                }
+            }
+            FaultKind::JoinerDies => {
+                let pod = format!("agent-dx-g{gen}");
+                let (k, p2) = (self.clone(), pod.clone());
+                let uid = blocking(move || k.kube.create_pod(&p2, &[("app", FABRIC_LABEL)])).await;
+                let delay = Duration::from_millis(rng.below(300));
+                r.target = format!(
+                    "new agent {pod}, killed {} ms after it answered",
+                    delay.as_millis()
+                );
+                match uid {
+                    Ok(uid) => {
+                        let (c, p2) = (self.conf.clone(), pod.clone());
+                        match blocking(move || AgentProc::spawn(&c, &p2, &uid, Side::Decode, 0, 0))
+                            .await
+                        {
+                            Ok(mut joiner) => {
+                                tokio::time::sleep(delay).await;
+                                let t_f = Instant::now();
+                                joiner.proc.kill();
+                                probe = Some(start_probe(&self, vec![], t_f));
+                                let (k, p2) = (self.clone(), pod.clone());
+                                if let Err(e) = blocking(move || k.kube.delete_pod(&p2)).await {
+                                    r.violations.push(format!("delete pod: {e}"));
+                                }
+                                let observers = (0..4).map(|s| self.agent_http(s)).collect();
+                                let f = Forget {
+                                    name: joiner.name.clone(),
+                                    observers,
+                                    path: "operator",
+                                };
+                                r.forget_path = Some(f.path.into());
+                                r.forget_ms = Self::wait_forgotten(
+                                    f,
+                                    t_f,
+                                    Duration::from_secs(self.opts.lease_ttl_s + 10),
+                                )
+                                .await;
+                                if r.forget_ms.is_none() {
+                                    r.violations.push(format!(
+                                        "agents still list the dead joiner {}",
+                                        joiner.name
+                                    ));
+                                }
+                            }
+                            Err(e) => {
+                                probe = Some(start_probe(&self, vec![], Instant::now()));
+                                r.violations.push(format!("joiner did not start: {e}"));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        probe = Some(start_probe(&self, vec![], Instant::now()));
+                        r.violations.push(format!("joiner pod: {e}"));
+                    }
                 }
             }
             FaultKind::RestartEtcd => {
