@@ -49,10 +49,14 @@ for step in ${KVF_STEPS:-engines model vram}; do
       timeout 180 /tmp/kvf/kvfabric-gpu vram-bench --json "$out/vram_bench.json" 2>&1 \
         | tee "$out/vram_bench.log" | tail -n 30 || rc=1 ;;
     model)
-      if [ -f e2e/model/handoff.py ]; then
-        timeout 330 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
-          --out "$out/model_handoff.json" --sdpa-backend ${KVF_SDPA:-efficient,default} 2>&1 | tee "$out/model_handoff.log" | tail -n 60 || rc=1
-      fi ;;
+      # KVF_MODEL_PATHS: transfer paths to run the hand-off on, in order
+      # (bounce, standard, auto); one report per path.
+      for p in ${KVF_MODEL_PATHS:-bounce}; do
+        suffix=""; [ "$p" = bounce ] || suffix="_$p"
+        timeout 330 python3 e2e/model/handoff.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd --path "$p" \
+          --out "$out/model_handoff$suffix.json" --sdpa-backend ${KVF_SDPA:-efficient,default} 2>&1 \
+          | tee "$out/model_handoff$suffix.log" | tail -n 40 || rc=1
+      done ;;
   esac
 done
 exit $rc

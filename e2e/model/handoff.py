@@ -1069,7 +1069,15 @@ def role_prefill(a):
             try:
                 try:
                     r = f.result(timeout=120)
-                except (kvfabric.NotFound, kvfabric.FailedPrecondition):
+                except kvfabric.FailedPrecondition as e:
+                    if "GPU pools" in str(e):
+                        # A refusal by design (STANDARD is not available
+                        # for GPU pools), not a handshake still in progress.
+                        raise
+                    r = None
+                except kvfabric.NotFound:
+                    r = None
+                if r is None:
                     # The decode engine not yet in this agent's discovery
                     # view, or the bounce handshake with its agent not yet
                     # done: again, until it is (at most 30 s).
@@ -1109,6 +1117,7 @@ def role_prefill(a):
             "kv_sha256": digests, "pool_kv_sha256": pool_digests, "layout": layout,
             "sdpa_dispatch": sdpa_dispatch}))
         print(f"[prefill] {key}: " + ", ".join(f"{r['outcome']} {r.get('bytes')} B {r.get('transfer_us')} us"
+                                               + (f" ({r['reason']})" if r.get("reason") else "")
                                                for r in results), flush=True)
     atomic_write(os.path.join(a.workdir, "prefill.done.json"), json.dumps(out))
     s.close()
