@@ -506,6 +506,19 @@ fn chart_switches() {
         assert_eq!(m["mountPath"], "/etc/kvfabric/etcd-tls");
         assert_eq!(m["readOnly"], true);
     }
+    // The agents are given the Secret's files as their etcd TLS flags.
+    let args = strings(&container(one(&ext, "DaemonSet", "-agent"))["args"]);
+    for (flag, file) in [
+        ("--etcd-ca-file", "ca.crt"),
+        ("--etcd-cert-file", "tls.crt"),
+        ("--etcd-key-file", "tls.key"),
+    ] {
+        let i = args
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("agent args lack {flag}: {args:?}"));
+        assert_eq!(args[i + 1], format!("/etc/kvfabric/etcd-tls/{file}"));
+    }
     let role = one(&ext, "Role", "-operator");
     let secret_rule = role["rules"]
         .as_array()

@@ -1,7 +1,8 @@
 //! The operator's etcd client speaks TLS with client certificates against
 //! an etcd that serves TLS and requires client certificates (issue 14,
-//! item 1). Certificates come from openssl(1) in a temp dir: a CA, etcd's
-//! serving certificate (SAN 127.0.0.1) and a client certificate.
+//! item 1). Certificates come from e2e/make-test-pki.sh (openssl) in a temp
+//! dir: a CA, etcd's serving certificate (SAN 127.0.0.1) and a client
+//! certificate.
 //!
 //! SKIP without `etcd` or `openssl` on PATH; fails instead under
 //! `KVFABRIC_REQUIRE_SERVICES=1`.
@@ -25,81 +26,19 @@ fn have(cmd: &str) -> bool {
         .is_ok()
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
+/// CA, server (SAN IP 127.0.0.1) and client key pairs in `dir`
+/// (e2e/make-test-pki.sh).
+fn make_pki(dir: &Path) {
+    let script = kube_common::repo().join("e2e/make-test-pki.sh");
+    let out = Command::new(script)
+        .arg(dir)
         .output()
-        .expect("run openssl");
+        .expect("run make-test-pki.sh");
     assert!(
         out.status.success(),
-        "openssl {args:?}: {}",
+        "make-test-pki.sh: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// CA, server (SAN IP 127.0.0.1) and client key pairs in `dir`.
-fn make_pki(dir: &Path, ca: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-keyout",
-            &format!("{ca}.key"),
-            "-out",
-            &format!("{ca}.crt"),
-            "-subj",
-            &format!("/CN={ca}"),
-        ],
-    );
-    std::fs::write(
-        dir.join("san.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-    )
-    .unwrap();
-    for who in ["server", "client"] {
-        openssl(
-            dir,
-            &[
-                "req",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-keyout",
-                &format!("{who}.key"),
-                "-out",
-                &format!("{who}.csr"),
-                "-subj",
-                &format!("/CN=kvfabric-{who}"),
-            ],
-        );
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &format!("{who}.csr"),
-                "-CA",
-                &format!("{ca}.crt"),
-                "-CAkey",
-                &format!("{ca}.key"),
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                "san.ext",
-                "-out",
-                &format!("{who}.crt"),
-            ],
-        );
-    }
 }
 
 fn free_port() -> u16 {
@@ -136,11 +75,11 @@ async fn operator_store_speaks_tls_with_client_certificates() {
     let dir = std::env::temp_dir().join(format!("kvf-etcd-tls-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    make_pki(&dir, "ca");
+    make_pki(&dir);
     // A second CA that signed nothing etcd serves.
     let other = dir.join("other");
     std::fs::create_dir_all(&other).unwrap();
-    make_pki(&other, "ca");
+    make_pki(&other);
 
     let (client_port, peer_port) = (free_port(), free_port());
     let url = format!("https://127.0.0.1:{client_port}");

@@ -223,6 +223,17 @@ struct AgentArgs {
     /// 0 to 1, default 0.01 (env KVFABRIC_TRACE_SAMPLE_RATIO).
     #[arg(long, value_name = "RATIO", value_parser = sample_ratio)]
     trace_sample_ratio: Option<f64>,
+    /// etcd client TLS: the CA (PEM) that signed etcd's serving certificate;
+    /// with --etcd-cert-file and --etcd-key-file (all three or none), and
+    /// https:// endpoints (env KVFABRIC_ETCD_CA_FILE).
+    #[arg(long, value_name = "PEM")]
+    etcd_ca_file: Option<String>,
+    /// etcd client certificate (PEM; env KVFABRIC_ETCD_CERT_FILE).
+    #[arg(long, value_name = "PEM")]
+    etcd_cert_file: Option<String>,
+    /// etcd client private key (PEM; env KVFABRIC_ETCD_KEY_FILE).
+    #[arg(long, value_name = "PEM")]
+    etcd_key_file: Option<String>,
     /// Print the effective config as YAML and exit.
     #[arg(long)]
     print_config: bool,
@@ -257,6 +268,9 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         pod_uid: a.pod_uid,
         otlp_endpoint: a.otlp_endpoint,
         trace_sample_ratio: a.trace_sample_ratio,
+        etcd_ca_file: a.etcd_ca_file,
+        etcd_cert_file: a.etcd_cert_file,
+        etcd_key_file: a.etcd_key_file,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::discovery::{
     incarnation_name, validate_name, AgentRecord, BufferRegion, Discovery, EmbeddedRegistry,
-    EngineRecord, EtcdDiscovery, EtcdOptions, Incarnation, PeerSync,
+    EngineRecord, EtcdDiscovery, EtcdOptions, EtcdTls, Incarnation, PeerSync,
 };
 use super::http::{ServiceInit, ServiceState, VerifyRegion};
 use super::metrics::AgentMetrics;
@@ -115,6 +115,18 @@ pub struct AgentConfig {
     /// empty (default) = no tracing pipeline.
     /// Env `KVFABRIC_OTLP_ENDPOINT`, flag `--otlp-endpoint`.
     pub otlp_endpoint: String,
+    /// etcd client TLS: PEM file of the CA that signed etcd's serving
+    /// certificate. With `etcdCertFile` and `etcdKeyFile` (all three or
+    /// none) the agent speaks TLS with a client certificate, and every
+    /// endpoint must be `https://`. Empty (default) = plain HTTP.
+    /// Env `KVFABRIC_ETCD_CA_FILE`, flag `--etcd-ca-file`.
+    pub etcd_ca_file: String,
+    /// etcd client certificate (PEM). Env `KVFABRIC_ETCD_CERT_FILE`, flag
+    /// `--etcd-cert-file`.
+    pub etcd_cert_file: String,
+    /// Its private key (PEM). Env `KVFABRIC_ETCD_KEY_FILE`, flag
+    /// `--etcd-key-file`.
+    pub etcd_key_file: String,
     /// Fraction of hand-offs traced when the engine sends no sampled
     /// parent (`ParentBased(TraceIdRatioBased)`), 0 to 1. Default 0.01.
     /// Env `KVFABRIC_TRACE_SAMPLE_RATIO`, flag `--trace-sample-ratio`.
@@ -147,6 +159,9 @@ impl Default for AgentConfig {
             engine_socket: String::new(),
             debug_api: false,
             otlp_endpoint: String::new(),
+            etcd_ca_file: String::new(),
+            etcd_cert_file: String::new(),
+            etcd_key_file: String::new(),
             trace_sample_ratio: SampleRatio(super::traces::DEFAULT_SAMPLE_RATIO),
             bounce: BounceConfig::default(),
             env_warnings: Vec::new(),
@@ -215,6 +230,12 @@ pub struct AgentOverrides {
     pub pod_uid: Option<String>,
     /// `--otlp-endpoint`.
     pub otlp_endpoint: Option<String>,
+    /// `--etcd-ca-file`.
+    pub etcd_ca_file: Option<String>,
+    /// `--etcd-cert-file`.
+    pub etcd_cert_file: Option<String>,
+    /// `--etcd-key-file`.
+    pub etcd_key_file: Option<String>,
     /// `--trace-sample-ratio`.
     pub trace_sample_ratio: Option<f64>,
 }
@@ -289,6 +310,9 @@ impl AgentConfig {
                 "ENGINE_SOCKET" => self.engine_socket = v.to_string(),
                 "POD_UID" => self.pod_uid = v.to_string(),
                 "OTLP_ENDPOINT" => self.otlp_endpoint = v.to_string(),
+                "ETCD_CA_FILE" => self.etcd_ca_file = v.to_string(),
+                "ETCD_CERT_FILE" => self.etcd_cert_file = v.to_string(),
+                "ETCD_KEY_FILE" => self.etcd_key_file = v.to_string(),
                 "TRACE_SAMPLE_RATIO" => match v.parse::<f64>() {
                     Ok(r) if (0.0..=1.0).contains(&r) => self.trace_sample_ratio = SampleRatio(r),
                     _ => bad("a ratio from 0 to 1 (0.01 = one request in a hundred)"),
@@ -372,6 +396,15 @@ impl AgentConfig {
         if let Some(v) = o.otlp_endpoint {
             self.otlp_endpoint = v;
         }
+        if let Some(v) = o.etcd_ca_file.clone() {
+            self.etcd_ca_file = v;
+        }
+        if let Some(v) = o.etcd_cert_file.clone() {
+            self.etcd_cert_file = v;
+        }
+        if let Some(v) = o.etcd_key_file.clone() {
+            self.etcd_key_file = v;
+        }
         if let Some(v) = o.trace_sample_ratio {
             self.trace_sample_ratio = SampleRatio(v);
         }
@@ -423,6 +456,30 @@ impl AgentConfig {
         if self.logical_id.trim().is_empty() {
             self.logical_id = default_logical_id();
         }
+    }
+
+    /// The etcd client TLS material from `etcdCaFile`, `etcdCertFile` and
+    /// `etcdKeyFile`, read now; `None` when they are unset.
+    ///
+    /// # Errors
+    /// A message naming the setting whose file cannot be read or holds no
+    /// PEM block.
+    pub fn etcd_tls(&self) -> Result<Option<EtcdTls>, String> {
+        if self.etcd_ca_file.is_empty() {
+            return Ok(None);
+        }
+        let read = |what: &str, path: &str| -> Result<Vec<u8>, String> {
+            let b = std::fs::read(path).map_err(|e| format!("{what} {path:?}: {e}"))?;
+            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(format!("{what} {path:?}: expected a PEM file"));
+            }
+            Ok(b)
+        };
+        Ok(Some(EtcdTls {
+            ca_pem: read("etcdCaFile", &self.etcd_ca_file)?,
+            cert_pem: read("etcdCertFile", &self.etcd_cert_file)?,
+            key_pem: read("etcdKeyFile", &self.etcd_key_file)?,
+        }))
     }
 
     /// Checks every field; all problems are reported at once.
@@ -493,6 +550,33 @@ impl AgentConfig {
             errs.push(format!(
                 "otlpEndpoint: expected an http:// URL (the OTLP/gRPC port, e.g. http://collector:4317; this build has no TLS for OTLP: use a collector on the node), got {:?}",
                 self.otlp_endpoint
+            ));
+        }
+        let tls_files = [
+            &self.etcd_ca_file,
+            &self.etcd_cert_file,
+            &self.etcd_key_file,
+        ];
+        let tls_set = tls_files.iter().filter(|f| !f.is_empty()).count();
+        if tls_set != 0 && tls_set != 3 {
+            errs.push(
+                "etcdCaFile, etcdCertFile, etcdKeyFile: give all three (TLS with a client certificate) or none"
+                    .into(),
+            );
+        }
+        let tls = tls_set == 3;
+        if let Some(e) = self
+            .etcd_endpoints
+            .iter()
+            .find(|e| e.starts_with("https://") != tls)
+        {
+            errs.push(format!(
+                "etcdEndpoints: {e:?}: {}",
+                if tls {
+                    "expected https:// (the etcd TLS files are set)"
+                } else {
+                    "https:// needs etcdCaFile, etcdCertFile and etcdKeyFile"
+                }
             ));
         }
         if let Err(e) = self.bounce.validate() {
@@ -945,6 +1029,7 @@ pub fn run(
         tracing::info!(endpoints = ?cfg.etcd_endpoints, fabric = %cfg.fabric, "connecting to etcd (discovery)");
         let mut o = EtcdOptions::new(cfg.etcd_endpoints.clone(), &cfg.fabric);
         o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
+        o.tls = cfg.etcd_tls()?;
         Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
     };
     // Bind the HTTP listener before publishing, so the record carries the
@@ -1157,5 +1242,32 @@ mod tests {
         c.logical_id = "x".into();
         let e = c.validate().unwrap_err();
         assert!(e.contains("otlpEndpoint"), "{e}");
+    }
+
+    #[test]
+    fn etcd_tls_settings_are_all_or_none_and_match_the_scheme() {
+        let mut c = AgentConfig {
+            logical_id: "x".into(),
+            etcd_endpoints: vec!["https://e:2379".into()],
+            ..AgentConfig::default()
+        };
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("https:// needs etcdCaFile"), "{e}");
+        c.apply_env_vars([("KVFABRIC_ETCD_CA_FILE", "/ca.pem")]);
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("all three"), "{e}");
+        c.apply_overrides(&AgentOverrides {
+            etcd_cert_file: Some("/c.pem".into()),
+            etcd_key_file: Some("/k.pem".into()),
+            ..AgentOverrides::default()
+        });
+        assert_eq!(c.validate(), Ok(()));
+        c.etcd_endpoints = vec!["http://e:2379".into()];
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("expected https://"), "{e}");
+        // Unreadable files are named at start-up.
+        c.etcd_endpoints = vec!["https://e:2379".into()];
+        let e = c.etcd_tls().unwrap_err();
+        assert!(e.contains("etcdCaFile \"/ca.pem\""), "{e}");
     }
 }

@@ -40,7 +40,7 @@ pub mod embedded;
 pub mod etcd;
 
 pub use embedded::{EmbeddedDiscovery, EmbeddedRegistry};
-pub use etcd::{EtcdDiscovery, EtcdOptions};
+pub use etcd::{EtcdDiscovery, EtcdOptions, EtcdTls};
 
 /// Version of the [`AgentRecord`] JSON schema this build writes and reads.
 pub const RECORD_VERSION: u32 = 1;

@@ -61,6 +61,30 @@ pub struct EtcdOptions {
     pub backoff_initial: Duration,
     /// ...up to this (default 2 s).
     pub backoff_max: Duration,
+    /// Client TLS (CA + client certificate); `None` = plain HTTP.
+    pub tls: Option<EtcdTls>,
+}
+
+/// etcd client TLS material (PEM): the CA that signed etcd's serving
+/// certificate, this client's certificate and key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// CA certificate(s).
+    pub ca_pem: Vec<u8>,
+    /// Client certificate.
+    pub cert_pem: Vec<u8>,
+    /// Client private key.
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("EtcdTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for EtcdOptions {
@@ -74,6 +98,7 @@ impl Default for EtcdOptions {
             connect_timeout: Duration::from_secs(2),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
+            tls: None,
         }
     }
 }
@@ -99,10 +124,18 @@ impl EtcdOptions {
     }
 
     fn connect_options(&self) -> ConnectOptions {
-        ConnectOptions::new()
+        let o = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(GRPC_KEEPALIVE_INTERVAL, GRPC_KEEPALIVE_TIMEOUT)
-            .with_keep_alive_while_idle(true)
+            .with_keep_alive_while_idle(true);
+        match &self.tls {
+            None => o,
+            Some(t) => o.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(&t.ca_pem))
+                    .identity(etcd_client::Identity::from_pem(&t.cert_pem, &t.key_pem)),
+            ),
+        }
     }
 }
 
