@@ -8,11 +8,23 @@
 #     (agent/python/run-tests.sh's venv), prometheus (promtool: `promtool
 #     check metrics` on a live /metrics), openssl/curl/iproute2
 #     (e2e/kube/up.sh). Go (for e2e/kube/install.sh) comes with the machine.
-#   - the control-plane binaries are built by e2e/kube/install.sh, which
-#     .ci/run calls after this script.
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
+#   - with --tests (README's test command): also the Kubernetes control
+#     plane the operator, chart and chaos suites start (kube-apiserver,
+#     controller-manager, scheduler, kubectl, etcd 3.6, kwok, helm), built
+#     from the Go module proxy by e2e/kube/install.sh and cached in
+#     ~/.cache/kvfabric/tools by version: 11-26 min once, then a no-op.
+#
+#   e2e/setup.sh [--tests]
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tests=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) tests=1 ;;
+    *) echo "setup: unknown argument '$arg' (expected --tests)" >&2; exit 2 ;;
+  esac
+done
 
 need=()
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
@@ -47,4 +59,8 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 
 "$repo/e2e/install-nixl.sh"
+if [ "$tests" = 1 ]; then
+  echo "setup: the control-plane tools (e2e/kube/install.sh; cached after the first build)"
+  "$repo/e2e/kube/install.sh" --quiet
+fi
 echo "setup: done"
