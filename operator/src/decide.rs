@@ -60,9 +60,14 @@ impl Reason {
 
     /// Whether the pod UID itself is dead (tombstoned). A container restart
     /// is not: the pod lives on with a new agent incarnation, so only the
-    /// incarnations that started before the restart are removed.
+    /// incarnations that started before the restart are removed. Nor is a
+    /// node NotReady past the grace: the node may come back (a kubelet or
+    /// network blip), so its pods' current records are removed but their
+    /// UIDs are not tombstoned — a surviving agent republishes (found by
+    /// the chaos suite: a 2 s Unknown blip used to tombstone every pod of
+    /// the node for good).
     pub fn is_terminal(&self) -> bool {
-        !matches!(self, Reason::Restarted { .. })
+        !matches!(self, Reason::Restarted { .. } | Reason::NodeNotReady(_))
     }
 }
 
@@ -97,6 +102,9 @@ pub struct PodHistory {
     /// Whether the pod has ever been seen Ready (a pod that never was is
     /// starting, not dead).
     pub was_ready: bool,
+    /// The pod was invalidated for the current NotReady episode of its
+    /// node (once per episode; cleared when the node is Ready again).
+    pub node_invalidated: bool,
 }
 
 /// The state of the pod's node as the caller knows it.
@@ -104,8 +112,13 @@ pub struct PodHistory {
 pub enum NodeState {
     /// Ready=True.
     Ready,
-    /// Ready=False or Unknown.
-    NotReady,
+    /// Ready=False or Unknown, since `since_ms` (the condition's
+    /// lastTransitionTime, or when the caller first saw it; ms since the
+    /// Unix epoch).
+    NotReady {
+        /// Start of the NotReady episode.
+        since_ms: Option<i64>,
+    },
     /// Seen before, deleted since.
     Deleted,
     /// Not scheduled, or the node was never seen (no decision on it).
@@ -113,18 +126,22 @@ pub enum NodeState {
 }
 
 /// [`NodeState`] of a node object: Ready condition True ⇒ Ready, False or
-/// Unknown ⇒ NotReady, no Ready condition at all (a node that has not
-/// reported yet) ⇒ Unknown.
+/// Unknown ⇒ NotReady (since its lastTransitionTime), no Ready condition at
+/// all (a node that has not reported yet) ⇒ Unknown.
 pub fn node_state(node: &Node) -> NodeState {
-    let ready = node
+    let cond = node
         .status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-        .map(|c| c.status == "True");
-    match ready {
-        Some(true) => NodeState::Ready,
-        Some(false) => NodeState::NotReady,
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    match cond {
+        Some(c) if c.status == "True" => NodeState::Ready,
+        Some(c) => NodeState::NotReady {
+            since_ms: c
+                .last_transition_time
+                .as_ref()
+                .map(|t| t.0.as_millisecond()),
+        },
         // A node that never reported (just registered): nothing runs on it
         // yet, so nothing to invalidate.
         None => NodeState::Unknown,
@@ -189,7 +206,14 @@ pub fn decide(
         .and_then(|s| s.node_name.clone())
         .unwrap_or_default();
     match node {
-        NodeState::NotReady => return PeerAction::Invalidate(Reason::NodeNotReady(node_name)),
+        // Past the not-ready grace, once per episode (a blip shorter than
+        // the grace changes nothing).
+        NodeState::NotReady { since_ms } => {
+            let for_ms = now_ms.saturating_sub(since_ms.unwrap_or(now_ms));
+            if !history.node_invalidated && u64::try_from(for_ms).unwrap_or(0) > grace_ms {
+                return PeerAction::Invalidate(Reason::NodeNotReady(node_name));
+            }
+        }
         NodeState::Deleted => return PeerAction::Invalidate(Reason::NodeDeleted(node_name)),
         NodeState::Ready | NodeState::Unknown => {}
     }
@@ -217,15 +241,28 @@ pub fn decide(
 }
 
 /// When `decide` would next change its answer for a pod that is kept now
-/// only because its not-ready grace has not run out: the deadline in ms
-/// since the Unix epoch, else `None`.
-pub fn grace_deadline(pod: &Pod, grace_ms: u64, history: &PodHistory) -> Option<i64> {
-    let (is_ready, since) = ready(pod);
-    if is_ready || !history.was_ready {
-        return None;
-    }
+/// only because a not-ready grace (its own, or its node's) has not run
+/// out: the deadline in ms since the Unix epoch, else `None`.
+pub fn grace_deadline(
+    pod: &Pod,
+    node: NodeState,
+    grace_ms: u64,
+    history: &PodHistory,
+) -> Option<i64> {
     let grace = i64::try_from(grace_ms).unwrap_or(i64::MAX);
-    since.map(|s| s.saturating_add(grace).saturating_add(1))
+    let node_deadline = match node {
+        NodeState::NotReady {
+            since_ms: Some(since),
+        } if !history.node_invalidated => Some(since.saturating_add(grace).saturating_add(1)),
+        _ => None,
+    };
+    let (is_ready, since) = ready(pod);
+    let pod_deadline = if is_ready || !history.was_ready {
+        None
+    } else {
+        since.map(|s| s.saturating_add(grace).saturating_add(1))
+    };
+    node_deadline.into_iter().chain(pod_deadline).min()
 }
 
 #[cfg(test)]
@@ -294,6 +331,7 @@ pub(crate) mod tests {
     const SEEN: PodHistory = PodHistory {
         restarts: Some(0),
         was_ready: true,
+        node_invalidated: false,
     };
 
     #[test]
@@ -348,17 +386,24 @@ pub(crate) mod tests {
             decide(&p, NodeState::Ready, 11_001, 10_000, &SEEN),
             PeerAction::Invalidate(Reason::NotReady { for_ms: 10_001 })
         );
-        assert_eq!(grace_deadline(&p, 10_000, &SEEN), Some(11_001));
+        assert_eq!(
+            grace_deadline(&p, NodeState::Ready, 10_000, &SEEN),
+            Some(11_001)
+        );
         // Never Ready: starting, not dead.
         let starting = PodHistory {
             restarts: Some(0),
             was_ready: false,
+            node_invalidated: false,
         };
         assert_eq!(
             decide(&p, NodeState::Ready, 99_000, 10_000, &starting),
             PeerAction::Keep
         );
-        assert_eq!(grace_deadline(&p, 10_000, &starting), None);
+        assert_eq!(
+            grace_deadline(&p, NodeState::Ready, 10_000, &starting),
+            None
+        );
         // A clock behind the transition time never underflows.
         assert_eq!(decide(&p, NodeState::Ready, 0, 0, &SEEN), PeerAction::Keep);
     }
@@ -374,6 +419,7 @@ pub(crate) mod tests {
             &PodHistory {
                 restarts: Some(1),
                 was_ready: true,
+                node_invalidated: false,
             },
         );
         assert_eq!(
@@ -396,13 +442,29 @@ pub(crate) mod tests {
     #[test]
     fn node_not_ready_or_deleted_invalidates() {
         let p = pod("a", "n1", true, 0, 0);
-        assert_eq!(node_state(&node("n1", "Unknown")), NodeState::NotReady);
+        assert_eq!(
+            node_state(&node("n1", "Unknown")),
+            NodeState::NotReady { since_ms: None }
+        );
         assert_eq!(node_state(&node("n1", "True")), NodeState::Ready);
         assert_eq!(node_state(&Node::default()), NodeState::Unknown);
-        assert_eq!(
-            decide(&p, NodeState::NotReady, 1, 0, &SEEN),
-            PeerAction::Invalidate(Reason::NodeNotReady("n1".into()))
-        );
+        let down = NodeState::NotReady {
+            since_ms: Some(1_000),
+        };
+        // Within the grace (5 s): kept, with the node's deadline.
+        assert_eq!(decide(&p, down, 6_000, 5_000, &SEEN), PeerAction::Keep);
+        assert_eq!(grace_deadline(&p, down, 5_000, &SEEN), Some(6_001));
+        // Past it: invalidated, not terminally (the node may come back).
+        let r = decide(&p, down, 6_001, 5_000, &SEEN);
+        assert_eq!(r, PeerAction::Invalidate(Reason::NodeNotReady("n1".into())));
+        assert!(!Reason::NodeNotReady("n1".into()).is_terminal());
+        // Once per episode.
+        let done = PodHistory {
+            node_invalidated: true,
+            ..SEEN
+        };
+        assert_eq!(decide(&p, down, 60_000, 5_000, &done), PeerAction::Keep);
+        assert_eq!(grace_deadline(&p, down, 5_000, &done), None);
         assert_eq!(
             decide(&p, NodeState::Deleted, 1, 0, &SEEN),
             PeerAction::Invalidate(Reason::NodeDeleted("n1".into()))

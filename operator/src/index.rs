@@ -142,7 +142,18 @@ impl PeerIndex {
                     if let Some(seen) = self.node_relist.as_mut() {
                         seen.insert(name.clone());
                     }
-                    self.nodes.insert(name.clone(), decide::node_state(&node));
+                    let mut st = decide::node_state(&node);
+                    // A NotReady episode starts at the condition's
+                    // transition time, else when first seen, and keeps its
+                    // start across updates.
+                    if let NodeState::NotReady { since_ms } = &mut st {
+                        let before = match self.nodes.get(&name) {
+                            Some(NodeState::NotReady { since_ms }) => *since_ms,
+                            _ => None,
+                        };
+                        *since_ms = since_ms.or(before).or(Some(now_ms));
+                    }
+                    self.nodes.insert(name.clone(), st);
                     changed.push(name);
                 }
             }
@@ -195,7 +206,12 @@ impl PeerIndex {
         self.pods
             .values()
             .filter(|e| !e.invalidated)
-            .filter_map(|e| decide::grace_deadline(&e.pod, self.grace_ms, &e.history))
+            .filter_map(|e| {
+                let node = node_of(&e.pod)
+                    .and_then(|n| self.nodes.get(n).copied())
+                    .unwrap_or(NodeState::Unknown);
+                decide::grace_deadline(&e.pod, node, self.grace_ms, &e.history)
+            })
             .min()
     }
 
@@ -223,10 +239,12 @@ impl PeerIndex {
     }
 
     fn invalidation(pod: &Pod, reason: Reason, now_ms: i64) -> Invalidation {
-        let started_before_ms = if reason.is_terminal() {
-            None
-        } else {
-            running_since_ms(pod)
+        let started_before_ms = match &reason {
+            r if r.is_terminal() => None,
+            // Every incarnation running now (the pod's agent republishes
+            // if it is alive).
+            Reason::NodeNotReady(_) => Some(now_ms),
+            _ => running_since_ms(pod),
         };
         Invalidation {
             uid: uid(pod).unwrap_or_default().to_string(),
@@ -257,10 +275,16 @@ impl PeerIndex {
         let action = decide::decide(&pod, node, now_ms, self.grace_ms, &entry.history);
         entry.history.restarts = Some(decide::restart_count(&pod));
         entry.history.was_ready |= decide::ready(&pod).0;
+        if node == NodeState::Ready {
+            entry.history.node_invalidated = false;
+        }
         let out = match action {
             PeerAction::Keep => None,
             PeerAction::Invalidate(reason) => {
                 entry.invalidated = reason.is_terminal();
+                if matches!(reason, Reason::NodeNotReady(_)) {
+                    entry.history.node_invalidated = true;
+                }
                 Some(Self::invalidation(&pod, reason, now_ms))
             }
         };
@@ -416,10 +440,24 @@ mod tests {
         for (p, n) in [("a", "n1"), ("b", "n2"), ("c", "n3"), ("d", "n3")] {
             idx.pod_event(Event::Apply(pod(p, n, true, 0, 0)), 1);
         }
-        assert_eq!(
-            uids(&idx.node_event(Event::Apply(node("n1", "Unknown")), 2)),
-            [("uid-a", "NodeNotReady")]
-        );
+        // Unknown (no transition time): the episode starts when seen (2);
+        // within the grace (0 here: any later moment is past it).
+        assert!(idx
+            .node_event(Event::Apply(node("n1", "Unknown")), 2)
+            .is_empty());
+        assert_eq!(idx.next_deadline(), Some(3));
+        let out = idx.tick(3);
+        assert_eq!(uids(&out), [("uid-a", "NodeNotReady")]);
+        assert_eq!(out[0].started_before_ms, Some(3));
+        // Once per episode; a new episode after Ready again.
+        assert!(idx.tick(4).is_empty());
+        assert!(idx
+            .node_event(Event::Apply(node("n1", "True")), 5)
+            .is_empty());
+        assert!(idx
+            .node_event(Event::Apply(node("n1", "False")), 6)
+            .is_empty());
+        assert_eq!(uids(&idx.tick(7)), [("uid-a", "NodeNotReady")]);
         assert_eq!(
             uids(&idx.node_event(Event::Delete(node("n2", "True")), 3)),
             [("uid-b", "NodeDeleted")]
