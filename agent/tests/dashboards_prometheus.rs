@@ -10,10 +10,10 @@
 //! processes serving the engine API (prefill, decode with a 4 MiB arena,
 //! and "old" with a different max chunk size: bounce-incompatible with the
 //! others), the `kvfabric-operator` binary serving its /metrics with an
-//! unreachable kube-apiserver (the operator's invalidation path needs a
-//! real apiserver: its invalidation series are listed as not exercised
-//! here and covered by operator/tests/invalidation_kube.rs), and
-//! Prometheus scraping all four every second. Then:
+//! unreachable kube-apiserver (its error series), a second operator on a
+//! real control plane (e2e/kube/up.sh) whose KvFabric selects two pods
+//! the test deletes 3 s apart (its invalidation series), and Prometheus
+//! scraping them all every second. Then:
 //!
 //! - a bench slice (`kvfabric bench --prefill-socket --decode-socket`,
 //!   concurrency 6 into the decode agent's small arena) through both paths;
@@ -188,6 +188,18 @@ const FAULTS: &[(&str, &str, &str, &str)] = &[
         "operator without a reachable kube-apiserver",
     ),
     (
+        "kvfabric-overview.json",
+        "Operator invalidations/s",
+        "A",
+        "two pods deleted through a real kube-apiserver, 3 s apart",
+    ),
+    (
+        "kvfabric-overview.json",
+        "Peer invalidation latency p99",
+        "B",
+        "two pods deleted through a real kube-apiserver, 3 s apart",
+    ),
+    (
         "kvfabric-peers.json",
         "Drain mode",
         "B",
@@ -196,26 +208,7 @@ const FAULTS: &[(&str, &str, &str, &str)] = &[
 ];
 
 /// Targets this test cannot feed: (dashboard, panel, refId, why).
-const NOT_EXERCISED: &[(&str, &str, &str, &str)] = &[
-    (
-        "kvfabric-overview.json",
-        "Peer invalidation latency p99",
-        "B",
-        "operator invalidations need pod events from a kube-apiserver (operator/tests/invalidation_kube.rs)",
-    ),
-    (
-        "kvfabric-overview.json",
-        "Operator invalidations/s",
-        "A",
-        "operator invalidations need pod events from a kube-apiserver",
-    ),
-    (
-        "kvfabric-overview.json",
-        "Operator invalidations/s",
-        "B",
-        "operator invalidations need pod events from a kube-apiserver",
-    ),
-];
+const NOT_EXERCISED: &[(&str, &str, &str, &str)] = &[];
 
 fn prometheus_bin() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("PROMETHEUS") {
@@ -289,6 +282,99 @@ fn sample(text: &str, name: &str, label: &str) -> f64 {
 }
 
 struct Killed(Child);
+
+/// A control plane from e2e/kube/up.sh in `dir` (stopped on drop), driven
+/// with its own kubectl.
+struct Kube {
+    dir: PathBuf,
+    env: std::collections::BTreeMap<String, String>,
+}
+
+impl Kube {
+    /// `None` (after a SKIP) when the control-plane tools are not cached.
+    fn up(dir: &Path) -> Option<Self> {
+        let kube = Path::new(env!("CARGO_MANIFEST_DIR")).join("../e2e/kube");
+        let cached = Command::new(kube.join("install.sh"))
+            .arg("--path")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !cached {
+            common::skip("control-plane tools not installed (e2e/setup.sh --tests); operator invalidation panels untested");
+            return None;
+        }
+        let out = Command::new(kube.join("up.sh"))
+            .arg(dir)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run e2e/kube/up.sh");
+        let k = Self {
+            dir: dir.to_path_buf(),
+            env: std::fs::read_to_string(dir.join("env"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.split_once('='))
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        };
+        assert!(
+            out.status.success(),
+            "up.sh failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(k)
+    }
+
+    fn var(&self, k: &str) -> &str {
+        self.env
+            .get(k)
+            .map(String::as_str)
+            .unwrap_or_else(|| panic!("{k} missing from the kube env"))
+    }
+
+    /// Runs kubectl with `args` (stdin `input`); panics naming the command
+    /// on failure.
+    fn kubectl(&self, args: &[&str], input: Option<&str>) -> String {
+        let bin = self
+            .var("KVFABRIC_KUBE_PATH")
+            .split(':')
+            .map(|d| Path::new(d).join("kubectl"))
+            .find(|p| p.is_file())
+            .expect("kubectl in KVFABRIC_KUBE_PATH");
+        let mut child = Command::new(bin)
+            .arg("--kubeconfig")
+            .arg(self.dir.join("kubeconfig"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kubectl");
+        if let Some(i) = input {
+            child.stdin.take().unwrap().write_all(i.as_bytes()).unwrap();
+        }
+        drop(child.stdin.take());
+        let out = child.wait_with_output().expect("kubectl");
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Kube {
+    fn drop(&mut self) {
+        let _ = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../e2e/kube/down.sh"))
+            .arg(&self.dir)
+            .arg("--purge")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
 
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -477,6 +563,67 @@ fn every_panel_returns_data_under_faults() {
         }
     };
 
+    // A second operator on a real control plane (e2e/kube/up.sh): a
+    // KvFabric whose agent selector matches two pods the test deletes
+    // later (the operator's invalidation series). Its fabric prefix is its
+    // own, so it never touches the agents above.
+    let kube = Kube::up(&dir.join("kube"));
+    let operator2 = kube.as_ref().and_then(|k| {
+        let bin = operator_bin()?;
+        let crd = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/kvfabric.io_kvfabrics.yaml");
+        k.kubectl(&["apply", "-f", crd.to_str().unwrap()], None);
+        k.kubectl(
+            &["wait", "--for=condition=Established", "crd/kvfabrics.kvfabric.io", "--timeout=30s"],
+            None,
+        );
+        k.kubectl(
+            &["apply", "-f", "-"],
+            Some(&format!(
+                "apiVersion: kvfabric.io/v1alpha1\nkind: KvFabric\nmetadata: {{name: dash, namespace: default}}\nspec:\n  fabricName: {fabric}-op\n  agentSelector: {{matchLabels: {{app: dash-agent}}}}\n  prefillSelector: {{matchLabels: {{role: dash-prefill}}}}\n  decodeSelector: {{matchLabels: {{role: dash-decode}}}}\n  etcd: {{endpoints: ['{}']}}\n",
+                etcd.endpoint()
+            )),
+        );
+        let node = k.var("KVFABRIC_KUBE_NODES").split(',').next().unwrap_or("kwok-gpu-0").to_string();
+        for i in 0..2 {
+            k.kubectl(
+                &["apply", "-f", "-"],
+                Some(&format!(
+                    "apiVersion: v1\nkind: Pod\nmetadata: {{name: dash-agent-{i}, namespace: default, labels: {{app: dash-agent}}}}\nspec:\n  nodeName: {node}\n  containers: [{{name: agent, image: kvfabric:test}}]\n"
+                )),
+            );
+        }
+        k.kubectl(
+            &["wait", "--for=condition=Ready", "pod/dash-agent-0", "pod/dash-agent-1", "--timeout=30s"],
+            None,
+        );
+        let mut child = Command::new(bin)
+            .args(["--metrics-listen", "127.0.0.1:0", "--kubeconfig"])
+            .arg(k.dir.join("kubeconfig"))
+            .env("KVFABRIC_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvfabric-operator");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Some(a) = line.split("metrics on http://").nth(1) {
+                    if let Ok(a) = a.trim_end_matches("/metrics").trim().parse::<SocketAddr>() {
+                        let _ = tx.send(a);
+                    }
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("operator (real apiserver) printed its metrics address");
+        scrape.push(addr);
+        Some((Killed(child), addr))
+    });
+
     // Prometheus, scraping every second.
     let prom_port = free_port();
     let prom = format!("127.0.0.1:{prom_port}");
@@ -533,6 +680,37 @@ fn every_panel_returns_data_under_faults() {
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!("targets scraped at {:.1?}", t_start.elapsed());
+
+    // 0. The operator's invalidations: two pods deleted 3 s apart (the
+    // first creates the series, the second moves its rate).
+    if let (Some(k), Some((_, op_addr))) = (&kube, &operator2) {
+        for i in 0..2 {
+            k.kubectl(
+                &["delete", "pod", &format!("dash-agent-{i}"), "--wait=false"],
+                None,
+            );
+            let t0 = Instant::now();
+            loop {
+                let m = http_get(&op_addr.to_string(), "/metrics")
+                    .map(|r| r.1)
+                    .unwrap_or_default();
+                let n: f64 = m
+                    .lines()
+                    .filter(|l| l.starts_with("kvfabric_operator_invalidations_total{"))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum();
+                if n >= f64::from(i + 1) {
+                    break;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(15),
+                    "operator did not invalidate dash-agent-{i} within 15 s:\n{m}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            std::thread::sleep(Duration::from_secs(3));
+        }
+    }
 
     // 1. The bench slice, both paths, through the engine API.
     let trace = dir.join("trace.jsonl");
