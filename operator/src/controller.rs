@@ -36,6 +36,10 @@ pub const ETCD_TIMEOUT: Duration = Duration::from_secs(2);
 pub const RETRY_INITIAL: Duration = Duration::from_millis(50);
 /// Longest retry delay.
 pub const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long the finalizer tries to delete a deleted fabric's etcd keys
+/// before it gives up (Warning Event `EtcdCleanupAbandoned`) and lets the
+/// object go.
+pub const CLEANUP_GIVE_UP: Duration = Duration::from_secs(300);
 
 /// The finalizer on every `KvFabric`: its etcd keys are deleted before the
 /// object goes.
@@ -270,9 +274,11 @@ pub fn conditions(
 /// own: the watcher retries with backoff).
 pub async fn run(client: Client, metrics: Arc<Metrics>) {
     let api: Api<KvFabric> = Api::all(client.clone());
-    let mut tasks: HashMap<String, (KvFabricSpec, tokio::task::JoinHandle<()>)> = HashMap::new();
+    // Aborted when dropped: a dropped `run` (leadership released or lost)
+    // leaves no fabric or cleanup task acting.
+    let mut tasks: HashMap<String, (KvFabricSpec, AbortOnDrop)> = HashMap::new();
     let mut relist: Option<Vec<String>> = None;
-    let mut cleaning: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut cleaning: HashMap<String, AbortOnDrop> = HashMap::new();
     let (cleaned_tx, mut cleaned_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut events = watcher::watcher(api, watcher::Config::default())
         .default_backoff()
@@ -318,48 +324,49 @@ pub async fn run(client: Client, metrics: Arc<Metrics>) {
                         continue;
                     }
                     FinalizerStep::Cleanup | FinalizerStep::Gone => {
-                        if let Some((_, h)) = tasks.remove(&key) {
+                        let running = tasks.remove(&key).map(|(_, h)| h);
+                        if running.is_some() {
                             tracing::info!(fabric = %key, "fabric deleted; stopping its task");
-                            h.abort();
                         }
-                        if step == FinalizerStep::Cleanup && !cleaning.contains(&key) {
-                            cleaning.insert(key.clone());
-                            let (c, m, done) =
-                                (client.clone(), metrics.clone(), cleaned_tx.clone());
-                            tokio::spawn(async move {
+                        if step == FinalizerStep::Cleanup && !cleaning.contains_key(&key) {
+                            let (c, m, done, k) = (
+                                client.clone(),
+                                metrics.clone(),
+                                cleaned_tx.clone(),
+                                key.clone(),
+                            );
+                            let h = tokio::spawn(async move {
+                                // The fabric task ends before the keys go, so
+                                // none of its writes lands after the delete.
+                                if let Some(h) = running {
+                                    h.stop().await;
+                                }
                                 cleanup(c, f, &m).await;
-                                let _ = done.send(key);
+                                let _ = done.send(k);
                             });
+                            cleaning.insert(key, AbortOnDrop(h));
                         }
                         continue;
                     }
                 }
                 let same = tasks.get(&key).is_some_and(|(spec, _)| *spec == f.spec);
                 if !same {
-                    if let Some((_, h)) = tasks.remove(&key) {
-                        h.abort();
-                    }
+                    // Dropping the old task's handle aborts it.
+                    tasks.remove(&key);
                     tracing::info!(fabric = %key, "starting fabric task");
                     let h = tokio::spawn(fabric_task(client.clone(), f.clone(), metrics.clone()));
-                    tasks.insert(key, (f.spec.clone(), h));
+                    tasks.insert(key, (f.spec.clone(), AbortOnDrop(h)));
                 }
             }
             Event::InitDone => {
                 if let Some(keep) = relist.take() {
-                    tasks.retain(|k, (_, h)| {
-                        let live = keep.contains(k);
-                        if !live {
-                            h.abort();
-                        }
-                        live
-                    });
+                    tasks.retain(|k, _| keep.contains(k));
                 }
             }
             Event::Delete(f) => {
                 let key = format!("{}/{}", f.namespace().unwrap_or_default(), f.name_any());
-                if let Some((_, h)) = tasks.remove(&key) {
+                if tasks.remove(&key).is_some() {
                     tracing::info!(fabric = %key, "stopping fabric task");
-                    h.abort();
                 }
             }
         }
@@ -398,29 +405,52 @@ async fn cleanup(client: Client, f: KvFabric, metrics: &Metrics) {
     let name = f.name_any();
     let ns = f.namespace().unwrap_or_default();
     let fabric = f.fabric_name();
-    let store = connect_store(&client, &f, metrics).await;
-    let mut delay = RETRY_INITIAL;
-    let deleted = loop {
-        match store.delete_fabric().await {
-            Ok(n) => break n,
-            Err(e) => {
-                metrics.errors.with_label_values(&["etcd"]).inc();
-                tracing::warn!(fabric = %name, error = %e, "deleting the fabric's etcd keys failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(RETRY_MAX);
+    let delete = async {
+        let store = connect_store(&client, &f, metrics).await;
+        let mut delay = RETRY_INITIAL;
+        loop {
+            match store.delete_fabric().await {
+                Ok(n) => break n,
+                Err(e) => {
+                    metrics.errors.with_label_values(&["etcd"]).inc();
+                    tracing::warn!(fabric = %name, error = %e, "deleting the fabric's etcd keys failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
             }
         }
     };
-    tracing::info!(fabric = %name, keys = deleted, "fabric's etcd keys deleted");
-    publish_event(
-        &client,
-        &f,
-        EventType::Normal,
-        "EtcdKeysDeleted",
-        "Finalize",
-        format!("deleted {deleted} keys under /kvfabric/{fabric}/"),
-    )
-    .await;
+    // Bounded: an etcd (or TLS Secret) gone for good, e.g. deleted with the
+    // namespace, must not keep the KvFabric (and its namespace) Terminating.
+    match tokio::time::timeout(CLEANUP_GIVE_UP, delete).await {
+        Ok(deleted) => {
+            tracing::info!(fabric = %name, keys = deleted, "fabric's etcd keys deleted");
+            publish_event(
+                &client,
+                &f,
+                EventType::Normal,
+                "EtcdKeysDeleted",
+                "Finalize",
+                format!("deleted {deleted} keys under /kvfabric/{fabric}/"),
+            )
+            .await;
+        }
+        Err(_) => {
+            tracing::error!(fabric = %name, "etcd unreachable for the whole cleanup bound; removing the finalizer, keys left");
+            publish_event(
+                &client,
+                &f,
+                EventType::Warning,
+                "EtcdCleanupAbandoned",
+                "Finalize",
+                format!(
+                    "etcd unreachable for {} s: keys under /kvfabric/{fabric}/ left in place (tombstones have no lease)",
+                    CLEANUP_GIVE_UP.as_secs()
+                ),
+            )
+            .await;
+        }
+    }
     let api: Api<KvFabric> = Api::namespaced(client, &ns);
     let mut delay = RETRY_INITIAL;
     loop {
@@ -504,6 +534,14 @@ enum Msg {
 
 /// Aborts a task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl AbortOnDrop {
+    /// Aborts the task and waits until it has ended.
+    async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

@@ -105,6 +105,11 @@ pub struct PodHistory {
     /// The pod was invalidated for the current NotReady episode of its
     /// node (once per episode; cleared when the node is Ready again).
     pub node_invalidated: bool,
+    /// Its node was last seen NotReady.
+    pub node_was_not_ready: bool,
+    /// When its node turned Ready again after a NotReady episode (ms since
+    /// the Unix epoch): the pod's own NotReady grace starts no earlier.
+    pub node_recovered_ms: Option<i64>,
 }
 
 /// The state of the pod's node as the caller knows it.
@@ -213,6 +218,10 @@ pub fn decide(
             if !history.node_invalidated && u64::try_from(for_ms).unwrap_or(0) > grace_ms {
                 return PeerAction::Invalidate(Reason::NodeNotReady(node_name));
             }
+            // While its node is NotReady the node rule alone decides: the
+            // node lifecycle controller marks every pod of the node
+            // Ready=False, which must not become a (terminal) PodNotReady.
+            return PeerAction::Keep;
         }
         NodeState::Deleted => return PeerAction::Invalidate(Reason::NodeDeleted(node_name)),
         NodeState::Ready | NodeState::Unknown => {}
@@ -230,7 +239,9 @@ pub fn decide(
     if !is_ready && history.was_ready {
         // Without a transition time the condition's age is unknown: count
         // it as just turned (the next evaluation after the grace decides).
-        if let Some(since) = since {
+        // After a node NotReady episode the pod's NotReady counts from the
+        // node's recovery (its kubelet has not re-marked it Ready yet).
+        if let Some(since) = since.map(|s| s.max(history.node_recovered_ms.unwrap_or(i64::MIN))) {
             let for_ms = u64::try_from(now_ms.saturating_sub(since)).unwrap_or(0);
             if for_ms > grace_ms {
                 return PeerAction::Invalidate(Reason::NotReady { for_ms });
@@ -257,11 +268,14 @@ pub fn grace_deadline(
         _ => None,
     };
     let (is_ready, since) = ready(pod);
-    let pod_deadline = if is_ready || !history.was_ready {
-        None
-    } else {
-        since.map(|s| s.saturating_add(grace).saturating_add(1))
-    };
+    let pod_deadline =
+        if is_ready || !history.was_ready || matches!(node, NodeState::NotReady { .. }) {
+            None
+        } else {
+            since
+                .map(|s| s.max(history.node_recovered_ms.unwrap_or(i64::MIN)))
+                .map(|s| s.saturating_add(grace).saturating_add(1))
+        };
     node_deadline.into_iter().chain(pod_deadline).min()
 }
 
@@ -332,6 +346,8 @@ pub(crate) mod tests {
         restarts: Some(0),
         was_ready: true,
         node_invalidated: false,
+        node_was_not_ready: false,
+        node_recovered_ms: None,
     };
 
     #[test]
@@ -395,6 +411,8 @@ pub(crate) mod tests {
             restarts: Some(0),
             was_ready: false,
             node_invalidated: false,
+            node_was_not_ready: false,
+            node_recovered_ms: None,
         };
         assert_eq!(
             decide(&p, NodeState::Ready, 99_000, 10_000, &starting),
@@ -420,6 +438,8 @@ pub(crate) mod tests {
                 restarts: Some(1),
                 was_ready: true,
                 node_invalidated: false,
+                node_was_not_ready: false,
+                node_recovered_ms: None,
             },
         );
         assert_eq!(
@@ -465,6 +485,31 @@ pub(crate) mod tests {
         };
         assert_eq!(decide(&p, down, 60_000, 5_000, &done), PeerAction::Keep);
         assert_eq!(grace_deadline(&p, down, 5_000, &done), None);
+        // The node lifecycle controller marks the pods Ready=False too:
+        // while the node is NotReady that is no (terminal) PodNotReady.
+        let marked = pod("a", "n1", false, 1_000, 0);
+        assert_eq!(
+            decide(&marked, down, 60_000, 5_000, &done),
+            PeerAction::Keep
+        );
+        assert_eq!(grace_deadline(&marked, down, 5_000, &done), None);
+        // Node Ready again at 60 s: the pod's grace starts then.
+        let back = PodHistory {
+            node_recovered_ms: Some(60_000),
+            ..SEEN
+        };
+        assert_eq!(
+            decide(&marked, NodeState::Ready, 64_000, 5_000, &back),
+            PeerAction::Keep
+        );
+        assert_eq!(
+            grace_deadline(&marked, NodeState::Ready, 5_000, &back),
+            Some(65_001)
+        );
+        assert!(matches!(
+            decide(&marked, NodeState::Ready, 65_001, 5_000, &back),
+            PeerAction::Invalidate(Reason::NotReady { .. })
+        ));
         assert_eq!(
             decide(&p, NodeState::Deleted, 1, 0, &SEEN),
             PeerAction::Invalidate(Reason::NodeDeleted("n1".into()))

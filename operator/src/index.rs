@@ -151,7 +151,7 @@ impl PeerIndex {
                             Some(NodeState::NotReady { since_ms }) => *since_ms,
                             _ => None,
                         };
-                        *since_ms = since_ms.or(before).or(Some(now_ms));
+                        *since_ms = before.or(*since_ms).or(Some(now_ms));
                     }
                     self.nodes.insert(name.clone(), st);
                     changed.push(name);
@@ -272,12 +272,21 @@ impl PeerIndex {
             entry.pod = pod;
             return None;
         }
+        // The node's episode first: a recovery moves the pod's own grace.
+        match node {
+            NodeState::Ready => {
+                entry.history.node_invalidated = false;
+                if entry.history.node_was_not_ready {
+                    entry.history.node_recovered_ms = Some(now_ms);
+                }
+                entry.history.node_was_not_ready = false;
+            }
+            NodeState::NotReady { .. } => entry.history.node_was_not_ready = true,
+            NodeState::Deleted | NodeState::Unknown => {}
+        }
         let action = decide::decide(&pod, node, now_ms, self.grace_ms, &entry.history);
         entry.history.restarts = Some(decide::restart_count(&pod));
         entry.history.was_ready |= decide::ready(&pod).0;
-        if node == NodeState::Ready {
-            entry.history.node_invalidated = false;
-        }
         let out = match action {
             PeerAction::Keep => None,
             PeerAction::Invalidate(reason) => {
@@ -458,6 +467,18 @@ mod tests {
             .node_event(Event::Apply(node("n1", "False")), 6)
             .is_empty());
         assert_eq!(uids(&idx.tick(7)), [("uid-a", "NodeNotReady")]);
+        // The node lifecycle controller had marked the pod NotReady (at 6);
+        // the node recovers at 8: the pod's grace (0 here) starts at 8, so
+        // nothing at 8 itself, PodNotReady only if it stays so after it.
+        assert!(idx
+            .pod_event(Event::Apply(pod("a", "n1", false, 6, 0)), 7)
+            .is_empty());
+        assert!(idx
+            .node_event(Event::Apply(node("n1", "True")), 8)
+            .is_empty());
+        assert!(idx
+            .pod_event(Event::Apply(pod("a", "n1", true, 8, 0)), 8)
+            .is_empty());
         assert_eq!(
             uids(&idx.node_event(Event::Delete(node("n2", "True")), 3)),
             [("uid-b", "NodeDeleted")]

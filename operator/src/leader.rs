@@ -224,38 +224,55 @@ impl LeaderElector {
     }
 
     /// Campaigns and then leads: sends `true` on `leading` once the lease is
-    /// held, and `false` (then returns) when it could not be renewed for the
-    /// renew deadline. Candidates retry every retry period forever.
+    /// held, and `false` (then returns) at the renew deadline — measured
+    /// from the moment before the last successful renewal was stamped, so
+    /// it falls before any follower may take over (renewTime + lease
+    /// duration; the followers compare that with their own clock, so clock
+    /// skew between nodes must stay well under lease duration − renew
+    /// deadline, as with client-go). Every attempt is bounded by the time
+    /// left to the deadline. Candidates retry every retry period forever.
     pub async fn run(&self, leading: watch::Sender<bool>) {
-        let mut last_renew: Option<tokio::time::Instant> = None;
+        let mut deadline: Option<tokio::time::Instant> = None;
         loop {
-            match self.try_acquire_or_renew().await {
-                Ok(true) => {
-                    if last_renew.is_none() {
+            let started = tokio::time::Instant::now();
+            let bound = match deadline {
+                Some(d) => self.cfg.retry.min(d.saturating_duration_since(started)),
+                None => self.cfg.retry,
+            }
+            .max(std::time::Duration::from_millis(1));
+            match tokio::time::timeout(bound, self.try_acquire_or_renew()).await {
+                Ok(Ok(true)) => {
+                    if deadline.is_none() {
                         tracing::info!(identity = %self.cfg.identity, lease = %self.cfg.lease_name, "became leader");
                         let _ = leading.send(true);
                     }
-                    last_renew = Some(tokio::time::Instant::now());
+                    deadline = Some(started + self.cfg.renew_deadline);
                 }
-                Ok(false) => {
-                    if last_renew.is_some() {
+                Ok(Ok(false)) => {
+                    if deadline.is_some() {
                         tracing::error!(identity = %self.cfg.identity, "lease taken by another replica; stepping down");
                         let _ = leading.send(false);
                         return;
                     }
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     tracing::warn!(identity = %self.cfg.identity, error = %e, "leader election attempt failed")
                 }
+                Err(_) => {
+                    tracing::warn!(identity = %self.cfg.identity, "leader election attempt timed out")
+                }
             }
-            if let Some(t) = last_renew {
-                if t.elapsed() >= self.cfg.renew_deadline {
+            let now = tokio::time::Instant::now();
+            let pause = match deadline {
+                Some(d) if now >= d => {
                     tracing::error!(identity = %self.cfg.identity, "could not renew the lease within the renew deadline; stepping down");
                     let _ = leading.send(false);
                     return;
                 }
-            }
-            tokio::time::sleep(self.cfg.retry).await;
+                Some(d) => self.cfg.retry.min(d - now),
+                None => self.cfg.retry,
+            };
+            tokio::time::sleep(pause).await;
         }
     }
 

@@ -577,6 +577,20 @@ impl EngineHub {
             g.insert(sid, s.clone());
             s
         };
+        // A tombstone that arrived between the check above and the insert
+        // found no session to detach: check again now that it is visible.
+        if !s.pod_uid.is_empty()
+            && self
+                .discovery
+                .as_ref()
+                .is_some_and(|d| d.is_tombstoned(&s.pod_uid))
+        {
+            self.detach(&s.id, "pod invalidated by the operator (tombstone)");
+            return Err(Status::failed_precondition(format!(
+                "pod_uid {}: the operator invalidated this pod (tombstone); a new pod has a new UID",
+                LogSafe(&s.pod_uid)
+            )));
+        }
         tracing::info!(agent = %self.agent.name(), engine = %LogSafe(id), session = %s.id, role, layout = %s.layout, "engine attached");
 
         self.republish();
