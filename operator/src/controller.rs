@@ -526,7 +526,7 @@ async fn publish_event(
 }
 
 enum Msg {
-    Reports(BTreeMap<String, kvfabric_core::report::AgentReport>),
+    Reports(crate::reports::Poll),
     Pod(Role, Box<Event<Pod>>),
     Node(Box<Event<Node>>),
     Error(String),
@@ -670,13 +670,14 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(crate::reports::POLL_INTERVAL).await;
-                match crate::reports::poll(&store).await {
-                    Ok(r) => {
-                        if report_tx.send(r).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => tracing::debug!(error = %e, "agent reports: cannot list agents"),
+                // Sent even when the agents could not be listed: the
+                // Transferring window is re-evaluated at every poll.
+                if report_tx
+                    .send(crate::reports::poll(&store).await)
+                    .await
+                    .is_err()
+                {
+                    return;
                 }
             }
         })
@@ -730,22 +731,23 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                     fresh.extend(idx.node_event((*ev).clone(), now));
                 }
             }
-            Some(Msg::Reports(now_reports)) => {
-                let view = kvfabric_core::report::fleet_view(&last_reports, &now_reports);
+            Some(Msg::Reports(poll)) => {
+                use kvfabric_core::report::{carry_forward, fleet_view};
+                let view = fleet_view(&last_reports, &poll.reports);
                 if view.moved {
                     last_moved_ms = Some(now);
                 }
+                last_reports = carry_forward(&last_reports, poll.agents.as_deref(), &poll.reports);
                 let next = FleetStatus {
                     observed: fleet.observed || view.answered > 0,
                     transferring: last_moved_ms
                         .is_some_and(|t| now.saturating_sub(t) <= TRANSFERRING_WINDOW_MS),
-                    degraded: view.degraded,
+                    degraded: fleet_view(&BTreeMap::new(), &last_reports).degraded,
                 };
                 if next != fleet {
                     fleet = next;
                     status_dirty = true;
                 }
-                last_reports = now_reports;
             }
             Some(Msg::Error(e)) => {
                 metrics.errors.with_label_values(&["watch"]).inc();

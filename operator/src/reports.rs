@@ -21,14 +21,29 @@ pub const AGENT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Largest report body read, bytes.
 const MAX_REPORT_BYTES: usize = 64 * 1024;
 
-/// Reports of every agent that answered within [`AGENT_TIMEOUT`], by agent
-/// name. Agents that do not answer, answer non-200 or with a body that is
-/// not a report are left out (logged at debug).
-///
-/// # Errors
-/// When the agent records cannot be read from etcd.
-pub async fn poll(store: &FabricStore) -> Result<BTreeMap<String, AgentReport>, String> {
-    let agents = store.agent_http_urls().await.map_err(|e| e.to_string())?;
+/// One poll of the fabric's agents.
+#[derive(Clone, Debug, Default)]
+pub struct Poll {
+    /// The agents with a record now (`None`: the records could not be
+    /// read from etcd).
+    pub agents: Option<Vec<String>>,
+    /// Reports of the agents that answered within [`AGENT_TIMEOUT`], by
+    /// agent name (agents that do not answer, answer non-200 or with a
+    /// body that is not a report are left out, logged at debug).
+    pub reports: BTreeMap<String, AgentReport>,
+}
+
+/// Polls every agent of the fabric once. Never fails: an unreadable agent
+/// list is a [`Poll`] with `agents: None`.
+pub async fn poll(store: &FabricStore) -> Poll {
+    let agents = match store.agent_http_urls().await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::debug!(error = %e, "agent reports: cannot list agents");
+            return Poll::default();
+        }
+    };
+    let names: Vec<String> = agents.iter().map(|(n, _)| n.clone()).collect();
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let polls = agents.into_iter().map(|(name, url)| {
         let client = client.clone();
@@ -57,9 +72,12 @@ pub async fn poll(store: &FabricStore) -> Result<BTreeMap<String, AgentReport>, 
             }
         }
     });
-    Ok(futures::future::join_all(polls)
-        .await
-        .into_iter()
-        .flatten()
-        .collect())
+    Poll {
+        agents: Some(names),
+        reports: futures::future::join_all(polls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect(),
+    }
 }

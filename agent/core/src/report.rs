@@ -85,6 +85,26 @@ pub fn fleet_view(
     }
 }
 
+/// The reports to keep after a poll: `fresh` (the agents that answered)
+/// over `last`, where an agent that did not answer keeps its previous
+/// report while it still has a record (`alive`: the agents listed this
+/// poll; `None` when the list could not be read — nothing is dropped). So
+/// one missed poll neither loses an agent's baseline nor makes its
+/// degraded pairs flap. Pure.
+pub fn carry_forward(
+    last: &BTreeMap<String, AgentReport>,
+    alive: Option<&[String]>,
+    fresh: &BTreeMap<String, AgentReport>,
+) -> BTreeMap<String, AgentReport> {
+    let mut out: BTreeMap<String, AgentReport> = last
+        .iter()
+        .filter(|(k, _)| alive.is_none_or(|a| a.iter().any(|n| n == *k)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    out.extend(fresh.iter().map(|(k, v)| (k.clone(), v.clone())));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +141,24 @@ mod tests {
         let v = fleet_view(&BTreeMap::new(), &now);
         assert_eq!(v.degraded, ["p-1 → d-1", "p-1 → d-2"]);
         assert_eq!(v.answered, 2);
+    }
+
+    #[test]
+    fn a_missed_poll_keeps_the_baseline_and_the_degraded_pairs() {
+        let last: BTreeMap<_, _> = [rep("p-1", 10, 0, &["d-1"]), rep("d-1", 0, 40, &[])].into();
+        // p-1 did not answer this poll but is still listed.
+        let fresh: BTreeMap<_, _> = [rep("d-1", 0, 40, &[])].into();
+        let alive = ["p-1".to_string(), "d-1".to_string()];
+        let kept = carry_forward(&last, Some(&alive), &fresh);
+        assert_eq!(kept.len(), 2);
+        assert_eq!(fleet_view(&BTreeMap::new(), &kept).degraded, ["p-1 → d-1"]);
+        // It answers again, having moved: movement against the old baseline.
+        let again: BTreeMap<_, _> = [rep("p-1", 12, 0, &["d-1"])].into();
+        assert!(fleet_view(&kept, &again).moved);
+        // Its record is gone: dropped. The list unreadable: nothing dropped.
+        let gone = carry_forward(&last, Some(&["d-1".to_string()]), &fresh);
+        assert_eq!(gone.keys().collect::<Vec<_>>(), ["d-1"]);
+        assert_eq!(carry_forward(&last, None, &BTreeMap::new()), last);
     }
 
     #[test]
