@@ -936,6 +936,10 @@ fn every_panel_returns_data_under_faults() {
         assert!(st.is_some_and(|s| s.success()), "{st:?}\n{log}");
     }
     drop(etcd);
+    // The control plane lives in `dir`: stop it (down.sh finds it there)
+    // before the directory goes.
+    drop(operator2);
+    drop(kube);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
