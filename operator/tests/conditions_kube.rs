@@ -18,10 +18,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube_common::{repo, skip, wait_for, Cluster};
-use kvfabric_operator::crd::{KvFabric, CRD_PATH};
+use kube::api::{Api, PostParams};
+use kube_common::{skip, wait_for, Cluster};
+use kvfabric_operator::crd::KvFabric;
 use kvfabric_operator::metrics::Metrics;
 use serde_json::json;
 
@@ -128,38 +127,8 @@ async fn ready_means_bounce_traffic_flows() {
         return;
     };
     let etcd = cluster.var("KVFABRIC_KUBE_ETCD").to_string();
-    let kc =
-        kube::config::Kubeconfig::read_from(cluster.dir.join("kubeconfig")).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .expect("kube config");
-    let client = kube::Client::try_from(config).expect("kube client");
-    let crd: CustomResourceDefinition =
-        serde_yaml::from_str(&std::fs::read_to_string(repo().join(CRD_PATH)).expect("read crds/"))
-            .expect("CRD YAML");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.patch(
-        "kvfabrics.kvfabric.io",
-        &PatchParams::apply("kvfabric-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply CRD");
-    wait_for("CRD established", Duration::from_secs(30), || {
-        let crds = crds.clone();
-        async move {
-            crds.get("kvfabrics.kvfabric.io")
-                .await
-                .ok()
-                .and_then(|c| c.status)
-                .and_then(|s| s.conditions)
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                })
-        }
-    })
-    .await;
+    let client = cluster.client().await;
+    kube_common::apply_crd(&client).await;
 
     let fabric = format!("cond{}", std::process::id());
     let fabrics: Api<KvFabric> = Api::namespaced(client.clone(), "default");

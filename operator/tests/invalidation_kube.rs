@@ -27,10 +27,9 @@ mod kube_common;
 
 use etcd_client::GetOptions;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube_common::{poll_until, repo, skip, wait_for, Cluster};
-use kvfabric_operator::crd::{KvFabric, CRD_PATH};
+use kube_common::{poll_until, skip, wait_for, Cluster};
+use kvfabric_operator::crd::KvFabric;
 use kvfabric_operator::metrics::Metrics;
 use serde_json::{json, Value};
 
@@ -267,40 +266,10 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
         .next()
         .unwrap_or("kwok-gpu-0")
         .to_string();
-    let kc =
-        kube::config::Kubeconfig::read_from(cluster.dir.join("kubeconfig")).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .expect("kube config");
-    let client = kube::Client::try_from(config).expect("kube client");
+    let client = cluster.client().await;
 
     // The CRD from crds/, server-side applied, then Established.
-    let crd: CustomResourceDefinition =
-        serde_yaml::from_str(&std::fs::read_to_string(repo().join(CRD_PATH)).expect("read crds/"))
-            .expect("CRD YAML");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.patch(
-        "kvfabrics.kvfabric.io",
-        &PatchParams::apply("kvfabric-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply CRD");
-    wait_for("CRD established", Duration::from_secs(30), || {
-        let crds = crds.clone();
-        async move {
-            crds.get("kvfabrics.kvfabric.io")
-                .await
-                .ok()
-                .and_then(|c| c.status)
-                .and_then(|s| s.conditions)
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                })
-        }
-    })
-    .await;
+    kube_common::apply_crd(&client).await;
 
     // The apiserver rejects an invalid bounce config (CEL), 422.
     let fabrics: Api<KvFabric> = Api::namespaced(client.clone(), "default");

@@ -22,10 +22,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube_common::{repo, wait_for, Cluster};
-use kvfabric_operator::crd::{KvFabric, CRD_PATH};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube_common::{wait_for, Cluster};
+use kvfabric_operator::crd::KvFabric;
 use serde_json::json;
 
 const LEASE_MS: u64 = 3000;
@@ -144,37 +143,8 @@ async fn only_the_leader_acts_and_hands_over_within_the_lease() {
         return;
     };
     let kubeconfig = cluster.dir.join("kubeconfig");
-    let kc = kube::config::Kubeconfig::read_from(&kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .expect("kube config");
-    let client = kube::Client::try_from(config).expect("kube client");
-    let crd: CustomResourceDefinition =
-        serde_yaml::from_str(&std::fs::read_to_string(repo().join(CRD_PATH)).expect("read crds/"))
-            .expect("CRD YAML");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.patch(
-        "kvfabrics.kvfabric.io",
-        &PatchParams::apply("kvfabric-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply CRD");
-    wait_for("CRD established", Duration::from_secs(30), || {
-        let crds = crds.clone();
-        async move {
-            crds.get("kvfabrics.kvfabric.io")
-                .await
-                .ok()
-                .and_then(|c| c.status)
-                .and_then(|s| s.conditions)
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                })
-        }
-    })
-    .await;
+    let client = cluster.client().await;
+    kube_common::apply_crd(&client).await;
 
     let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
     let a = Operator::spawn(&kubeconfig, "op-a");

@@ -123,3 +123,49 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+impl Cluster {
+    /// A kube client on this cluster's kubeconfig (bearer-token context).
+    pub async fn client(&self) -> kube::Client {
+        let kc =
+            kube::config::Kubeconfig::read_from(self.dir.join("kubeconfig")).expect("kubeconfig");
+        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .expect("kube config");
+        kube::Client::try_from(config).expect("kube client")
+    }
+}
+
+/// Server-side applies `crds/` and waits (30 s) until it is Established.
+pub async fn apply_crd(client: &kube::Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, Patch, PatchParams};
+    let crd: CustomResourceDefinition = serde_yaml::from_str(
+        &std::fs::read_to_string(repo().join(kvfabric_operator::crd::CRD_PATH))
+            .expect("read crds/"),
+    )
+    .expect("CRD YAML");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.patch(
+        "kvfabrics.kvfabric.io",
+        &PatchParams::apply("kvfabric-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply CRD");
+    wait_for("CRD established", Duration::from_secs(30), || {
+        let crds = crds.clone();
+        async move {
+            crds.get("kvfabrics.kvfabric.io")
+                .await
+                .ok()
+                .and_then(|c| c.status)
+                .and_then(|s| s.conditions)
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                })
+        }
+    })
+    .await;
+}
