@@ -16,13 +16,16 @@
 //! | [`types`] | §3 | shared vocabulary: flow keys, scatter runs, descriptors |
 //! | [`layout`] | — | engine KV layouts: validation, fingerprint, TP head split, block → descriptors |
 //! | [`text`] | — | peer-controlled strings escaped and bounded for logs |
+//! | [`rollout`] | — | config rollout: etcd documents, fingerprint, pacing (issue 14) |
 
 pub mod buddy;
 pub mod config;
 pub mod layout;
 pub mod model;
 pub mod plan;
+pub mod protocol;
 pub mod report;
+pub mod rollout;
 pub mod scheduler;
 pub mod text;
 pub mod types;

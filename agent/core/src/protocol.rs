@@ -1,0 +1,1603 @@
+//! The bounce transfer protocol as a sans-IO state machine (issue 17; seed
+//! §5–§9): the sender role (request/chunk table, eager gathers, credit
+//! attach, writes, send-side orphans, deferred cancels, no-progress
+//! timeouts) and the receiver role (grants, region table, DATA validation,
+//! scatter queue, reclaim on cancel / forget / flow silence) of **one
+//! agent**, both over the one [`CreditScheduler`] of its arena.
+//!
+//! No threads, sockets, NIXL, CUDA or clocks: the caller (the reactor)
+//! feeds [`Input`]s with the current time and performs the [`Action`]s the
+//! machine queues ([`Machine::poll_action`]); [`Machine::next_deadline`]
+//! says when to feed [`Input::Tick`] at the latest. Time is a plain `u64`
+//! of **nanoseconds** ([`Nanos`]) from any origin the caller picks, never
+//! decreasing (a smaller `now` is taken as the previous one). The
+//! deterministic simulator in `agent/core/tests/protocol_sim.rs` drives
+//! several machines through a faulty virtual network (docs/protocol.md).
+//!
+//! The rules are those of `Io` in `agent/src/runtime/transport.rs`, method
+//! for method; where the simulator found a rule wrong the machine deviates
+//! on purpose (listed under "Deviations" below, each with a
+//! [`Mutations`] switch restoring the old rule for the regression tests).
+//!
+//! # Which input / action replaces which `Io` method
+//!
+//! | `Io` (transport.rs) | machine |
+//! |---|---|
+//! | `on_submit` | [`Input::Submit`] (chunks already sized by `TransferPlan::chunk_bounds`); WANT as [`Action::Send`]; an unsendable WANT comes back as [`Input::SendFailed`] |
+//! | `pump` | internal; runs after every input that can stage or post |
+//! | `post_chunk` | [`Action::PostWrite`]; a synchronous post error is fed back as [`Input::WriteDone`] with `Err` |
+//! | `poll_writes` (SUCCESS / FAILED) | the reactor polls every write id it holds and feeds terminal ones as [`Input::WriteDone`]; DATA follows as [`Action::Send`] |
+//! | `on_grant`, `on_ack`, `on_want`, `on_data` | [`Input::Message`] (the reactor decodes; WANT route bootstrap result in [`Route`]) |
+//! | `fail_request`, `send_cancel`, `orphan_write_settled` | internal; [`Action::Resolve`], cancel as [`Action::Send`] of an empty WANT, [`Action::ReleaseStaging`] |
+//! | `drain_orphan_writes` | [`Input::WriteDone`] for an orphaned write id; its overdue cancel on [`Input::Tick`] |
+//! | `check_timeouts` (requests and flow silence) | [`Input::Tick`] at [`Machine::next_deadline`] |
+//! | `reclaim_flow`, `forget_regions`, `schedule_and_send` (with the bidirectional reserve) | internal; GRANTs as [`Action::Send`] |
+//! | `validate_runs` (held-by-flow first, then bounds and allowed ranges) | internal, on DATA |
+//! | `drain_scatter_queue` | [`Action::StartScatter`] when a copy context is free |
+//! | `drain_copies` | [`Input::GatherDone`], [`Input::ScatterDone`] |
+//! | `answer_disallowed`, `Command::{AllowScatter, DisallowScatter, Quiesce}` | [`Input::AllowScatter`], [`Input::DisallowScatter`], [`Input::QuiesceScatter`] → [`Action::Quiesced`] |
+//! | `Command::Cancel` | [`Input::Cancel`] ([`Machine::has_request`] answers "was it in flight") |
+//! | `Command::AddPeer` (the `peers` table) | [`Input::PeerAdded`] (the channel route stays the reactor's) |
+//! | `forget_peer` | [`Input::PeerForgotten`] → cancels, [`Action::ForgetRoute`] |
+//! | `shutdown` | [`Input::Shutdown`], then [`Input::AbandonInFlight`] once the 5 s bounds pass ([`Action::ArenaInDoubt`]) |
+//! | `snapshot`, `update_gauges` | [`Machine::snapshot`], [`Machine::counters`] |
+//!
+//! Left with the reactor (not protocol decisions): the engine, its handles
+//! and `progress()`, the control channel and its routes (`has_peer`,
+//! reverse-path `add_peer`), copy workers and their plans, completions and
+//! stage timelines, transport probes / reports, `heard` times, notices,
+//! the `FaultPlan` test hooks, wake-ups and the adaptive poll.
+//!
+//! # Differences of form (same rules)
+//!
+//! * Copy contexts (`ExecPool`) are a counter here: a gather or a scatter
+//!   takes one, its completion input returns it.
+//! * `Io` retries a parked request on every loop tick; the machine retries
+//!   after every input (an input is a tick's worth of events).
+//! * `pump` in `Io` polls writes between posts; here writes complete only
+//!   through [`Input::WriteDone`].
+//! * Collections are ordered (`BTreeMap`), so a run is a pure function of
+//!   its inputs (the simulator replays seeds exactly).
+//!
+//! # Deviations (rules the simulator showed wrong; see docs/protocol.md)
+//!
+//! * **Credits are keyed by chunk index.** `Io::on_grant` appends every
+//!   credit of a GRANT to a queue and attaches them in arrival order,
+//!   ignoring `Credit::chunk_index`: a duplicated (or replayed) GRANT
+//!   attaches chunk *i*'s region to chunk *i + 1*, whose write then lands in
+//!   a region the receiver frees after chunk *i*'s scatter. Here a credit is
+//!   taken only for the chunk it names, once; others are dropped
+//!   ([`Mutations::unkeyed_credits`] restores the old rule).
+//! * **DATA must name the chunk its region was granted for.** `Io::on_data`
+//!   checks only that the flow holds the region; a duplicated DATA arriving
+//!   after the region was re-granted to the same flow for a later chunk is
+//!   scattered from a region that the later write is filling (and freed
+//!   under it). Here the region remembers its chunk index
+//!   ([`Mutations::unchecked_data_chunk`] restores the old rule).
+//!
+//! Neither can happen over today's channels (ZMQ and TCP deliver each
+//! message once, in order, per peer); both are cheap defence against a
+//! peer or channel that replays.
+
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::plan::ChunkBound;
+use crate::scheduler::CreditScheduler;
+use crate::wire::{Ack, Credit, Data, Grant, Message, Want};
+use crate::{FlowKey, ScatterRun};
+
+/// Virtual or real time in nanoseconds from an origin the caller picks.
+pub type Nanos = u64;
+
+/// Rules that can be switched off (or back to an older form) to prove the
+/// simulator catches their absence (issue 17 "mutation check"). All `false`
+/// in production: [`Mutations::default`]. Never set them outside tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mutations {
+    /// Free the staging of a failed request's running gathers and in-flight
+    /// writes at once instead of when the gather / write is terminal (seed
+    /// §9 "in-flight write on the failure path", send-side orphans).
+    pub no_orphan_deferral: bool,
+    /// Scatter DATA even when its flow does not hold the region (seed §9
+    /// late-DATA guard, `held_by_flow`).
+    pub no_held_by_flow_validation: bool,
+    /// Send a failed request's cancel at once even while its writes are in
+    /// flight (the cancel/write race of issue 17).
+    pub no_cancel_deferral: bool,
+    /// Drop the bidirectional reserve: grant the whole arena to remote
+    /// flows even while this agent has requests of its own to stage.
+    pub no_bidirectional_reserve: bool,
+    /// `Io::on_grant`'s rule: attach credits in arrival order, whatever
+    /// chunk they name (see the module docs, "Deviations").
+    pub unkeyed_credits: bool,
+    /// `Io::on_data`'s rule: accept DATA for any region the flow holds,
+    /// whatever chunk it names (see "Deviations").
+    pub unchecked_data_chunk: bool,
+}
+
+/// Settings of one machine (the subset of `BounceConfig` the protocol
+/// uses, plus what the reactor knows of its arena).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Arena size (bytes).
+    pub arena_bytes: u64,
+    /// Buddy minimum block (bytes, a power of two).
+    pub granularity_bytes: u64,
+    /// Per-chunk cap (bytes, ≤ the arena's max allocation).
+    pub max_chunk_size_bytes: u64,
+    /// Per-flow in-flight cap W (chunks, ≥ 1).
+    pub max_inflight_chunks: usize,
+    /// Copy contexts: gathers and scatters running at once (≥ 1).
+    pub copy_contexts: usize,
+    /// No-progress timeout of a request (ns); a receiver flow silent for
+    /// twice this long is reclaimed; an orphaned write this old has its
+    /// deferred cancel sent anyway.
+    pub request_timeout: Nanos,
+    /// Stage gathers before a GRANT arrives (seed §2).
+    pub eager_gather: bool,
+    /// Arena base address (credits carry `base + offset`).
+    pub arena_base: u64,
+    /// Device id put into credits.
+    pub device_id: i32,
+    /// This agent's control endpoint, carried by every WANT and cancel.
+    pub endpoint: Vec<u8>,
+    /// Test-only rule switches (all off by default).
+    pub mutations: Mutations,
+}
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every chunk was written, scattered and ACKed.
+    Success,
+    /// Failed; the text names the cause.
+    Failure(String),
+}
+
+/// Whether the control channel can answer a WANT's sender (decided by the
+/// reactor, which owns the channel's routes; seed §5 reverse-path
+/// bootstrap).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// A route to the sender existed or was just added from the WANT's
+    /// endpoint.
+    Usable,
+    /// No route, and the WANT's endpoint could not make one: the WANT is
+    /// rejected (a cancel is still honoured, seed §9).
+    Unusable,
+}
+
+/// An event fed to [`Machine::handle`].
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// Submit request `rid` (unique per machine, never reused) to `peer`,
+    /// its chunks already sized (`TransferPlan::chunk_bounds`). An empty
+    /// list succeeds at once.
+    Submit {
+        /// Request id.
+        rid: u64,
+        /// Receiver peer name.
+        peer: String,
+        /// The chunks, in order.
+        chunks: Vec<ChunkBound>,
+    },
+    /// A decoded control message from `from` (untrusted: every field is
+    /// validated, nothing in it can panic the machine).
+    Message {
+        /// Sending peer's name.
+        from: String,
+        /// The message.
+        msg: Message,
+        /// Route state for a WANT's sender (ignored for other messages).
+        route: Route,
+    },
+    /// A sent message did not leave (unknown route, full queue). Only WANT
+    /// and DATA failures matter (they fail their request, as in `Io`).
+    SendFailed {
+        /// Destination.
+        to: String,
+        /// The message that failed.
+        msg: Message,
+    },
+    /// Gather job `job` finished: the chunk's scatter runs, or the error.
+    GatherDone {
+        /// Job id from [`Action::StartGather`].
+        job: u64,
+        /// Runs planned by the worker, or the failure.
+        result: Result<Vec<ScatterRun>, String>,
+    },
+    /// Write `write` is terminal (engine SUCCESS, or FAILED / post error).
+    WriteDone {
+        /// Write id from [`Action::PostWrite`].
+        write: u64,
+        /// `Ok` on SUCCESS.
+        result: Result<(), String>,
+    },
+    /// Scatter job `job` finished.
+    ScatterDone {
+        /// Job id from [`Action::StartScatter`].
+        job: u64,
+        /// `Ok` when every run was copied.
+        result: Result<(), String>,
+    },
+    /// `peer` is a registered bounce receiver now (its route was added).
+    PeerAdded {
+        /// Peer name (incarnation included).
+        peer: String,
+    },
+    /// Forget `peer` (seed §9 peer loss): fail requests to it, reclaim its
+    /// flows, then [`Action::ForgetRoute`].
+    PeerForgotten {
+        /// Peer name.
+        peer: String,
+    },
+    /// Scatters may write `[addr, addr + len)`.
+    AllowScatter {
+        /// Start address.
+        addr: u64,
+        /// Length (bytes).
+        len: u64,
+    },
+    /// Take `[addr, addr + len)` out of the allowed ranges; [`Action::Quiesced`]
+    /// with `id` once no queued or running scatter writes into it.
+    DisallowScatter {
+        /// Caller's id for the answer.
+        id: u64,
+        /// Start address.
+        addr: u64,
+        /// Length (bytes).
+        len: u64,
+    },
+    /// Like `DisallowScatter` without taking the range out.
+    QuiesceScatter {
+        /// Caller's id for the answer.
+        id: u64,
+        /// Start address.
+        addr: u64,
+        /// Length (bytes).
+        len: u64,
+    },
+    /// Fail request `rid` with `why` (no-op when not in flight).
+    Cancel {
+        /// Request id.
+        rid: u64,
+        /// Reason.
+        why: String,
+    },
+    /// Time passed: request timeouts, flow silence, overdue orphan writes.
+    Tick,
+    /// Stop: every request fails ("transport shut down"); messages and
+    /// submits are refused from now on; copies and writes still complete.
+    Shutdown,
+    /// After a shutdown, the reactor stopped waiting for writes: the ones
+    /// still in flight are given up ([`Action::ArenaInDoubt`]).
+    AbandonInFlight,
+}
+
+/// What the machine asks the reactor to do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Send `msg` to `to` (best effort; report a failure of WANT / DATA as
+    /// [`Input::SendFailed`]).
+    Send {
+        /// Destination peer.
+        to: String,
+        /// The message.
+        msg: Message,
+    },
+    /// Gather chunk `chunk` of request `rid` into the staging region at
+    /// arena offset `local` (`bound.packed_bytes` bytes); report
+    /// [`Input::GatherDone`] with `job`.
+    StartGather {
+        /// Job id.
+        job: u64,
+        /// Request id.
+        rid: u64,
+        /// Chunk index.
+        chunk: u32,
+        /// Staging offset in the arena (bytes).
+        local: u64,
+        /// The chunk's bound (which descriptors).
+        bound: ChunkBound,
+    },
+    /// Post an RDMA write of `bytes` bytes from staging offset `local` to
+    /// `peer`'s region `credit` (`credit.addr`); poll it and report
+    /// [`Input::WriteDone`] with `write` once terminal.
+    PostWrite {
+        /// Write id.
+        write: u64,
+        /// Destination peer.
+        peer: String,
+        /// Request id.
+        rid: u64,
+        /// Chunk index.
+        chunk: u32,
+        /// Staging offset (bytes).
+        local: u64,
+        /// Bytes to write (the chunk's packed size).
+        bytes: u64,
+        /// The receiver's credit.
+        credit: Credit,
+    },
+    /// Scatter the region at arena offset `region` with `runs`; report
+    /// [`Input::ScatterDone`] with `job`.
+    StartScatter {
+        /// Job id.
+        job: u64,
+        /// The flow whose chunk it is.
+        flow: FlowKey,
+        /// Region offset (bytes).
+        region: u64,
+        /// Chunk index.
+        chunk: u32,
+        /// Validated runs.
+        runs: Vec<ScatterRun>,
+    },
+    /// The staging region at `local` went back to the arena (informational:
+    /// the reactor has nothing to free).
+    ReleaseStaging {
+        /// Staging offset (bytes).
+        local: u64,
+    },
+    /// Resolve request `rid`'s handle.
+    Resolve {
+        /// Request id.
+        rid: u64,
+        /// How it ended.
+        outcome: Outcome,
+        /// Failed by the no-progress timeout.
+        timed_out: bool,
+    },
+    /// Drop the control route and engine state of `peer`.
+    ForgetRoute {
+        /// Peer name.
+        peer: String,
+    },
+    /// Answer to a disallow / quiesce request: no queued or running scatter
+    /// writes into its range any more.
+    Quiesced {
+        /// The caller's id.
+        id: u64,
+    },
+    /// Writes that read the arena were still in flight when given up: the
+    /// arena's memory must not be freed or reused.
+    ArenaInDoubt {
+        /// Writes given up.
+        writes: usize,
+    },
+}
+
+/// Monotonic counters (the protocol-side subset of `TransportStats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Requests resolved SUCCESS.
+    pub succeeded: u64,
+    /// Requests resolved FAILURE.
+    pub failed: u64,
+    /// Of which by the no-progress timeout.
+    pub timeouts: u64,
+    /// Payload bytes of successful requests.
+    pub bytes_sent: u64,
+    /// Writes that reached SUCCESS.
+    pub chunks_written: u64,
+    /// Credits sent in GRANTs.
+    pub grants: u64,
+    /// Chunks scattered and ACKed.
+    pub chunks_scattered: u64,
+    /// DATA dropped (late, invalid runs, duplicate).
+    pub data_rejected: u64,
+    /// WANTs rejected.
+    pub wants_rejected: u64,
+    /// Cancels received.
+    pub cancels_received: u64,
+    /// Credits dropped (unknown chunk, duplicate).
+    pub credits_rejected: u64,
+    /// Flows reclaimed for silence.
+    pub silent_flows: u64,
+    /// Orphaned writes whose cancel went out past the request timeout.
+    pub overdue_orphans: u64,
+}
+
+/// A snapshot of the state sizes (for gauges, tests and the simulator's
+/// quiesce check).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Usable arena capacity (bytes).
+    pub capacity: u64,
+    /// Free arena bytes.
+    pub free_bytes: u64,
+    /// Live receiver flows.
+    pub flows: usize,
+    /// Sender requests in the table.
+    pub requests: usize,
+    /// Gather and scatter jobs running.
+    pub jobs: usize,
+    /// Writes in flight (live and orphaned).
+    pub writes: usize,
+    /// Orphaned writes and gathers of failed requests.
+    pub send_orphans: usize,
+    /// Receiver-side orphaned regions (reclaimed while scattering).
+    pub recv_orphans: usize,
+    /// Deferred cancels.
+    pub deferred_cancels: usize,
+    /// Granted region records.
+    pub regions: usize,
+    /// Queued scatters.
+    pub scatter_queue: usize,
+    /// Open disallow / quiesce requests.
+    pub quiesce_waiting: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChunkState {
+    Pending,
+    Gathering(u64),
+    Gathered,
+    Writing(u64),
+    DataSent,
+    Acked,
+}
+
+#[derive(Debug)]
+struct SendChunk {
+    state: ChunkState,
+    local: Option<u64>,
+    eager: bool,
+    credit: Option<Credit>,
+    runs: Vec<ScatterRun>,
+}
+
+#[derive(Debug)]
+struct SendRequest {
+    peer: String,
+    chunks: Vec<ChunkBound>,
+    state: Vec<SendChunk>,
+    /// Credits received and not attached: chunk index → credit (keyed), or
+    /// arrival order under [`Mutations::unkeyed_credits`].
+    credits: BTreeMap<u32, Credit>,
+    unkeyed: VecDeque<Credit>,
+    next_attach: usize,
+    next_stage: usize,
+    acked: usize,
+    total_bytes: u64,
+    last_progress: Nanos,
+}
+
+impl SendRequest {
+    fn staged_unacked(&self) -> usize {
+        self.state
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.state,
+                    ChunkState::Gathering(_)
+                        | ChunkState::Gathered
+                        | ChunkState::Writing(_)
+                        | ChunkState::DataSent
+                )
+            })
+            .count()
+    }
+}
+
+#[derive(Debug)]
+enum Job {
+    Gather {
+        rid: u64,
+        chunk: usize,
+        local: u64,
+    },
+    OrphanGather {
+        local: u64,
+    },
+    Scatter {
+        flow: FlowKey,
+        offset: u64,
+        chunk: u32,
+        dst: (u64, u64),
+    },
+}
+
+#[derive(Debug)]
+enum WriteRef {
+    Live { rid: u64, chunk: usize },
+    Orphan { local: u64, rid: u64, since: Nanos },
+}
+
+#[derive(Debug)]
+struct RecvRegion {
+    flow: FlowKey,
+    len: u64,
+    chunk: u32,
+}
+
+#[derive(Debug)]
+struct PendingScatter {
+    flow: FlowKey,
+    offset: u64,
+    chunk: u32,
+    runs: Vec<ScatterRun>,
+    dst: (u64, u64),
+}
+
+/// One agent's protocol state (both roles). See the [module docs](self).
+#[derive(Debug)]
+pub struct Machine {
+    cfg: Config,
+    now: Nanos,
+    scheduler: CreditScheduler,
+    reserve_block: Option<u64>,
+    exec_free: usize,
+    peers: BTreeSet<String>,
+    requests: BTreeMap<u64, SendRequest>,
+    jobs: BTreeMap<u64, Job>,
+    writes: BTreeMap<u64, WriteRef>,
+    next_token: u64,
+    regions: BTreeMap<u64, RecvRegion>,
+    grant_index: BTreeMap<FlowKey, u32>,
+    flow_seen: BTreeMap<FlowKey, Nanos>,
+    scatter_queue: VecDeque<PendingScatter>,
+    deferred_cancels: BTreeMap<u64, (String, usize)>,
+    allowed: Vec<(u64, u64)>,
+    quiesce: Vec<(u64, u64, u64)>,
+    parked: bool,
+    shut_down: bool,
+    actions: VecDeque<Action>,
+    counters: Counters,
+}
+
+/// Destination bounds [start, end) of runs ((0, 0) for none).
+fn scatter_bounds(runs: &[ScatterRun]) -> (u64, u64) {
+    let mut lo = u64::MAX;
+    let mut hi = 0u64;
+    for r in runs {
+        let end = u64::from(r.count.saturating_sub(1))
+            .saturating_mul(r.addr_stride)
+            .saturating_add(r.addr)
+            .saturating_add(r.segment_len);
+        lo = lo.min(r.addr);
+        hi = hi.max(end);
+    }
+    if runs.is_empty() {
+        (0, 0)
+    } else {
+        (lo, hi)
+    }
+}
+
+impl Machine {
+    /// Builds a machine over a fresh arena.
+    ///
+    /// # Errors
+    /// A text naming the arena / scheduler problem, or a chunk cap above
+    /// the arena's max allocation (as `BounceTransport::start`).
+    pub fn new(cfg: Config) -> Result<Self, String> {
+        let scheduler = CreditScheduler::new(
+            cfg.arena_bytes,
+            cfg.granularity_bytes,
+            cfg.max_inflight_chunks,
+        )
+        .map_err(|e| format!("bounce arena of {} bytes: {e}", cfg.arena_bytes))?;
+        if cfg.max_chunk_size_bytes > scheduler.max_allocation() {
+            return Err(format!(
+                "max chunk size {} bytes exceeds the arena's max allocation {} bytes",
+                cfg.max_chunk_size_bytes,
+                scheduler.max_allocation()
+            ));
+        }
+        // One max-size block kept back for credit-backed local staging while
+        // this agent sends; only when the arena holds at least two.
+        let reserve_block = if cfg.mutations.no_bidirectional_reserve {
+            None
+        } else {
+            scheduler
+                .arena()
+                .block_size(cfg.max_chunk_size_bytes)
+                .filter(|&b| scheduler.capacity() >= 2 * b)
+        };
+        Ok(Self {
+            exec_free: cfg.copy_contexts.max(1),
+            cfg,
+            now: 0,
+            scheduler,
+            reserve_block,
+            peers: BTreeSet::new(),
+            requests: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            writes: BTreeMap::new(),
+            next_token: 1,
+            regions: BTreeMap::new(),
+            grant_index: BTreeMap::new(),
+            flow_seen: BTreeMap::new(),
+            scatter_queue: VecDeque::new(),
+            deferred_cancels: BTreeMap::new(),
+            allowed: Vec::new(),
+            quiesce: Vec::new(),
+            parked: false,
+            shut_down: false,
+            actions: VecDeque::new(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Feeds one input at time `now` (ns); actions queue up for
+    /// [`poll_action`](Self::poll_action).
+    pub fn handle(&mut self, now: Nanos, input: Input) {
+        self.now = self.now.max(now);
+        match input {
+            Input::Submit { rid, peer, chunks } => self.on_submit(rid, peer, chunks),
+            Input::Message { from, msg, route } => {
+                if !self.shut_down {
+                    self.on_message(&from, msg, route);
+                }
+            }
+            Input::SendFailed { to, msg } => self.on_send_failed(&to, &msg),
+            Input::GatherDone { job, result } => self.on_gather_done(job, result),
+            Input::WriteDone { write, result } => self.on_write_done(write, result),
+            Input::ScatterDone { job, result } => self.on_scatter_done(job, result),
+            Input::PeerAdded { peer } => {
+                self.peers.insert(peer);
+            }
+            Input::PeerForgotten { peer } => self.forget_peer(&peer),
+            Input::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Input::DisallowScatter { id, addr, len } => {
+                let end = addr.saturating_add(len);
+                self.allowed
+                    .retain(|&(a, l)| a.saturating_add(l) <= addr || a >= end);
+                self.quiesce.push((id, addr, end));
+            }
+            Input::QuiesceScatter { id, addr, len } => {
+                self.quiesce.push((id, addr, addr.saturating_add(len)));
+            }
+            Input::Cancel { rid, why } => self.fail_request(rid, why, false),
+            Input::Tick => self.check_timeouts(),
+            Input::Shutdown => self.shutdown(),
+            Input::AbandonInFlight => self.abandon_in_flight(),
+        }
+        // The end of an `Io` tick: queued scatters take freed contexts,
+        // parked requests retry, quiesce requests are answered.
+        self.drain_scatter_queue();
+        if self.parked {
+            self.parked = false;
+            let rids: Vec<u64> = self.requests.keys().copied().collect();
+            for rid in rids {
+                self.pump(rid);
+            }
+        }
+        self.answer_quiesce();
+    }
+
+    /// The next queued action, oldest first.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// The latest time (ns) at which [`Input::Tick`] must be fed: the
+    /// earliest request timeout, flow silence or overdue orphan write
+    /// (`None` when nothing waits on time). A timeout fires strictly after
+    /// its bound, so this is bound + 1.
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        let t = self.cfg.request_timeout;
+        let reqs = self.requests.values().map(|r| r.last_progress);
+        let flows = self.flow_seen.values().map(|&s| s.saturating_add(t));
+        let orphans = self.writes.values().filter_map(|w| match w {
+            WriteRef::Orphan { rid, since, .. } if self.deferred_cancels.contains_key(rid) => {
+                Some(*since)
+            }
+            _ => None,
+        });
+        reqs.chain(flows)
+            .chain(orphans)
+            .min()
+            .map(|x| x.saturating_add(t).saturating_add(1))
+    }
+
+    /// Whether request `rid` is in flight (submitted, not resolved).
+    pub fn has_request(&self, rid: u64) -> bool {
+        self.requests.contains_key(&rid)
+    }
+
+    /// When request `rid` last progressed (ns), if in flight.
+    pub fn last_progress(&self, rid: u64) -> Option<Nanos> {
+        self.requests.get(&rid).map(|r| r.last_progress)
+    }
+
+    /// The credit scheduler (read-only: conservation checks, accounting).
+    pub fn scheduler(&self) -> &CreditScheduler {
+        &self.scheduler
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Whether [`Input::Shutdown`] was fed.
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down
+    }
+
+    /// State sizes now.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            capacity: self.scheduler.capacity(),
+            free_bytes: self.scheduler.free_bytes(),
+            flows: self.scheduler.flow_count(),
+            requests: self.requests.len(),
+            jobs: self.jobs.len(),
+            writes: self.writes.len(),
+            send_orphans: self
+                .writes
+                .values()
+                .filter(|w| matches!(w, WriteRef::Orphan { .. }))
+                .count()
+                + self
+                    .jobs
+                    .values()
+                    .filter(|j| matches!(j, Job::OrphanGather { .. }))
+                    .count(),
+            recv_orphans: self.scheduler.orphan_count(),
+            deferred_cancels: self.deferred_cancels.len(),
+            regions: self.regions.len(),
+            scatter_queue: self.scatter_queue.len(),
+            quiesce_waiting: self.quiesce.len(),
+        }
+    }
+
+    fn token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    fn send(&mut self, to: &str, msg: Message) {
+        self.actions.push_back(Action::Send {
+            to: to.to_string(),
+            msg,
+        });
+    }
+
+    fn release_local(&mut self, local: u64) {
+        if self.scheduler.release_local(local).is_ok() {
+            self.actions.push_back(Action::ReleaseStaging { local });
+        }
+    }
+
+    fn resolve(&mut self, rid: u64, outcome: Outcome, timed_out: bool) {
+        match outcome {
+            Outcome::Success => self.counters.succeeded += 1,
+            Outcome::Failure(_) => self.counters.failed += 1,
+        }
+        self.actions.push_back(Action::Resolve {
+            rid,
+            outcome,
+            timed_out,
+        });
+    }
+
+    // ---------------------------------------------------------- sender role
+
+    fn on_submit(&mut self, rid: u64, peer: String, chunks: Vec<ChunkBound>) {
+        if self.shut_down || self.requests.contains_key(&rid) {
+            let why = if self.shut_down {
+                "transport shut down".to_string()
+            } else {
+                format!("request id {rid} is already in flight")
+            };
+            // A duplicate id must not touch the live request's state.
+            return self.resolve(rid, Outcome::Failure(why), false);
+        }
+        if !self.peers.contains(&peer) {
+            return self.resolve(
+                rid,
+                Outcome::Failure(format!("peer {peer:?} is not a registered bounce peer")),
+                false,
+            );
+        }
+        if chunks.is_empty() {
+            return self.resolve(rid, Outcome::Success, false);
+        }
+        let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
+        let want = Message::Want(Want {
+            request_id: rid,
+            chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
+            endpoint: self.cfg.endpoint.clone(),
+        });
+        self.send(&peer, want);
+        let state = chunks
+            .iter()
+            .map(|_| SendChunk {
+                state: ChunkState::Pending,
+                local: None,
+                eager: false,
+                credit: None,
+                runs: Vec::new(),
+            })
+            .collect();
+        self.requests.insert(
+            rid,
+            SendRequest {
+                peer,
+                chunks,
+                state,
+                credits: BTreeMap::new(),
+                unkeyed: VecDeque::new(),
+                next_attach: 0,
+                next_stage: 0,
+                acked: 0,
+                total_bytes,
+                last_progress: self.now,
+            },
+        );
+        self.pump(rid);
+    }
+
+    /// `Io::pump`: attach credits in chunk order, stage gathers within the
+    /// window, post writes for gathered credited chunks.
+    fn pump(&mut self, rid: u64) {
+        let w = self.cfg.max_inflight_chunks;
+        let eager_ok = self.cfg.eager_gather;
+        let unkeyed = self.cfg.mutations.unkeyed_credits;
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return;
+        };
+        // 1. Attach credits (strict chunk order).
+        while req.next_attach < req.chunks.len() {
+            let credit = if unkeyed {
+                req.unkeyed.pop_front()
+            } else {
+                req.credits.remove(&(req.next_attach as u32))
+            };
+            let Some(credit) = credit else { break };
+            let c = &mut req.state[req.next_attach];
+            c.credit = Some(credit);
+            if c.eager {
+                if let Some(off) = c.local {
+                    let _ = self.scheduler.promote_local(off);
+                }
+                c.eager = false;
+            }
+            req.next_attach += 1;
+        }
+        // 2. Stage gathers within the window.
+        let mut parked = false;
+        while req.next_stage < req.chunks.len() && req.staged_unacked() < w {
+            let i = req.next_stage;
+            let credited = req.state[i].credit.is_some();
+            if !credited && !eager_ok {
+                break;
+            }
+            let bytes = req.chunks[i].packed_bytes;
+            let Some(local) = self.scheduler.acquire_local(bytes, !credited) else {
+                parked = credited;
+                break;
+            };
+            if !credited
+                && self
+                    .reserve_block
+                    .is_some_and(|b| self.scheduler.arena().largest_free_block() < b)
+            {
+                // Eager staging never takes the block kept for credited chunks.
+                let _ = self.scheduler.release_local(local);
+                break;
+            }
+            if self.exec_free == 0 {
+                let _ = self.scheduler.release_local(local);
+                parked = true;
+                break;
+            }
+            self.exec_free -= 1;
+            let job = self.next_token;
+            self.next_token += 1;
+            self.jobs.insert(
+                job,
+                Job::Gather {
+                    rid,
+                    chunk: i,
+                    local,
+                },
+            );
+            let c = &mut req.state[i];
+            c.state = ChunkState::Gathering(job);
+            c.local = Some(local);
+            c.eager = !credited;
+            self.actions.push_back(Action::StartGather {
+                job,
+                rid,
+                chunk: i as u32,
+                local,
+                bound: req.chunks[i],
+            });
+            req.next_stage += 1;
+        }
+        if parked {
+            self.parked = true;
+        }
+        // 3. Post writes for gathered + credited chunks.
+        let ready: Vec<usize> = (0..req.next_attach)
+            .filter(|&i| req.state[i].state == ChunkState::Gathered)
+            .collect();
+        for i in ready {
+            if let Err(why) = self.post_chunk(rid, i) {
+                self.fail_request(rid, why, false);
+                return;
+            }
+        }
+    }
+
+    fn post_chunk(&mut self, rid: u64, i: usize) -> Result<(), String> {
+        let write = self.token();
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return Ok(());
+        };
+        let c = &req.state[i];
+        let (Some(credit), Some(local)) = (c.credit, c.local) else {
+            return Ok(());
+        };
+        let bytes = req.chunks[i].packed_bytes;
+        if credit.len < bytes {
+            return Err(format!(
+                "GRANT for chunk {i} is {} bytes, chunk needs {bytes}",
+                credit.len
+            ));
+        }
+        req.state[i].state = ChunkState::Writing(write);
+        self.writes.insert(write, WriteRef::Live { rid, chunk: i });
+        let peer = req.peer.clone();
+        self.actions.push_back(Action::PostWrite {
+            write,
+            peer,
+            rid,
+            chunk: i as u32,
+            local,
+            bytes,
+            credit,
+        });
+        Ok(())
+    }
+
+    fn on_write_done(&mut self, write: u64, result: Result<(), String>) {
+        match self.writes.remove(&write) {
+            Some(WriteRef::Live { rid, chunk: i }) => {
+                let Some(req) = self.requests.get_mut(&rid) else {
+                    return;
+                };
+                if req.state[i].state != ChunkState::Writing(write) {
+                    return;
+                }
+                match result {
+                    Ok(()) => {
+                        self.counters.chunks_written += 1;
+                        req.state[i].state = ChunkState::DataSent;
+                        req.last_progress = self.now;
+                        let Some(credit) = req.state[i].credit else {
+                            return;
+                        };
+                        let data = Message::Data(Data {
+                            request_id: rid,
+                            chunk_index: i as u32,
+                            region_handle: credit.region_handle,
+                            runs: std::mem::take(&mut req.state[i].runs),
+                        });
+                        let peer = req.peer.clone();
+                        self.send(&peer, data);
+                    }
+                    Err(e) => {
+                        // Terminal: the NIC no longer reads the staging.
+                        req.state[i].state = ChunkState::Gathered;
+                        self.fail_request(rid, format!("write of chunk {i} failed: {e}"), false);
+                    }
+                }
+            }
+            Some(WriteRef::Orphan { local, rid, .. }) => {
+                self.release_local(local);
+                self.orphan_write_settled(rid);
+                self.parked = true;
+                self.schedule_and_send();
+            }
+            None => {}
+        }
+    }
+
+    fn on_send_failed(&mut self, to: &str, msg: &Message) {
+        let (rid, what) = match msg {
+            Message::Want(w) if !w.is_cancel() => (w.request_id, "could not send WANT".to_string()),
+            Message::Data(d) => (
+                d.request_id,
+                format!("could not send DATA for chunk {}", d.chunk_index),
+            ),
+            _ => return,
+        };
+        if self.requests.get(&rid).is_some_and(|r| r.peer == to) {
+            self.fail_request(rid, what, false);
+        }
+    }
+
+    fn on_grant(&mut self, peer: &str, g: Grant) {
+        let unkeyed = self.cfg.mutations.unkeyed_credits;
+        let Some(req) = self.requests.get_mut(&g.request_id) else {
+            return; // late GRANT for a resolved request
+        };
+        if req.peer != peer {
+            return;
+        }
+        req.last_progress = self.now;
+        let n = req.chunks.len();
+        for c in g.credits {
+            if unkeyed {
+                req.unkeyed.push_back(c);
+                continue;
+            }
+            let i = c.chunk_index as usize;
+            // A credit for a chunk already credited, or past the request,
+            // is a replay or a forgery: never attach it to another chunk.
+            if i >= n || i < req.next_attach || req.credits.contains_key(&c.chunk_index) {
+                self.counters.credits_rejected += 1;
+                continue;
+            }
+            req.credits.insert(c.chunk_index, c);
+        }
+        self.pump(g.request_id);
+    }
+
+    fn on_ack(&mut self, peer: &str, a: Ack) {
+        let rid = a.request_id;
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return;
+        };
+        let i = a.chunk_index as usize;
+        if req.peer != peer || i >= req.state.len() {
+            return;
+        }
+        let c = &mut req.state[i];
+        if c.state != ChunkState::DataSent
+            || c.credit.map(|cr| cr.region_handle) != Some(a.region_handle)
+        {
+            return;
+        }
+        c.state = ChunkState::Acked;
+        let local = c.local.take();
+        req.acked += 1;
+        req.last_progress = self.now;
+        let done = req.acked == req.chunks.len();
+        if let Some(local) = local {
+            self.release_local(local);
+        }
+        if done {
+            if let Some(req) = self.requests.remove(&rid) {
+                self.counters.bytes_sent += req.total_bytes;
+            }
+            self.resolve(rid, Outcome::Success, false);
+            self.parked = true;
+        } else {
+            self.pump(rid);
+        }
+        self.schedule_and_send();
+    }
+
+    /// `Io::fail_request`: resolve FAILURE now; cancel to the receiver,
+    /// deferred while writes are in flight; staging freed at once where no
+    /// gather / write uses it, else when they are terminal (seed §9).
+    fn fail_request(&mut self, rid: u64, why: String, timed_out: bool) {
+        let Some(req) = self.requests.remove(&rid) else {
+            return;
+        };
+        let m = self.cfg.mutations;
+        let in_flight = req
+            .state
+            .iter()
+            .filter(|c| matches!(c.state, ChunkState::Writing(_)))
+            .count();
+        if in_flight == 0 || m.no_cancel_deferral {
+            self.send_cancel(&req.peer, rid);
+        } else {
+            self.deferred_cancels
+                .insert(rid, (req.peer.clone(), in_flight));
+        }
+        for c in &req.state {
+            match c.state {
+                ChunkState::Gathering(job) => {
+                    if m.no_orphan_deferral {
+                        self.jobs.insert(job, Job::OrphanGather { local: u64::MAX });
+                        if let Some(local) = c.local {
+                            self.release_local(local);
+                        }
+                    } else if let (Some(j), Some(local)) = (self.jobs.get_mut(&job), c.local) {
+                        *j = Job::OrphanGather { local };
+                    }
+                }
+                ChunkState::Writing(write) => {
+                    let Some(local) = c.local else { continue };
+                    if m.no_orphan_deferral {
+                        self.release_local(local);
+                        self.writes.insert(
+                            write,
+                            WriteRef::Orphan {
+                                local: u64::MAX,
+                                rid,
+                                since: self.now,
+                            },
+                        );
+                    } else {
+                        self.writes.insert(
+                            write,
+                            WriteRef::Orphan {
+                                local,
+                                rid,
+                                since: self.now,
+                            },
+                        );
+                    }
+                }
+                ChunkState::Gathered | ChunkState::DataSent => {
+                    if let Some(local) = c.local {
+                        self.release_local(local);
+                    }
+                }
+                ChunkState::Pending | ChunkState::Acked => {}
+            }
+        }
+        if timed_out {
+            self.counters.timeouts += 1;
+        }
+        self.resolve(rid, Outcome::Failure(why), timed_out);
+        self.parked = true;
+        self.schedule_and_send();
+    }
+
+    fn send_cancel(&mut self, peer: &str, rid: u64) {
+        let cancel = Message::Want(Want {
+            request_id: rid,
+            chunk_bytes: Vec::new(),
+            endpoint: self.cfg.endpoint.clone(),
+        });
+        self.send(peer, cancel);
+    }
+
+    fn orphan_write_settled(&mut self, rid: u64) {
+        if let Some((peer, left)) = self.deferred_cancels.get_mut(&rid) {
+            *left = left.saturating_sub(1);
+            if *left == 0 {
+                let peer = peer.clone();
+                self.deferred_cancels.remove(&rid);
+                self.send_cancel(&peer, rid);
+            }
+        }
+    }
+
+    fn on_gather_done(&mut self, job: u64, result: Result<Vec<ScatterRun>, String>) {
+        let Some(j) = self.jobs.remove(&job) else {
+            return;
+        };
+        self.exec_free += 1;
+        match j {
+            Job::Gather { rid, chunk, local } => {
+                let live = self
+                    .requests
+                    .get(&rid)
+                    .is_some_and(|r| r.state[chunk].state == ChunkState::Gathering(job));
+                match result {
+                    Ok(runs) if live => {
+                        if let Some(req) = self.requests.get_mut(&rid) {
+                            req.state[chunk].state = ChunkState::Gathered;
+                            req.state[chunk].runs = runs;
+                            req.last_progress = self.now;
+                        }
+                        self.pump(rid);
+                    }
+                    Ok(_) => self.release_local(local),
+                    Err(e) => {
+                        if live {
+                            if let Some(req) = self.requests.get_mut(&rid) {
+                                req.state[chunk].state = ChunkState::Gathered;
+                            }
+                            self.fail_request(rid, format!("gather of chunk {chunk}: {e}"), false);
+                        } else {
+                            self.release_local(local);
+                        }
+                    }
+                }
+            }
+            Job::OrphanGather { local } => {
+                if local != u64::MAX {
+                    self.release_local(local);
+                }
+                self.parked = true;
+                self.schedule_and_send();
+            }
+            Job::Scatter { .. } => {
+                // A gather completion naming a scatter job: put it back
+                // and take the context again (the reactor mixed ids up).
+                self.jobs.insert(job, j);
+                self.exec_free -= 1;
+            }
+        }
+    }
+
+    fn check_timeouts(&mut self) {
+        let timeout = self.cfg.request_timeout;
+        let now = self.now;
+        let expired: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| now.saturating_sub(r.last_progress) > timeout)
+            .map(|(rid, _)| *rid)
+            .collect();
+        for rid in expired {
+            self.fail_request(
+                rid,
+                format!("no progress within the request timeout of {timeout} ns"),
+                true,
+            );
+        }
+        // Orphaned writes still in flight past the timeout: cancel anyway
+        // (staging stays held while the NIC may still read it).
+        let overdue: Vec<u64> = self
+            .writes
+            .values()
+            .filter_map(|w| match w {
+                WriteRef::Orphan { rid, since, .. }
+                    if now.saturating_sub(*since) > timeout
+                        && self.deferred_cancels.contains_key(rid) =>
+                {
+                    Some(*rid)
+                }
+                _ => None,
+            })
+            .collect();
+        for rid in overdue {
+            if let Some((peer, _)) = self.deferred_cancels.remove(&rid) {
+                self.counters.overdue_orphans += 1;
+                self.send_cancel(&peer, rid);
+            }
+        }
+        // Receiver side: drop records of finished flows, reclaim silent ones.
+        let sched = &self.scheduler;
+        self.flow_seen.retain(|f, _| sched.contains_flow(f));
+        let silent: Vec<FlowKey> = self
+            .flow_seen
+            .iter()
+            .filter(|(_, t)| now.saturating_sub(**t) > timeout.saturating_mul(2))
+            .map(|(f, _)| f.clone())
+            .collect();
+        for flow in silent {
+            self.counters.silent_flows += 1;
+            self.flow_seen.remove(&flow);
+            self.reclaim_flow(&flow);
+        }
+    }
+
+    // -------------------------------------------------------- receiver role
+
+    fn on_message(&mut self, from: &str, msg: Message, route: Route) {
+        match msg {
+            Message::Want(w) => self.on_want(from, w, route),
+            Message::Grant(g) => self.on_grant(from, g),
+            Message::Data(d) => self.on_data(from, d),
+            Message::Ack(a) => self.on_ack(from, a),
+            // Handshakes never travel here; notices are the reactor's.
+            Message::Handshake(_) | Message::Notice(_) => {}
+        }
+    }
+
+    fn on_want(&mut self, peer: &str, w: Want, route: Route) {
+        let flow = FlowKey::new(peer, w.request_id);
+        if w.is_cancel() {
+            // Honoured even without a route (reclaims earlier state).
+            self.counters.cancels_received += 1;
+            self.reclaim_flow(&flow);
+            return;
+        }
+        if route == Route::Unusable {
+            self.counters.wants_rejected += 1;
+            return;
+        }
+        self.flow_seen.insert(flow.clone(), self.now);
+        if self.scheduler.on_want(flow, &w.chunk_bytes).is_err() {
+            self.counters.wants_rejected += 1;
+            return;
+        }
+        self.schedule_and_send();
+    }
+
+    fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.scheduler.reclaim_flow(flow);
+        self.forget_regions(|f| f == flow);
+        self.grant_index.remove(flow);
+        self.schedule_and_send();
+    }
+
+    /// Drops region records of matching flows no longer held; a queued (not
+    /// started) scatter of a reclaimed flow never runs: free its orphan.
+    fn forget_regions(&mut self, pred: impl Fn(&FlowKey) -> bool) {
+        let sched = &self.scheduler;
+        self.regions
+            .retain(|off, r| !pred(&r.flow) || sched.held_by_flow(&r.flow, *off));
+        let mut dropped = Vec::new();
+        self.scatter_queue.retain(|s| {
+            let keep = !pred(&s.flow) || sched.held_by_flow(&s.flow, s.offset);
+            if !keep {
+                dropped.push(s.offset);
+            }
+            keep
+        });
+        for offset in dropped {
+            let _ = self.scheduler.scatter_done(offset);
+        }
+    }
+
+    fn schedule_and_send(&mut self) {
+        // Keep `reserve_block` out of the grants while we send; if it is not
+        // free right now, grant nothing (every free reschedules).
+        let hold = match self.reserve_block {
+            Some(b) if !self.requests.is_empty() => match self.scheduler.acquire_local(b, false) {
+                Some(off) => Some(off),
+                None => return,
+            },
+            _ => None,
+        };
+        let grants = self.scheduler.schedule();
+        if let Some(off) = hold {
+            let _ = self.scheduler.release_local(off);
+        }
+        if grants.is_empty() {
+            return;
+        }
+        let mut batches: Vec<(FlowKey, Vec<Credit>)> = Vec::new();
+        for g in grants {
+            let idx = self.grant_index.entry(g.flow.clone()).or_insert(0);
+            let chunk = *idx;
+            let credit = Credit {
+                chunk_index: chunk,
+                region_handle: g.region_offset,
+                addr: self.cfg.arena_base.saturating_add(g.region_offset),
+                len: g.len,
+                device_id: self.cfg.device_id,
+            };
+            *idx = idx.saturating_add(1);
+            self.regions.insert(
+                g.region_offset,
+                RecvRegion {
+                    flow: g.flow.clone(),
+                    len: g.len,
+                    chunk,
+                },
+            );
+            match batches.iter_mut().find(|(f, _)| *f == g.flow) {
+                Some((_, v)) => v.push(credit),
+                None => batches.push((g.flow, vec![credit])),
+            }
+        }
+        for (flow, credits) in batches {
+            self.counters.grants += credits.len() as u64;
+            self.send(
+                &flow.peer,
+                Message::Grant(Grant {
+                    request_id: flow.rid,
+                    credits,
+                }),
+            );
+        }
+    }
+
+    fn validate_runs(&self, region_len: u64, runs: &[ScatterRun]) -> Result<(), String> {
+        let mut total: u64 = 0;
+        for (k, r) in runs.iter().enumerate() {
+            if r.segment_len == 0 || r.count == 0 {
+                return Err(format!("run {k} is empty"));
+            }
+            let end = r.region_end().ok_or_else(|| format!("run {k} overflows"))?;
+            if end > region_len {
+                return Err(format!("run {k} ends beyond the granted region"));
+            }
+            let dst_end = u64::from(r.count - 1)
+                .checked_mul(r.addr_stride)
+                .and_then(|x| x.checked_add(r.addr))
+                .and_then(|x| x.checked_add(r.segment_len))
+                .ok_or_else(|| format!("run {k} destination overflows"))?;
+            let inside = self
+                .allowed
+                .iter()
+                .any(|&(a, l)| r.addr >= a && dst_end <= a.saturating_add(l));
+            if !inside {
+                return Err(format!("run {k} destination is outside registered memory"));
+            }
+            total = total.saturating_add(r.total_bytes());
+        }
+        if total > region_len {
+            return Err(format!("runs move {total} bytes, more than {region_len}"));
+        }
+        Ok(())
+    }
+
+    fn on_data(&mut self, peer: &str, d: Data) {
+        let m = self.cfg.mutations;
+        let flow = FlowKey::new(peer, d.request_id);
+        let held = self.scheduler.held_by_flow(&flow, d.region_handle);
+        if !held && !m.no_held_by_flow_validation {
+            // Late DATA after a cancel / forget: never scatter (seed §9).
+            self.counters.data_rejected += 1;
+            return;
+        }
+        let region = self.regions.get(&d.region_handle);
+        let len = region.map(|r| r.len).unwrap_or(0);
+        let chunk_ok = region.is_some_and(|r| r.chunk == d.chunk_index);
+        if held && !chunk_ok && !m.unchecked_data_chunk {
+            // Replayed DATA for a region re-granted to a later chunk.
+            self.counters.data_rejected += 1;
+            return;
+        }
+        let len = if held { len } else { u64::MAX };
+        if self.validate_runs(len, &d.runs).is_err() {
+            self.counters.data_rejected += 1;
+            return;
+        }
+        if held
+            && self
+                .scheduler
+                .begin_scatter(&flow, d.region_handle)
+                .is_err()
+        {
+            self.counters.data_rejected += 1;
+            return;
+        }
+        self.flow_seen.insert(flow.clone(), self.now);
+        let dst = scatter_bounds(&d.runs);
+        self.scatter_queue.push_back(PendingScatter {
+            flow,
+            offset: d.region_handle,
+            chunk: d.chunk_index,
+            runs: d.runs,
+            dst,
+        });
+        self.drain_scatter_queue();
+    }
+
+    fn drain_scatter_queue(&mut self) {
+        while self.exec_free > 0 {
+            let Some(s) = self.scatter_queue.pop_front() else {
+                return;
+            };
+            self.exec_free -= 1;
+            let job = self.token();
+            self.jobs.insert(
+                job,
+                Job::Scatter {
+                    flow: s.flow.clone(),
+                    offset: s.offset,
+                    chunk: s.chunk,
+                    dst: s.dst,
+                },
+            );
+            self.actions.push_back(Action::StartScatter {
+                job,
+                flow: s.flow,
+                region: s.offset,
+                chunk: s.chunk,
+                runs: s.runs,
+            });
+        }
+    }
+
+    fn answer_quiesce(&mut self) {
+        if self.quiesce.is_empty() {
+            return;
+        }
+        let busy = |a: u64, e: u64, (s0, s1): (u64, u64)| s0 < e && a < s1;
+        let mut k = 0;
+        while k < self.quiesce.len() {
+            let (id, a, e) = self.quiesce[k];
+            let in_use = self.scatter_queue.iter().any(|p| busy(a, e, p.dst))
+                || self.jobs.values().any(|j| match j {
+                    Job::Scatter { dst, .. } => busy(a, e, *dst),
+                    _ => false,
+                });
+            if in_use {
+                k += 1;
+            } else {
+                self.quiesce.remove(k);
+                self.actions.push_back(Action::Quiesced { id });
+            }
+        }
+    }
+
+    fn on_scatter_done(&mut self, job: u64, result: Result<(), String>) {
+        let Some(j) = self.jobs.remove(&job) else {
+            return;
+        };
+        let Job::Scatter {
+            flow,
+            offset,
+            chunk,
+            dst: _,
+        } = j
+        else {
+            self.jobs.insert(job, j);
+            return;
+        };
+        self.exec_free += 1;
+        let live = self.scheduler.held_by_flow(&flow, offset);
+        let _ = self.scheduler.scatter_done(offset);
+        if self.regions.get(&offset).is_some_and(|r| r.flow == flow) {
+            self.regions.remove(&offset);
+        }
+        if !self.scheduler.contains_flow(&flow) {
+            self.grant_index.remove(&flow);
+        }
+        if live && result.is_ok() {
+            self.counters.chunks_scattered += 1;
+            self.send(
+                &flow.peer,
+                Message::Ack(Ack {
+                    request_id: flow.rid,
+                    chunk_index: chunk,
+                    region_handle: offset,
+                }),
+            );
+        }
+        // A failed scatter never ACKs (seed §9); an orphan has nobody to ACK.
+        self.schedule_and_send();
+    }
+
+    // ------------------------------------------------------------ lifecycle
+
+    fn forget_peer(&mut self, peer: &str) {
+        // Fail our requests first, while the route still exists, so their
+        // cancels reach a receiver that is alive.
+        let rids: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.peer == peer)
+            .map(|(rid, _)| *rid)
+            .collect();
+        for rid in rids {
+            self.fail_request(rid, format!("peer {peer:?} was forgotten"), false);
+        }
+        self.actions.push_back(Action::ForgetRoute {
+            peer: peer.to_string(),
+        });
+        self.peers.remove(peer);
+        self.scheduler.reclaim_by_prefix(peer);
+        self.forget_regions(|f| f.peer == peer);
+        self.grant_index.retain(|f, _| f.peer != peer);
+        self.flow_seen.retain(|f, _| f.peer != peer);
+        self.schedule_and_send();
+    }
+
+    fn shutdown(&mut self) {
+        let rids: Vec<u64> = self.requests.keys().copied().collect();
+        for rid in rids {
+            self.fail_request(rid, "transport shut down".into(), false);
+        }
+        self.shut_down = true;
+    }
+
+    fn abandon_in_flight(&mut self) {
+        let orphans: Vec<(u64, u64)> = self
+            .writes
+            .iter()
+            .filter_map(|(w, r)| match r {
+                WriteRef::Orphan { rid, .. } => Some((*w, *rid)),
+                WriteRef::Live { .. } => None,
+            })
+            .collect();
+        if orphans.is_empty() {
+            return;
+        }
+        self.actions.push_back(Action::ArenaInDoubt {
+            writes: orphans.len(),
+        });
+        for (w, rid) in orphans {
+            // Staging stays allocated: the NIC may still read it.
+            self.writes.remove(&w);
+            self.orphan_write_settled(rid);
+        }
+    }
+}
