@@ -75,7 +75,27 @@
 //!   under it). Here the region remembers its chunk index
 //!   ([`Mutations::unchecked_data_chunk`] restores the old rule).
 //!
-//! Neither can happen over today's channels (ZMQ and TCP deliver each
+//! * **Eager staging leaves a grantable block beside the reserve.**
+//!   `Io::pump` lets eager (credit-less) staging take every block but the
+//!   bidirectional reserve. With an arena of two max-size blocks, two
+//!   agents submitting to each other at once each stage one chunk eagerly,
+//!   then each holds its last free block back as the reserve and grants
+//!   nothing: both requests wait for a GRANT until their timeout (a
+//!   liveness bug in a fault-free run). Here eager staging also leaves one
+//!   max-size block free beside the reserve
+//!   ([`Mutations::legacy_eager_reserve`] restores the old rule).
+//! * **A GRANT or ACK sent restarts the flow's silence clock.** `Io`
+//!   reclaims a receiver flow silent for twice the request timeout,
+//!   counting only WANT and DATA received. But every GRANT restarts the
+//!   sender's no-progress clock, so a sender may legitimately write a
+//!   region more than 2 × timeout after its WANT (its first grant came
+//!   late under backpressure): the receiver then frees that region under
+//!   the landing write. Here the receiver's own GRANTs and ACKs count as
+//!   activity ([`Mutations::legacy_flow_silence`] restores the old rule).
+//!   The remaining assumption is stated in docs/protocol.md: a control
+//!   message, gather or write takes well under the request timeout.
+//!
+//! The first two cannot happen over today's channels (ZMQ and TCP deliver each
 //! message once, in order, per peer); both are cheap defence against a
 //! peer or channel that replays.
 
@@ -115,6 +135,13 @@ pub struct Mutations {
     /// `Io::on_data`'s rule: accept DATA for any region the flow holds,
     /// whatever chunk it names (see "Deviations").
     pub unchecked_data_chunk: bool,
+    /// `Io::pump`'s eager rule: eager staging may take every block but the
+    /// reserve (see "Deviations": two agents sending to each other over
+    /// two-block arenas then wait on each other's grants forever).
+    pub legacy_eager_reserve: bool,
+    /// `Io`'s flow-silence clock: refreshed only by WANT and DATA received,
+    /// not by the receiver's own GRANTs and ACKs (see "Deviations").
+    pub legacy_flow_silence: bool,
 }
 
 /// Settings of one machine (the subset of `BounceConfig` the protocol
@@ -845,6 +872,7 @@ impl Machine {
         let w = self.cfg.max_inflight_chunks;
         let eager_ok = self.cfg.eager_gather;
         let unkeyed = self.cfg.mutations.unkeyed_credits;
+        let legacy_eager = self.cfg.mutations.legacy_eager_reserve;
         let Some(req) = self.requests.get_mut(&rid) else {
             return;
         };
@@ -879,14 +907,28 @@ impl Machine {
                 parked = credited;
                 break;
             };
-            if !credited
-                && self
-                    .reserve_block
-                    .is_some_and(|b| self.scheduler.arena().largest_free_block() < b)
-            {
-                // Eager staging never takes the block kept for credited chunks.
-                let _ = self.scheduler.release_local(local);
-                break;
+            if !credited {
+                if let Some(b) = self.reserve_block {
+                    // Eager staging never takes the block kept for credited
+                    // chunks, nor (deviation, see the module docs) the last
+                    // block a remote flow could be granted beside it.
+                    let ok = if legacy_eager {
+                        self.scheduler.arena().largest_free_block() >= b
+                    } else {
+                        match self.scheduler.acquire_local(b, false) {
+                            Some(hold) => {
+                                let ok = self.scheduler.arena().largest_free_block() >= b;
+                                let _ = self.scheduler.release_local(hold);
+                                ok
+                            }
+                            None => false,
+                        }
+                    };
+                    if !ok {
+                        let _ = self.scheduler.release_local(local);
+                        break;
+                    }
+                }
             }
             if self.exec_free == 0 {
                 let _ = self.scheduler.release_local(local);
@@ -1362,6 +1404,11 @@ impl Machine {
                 device_id: self.cfg.device_id,
             };
             *idx = idx.saturating_add(1);
+            if !self.cfg.mutations.legacy_flow_silence {
+                // A GRANT restarts the sender's progress clock: restart
+                // the flow's silence clock too (deviation, module docs).
+                self.flow_seen.insert(g.flow.clone(), self.now);
+            }
             self.regions.insert(
                 g.region_offset,
                 RecvRegion {
@@ -1533,6 +1580,9 @@ impl Machine {
         }
         if live && result.is_ok() {
             self.counters.chunks_scattered += 1;
+            if !self.cfg.mutations.legacy_flow_silence && self.scheduler.contains_flow(&flow) {
+                self.flow_seen.insert(flow.clone(), self.now);
+            }
             self.send(
                 &flow.peer,
                 Message::Ack(Ack {

@@ -1,0 +1,184 @@
+//! The deterministic protocol simulator (issue 17; docs/protocol.md).
+//!
+//! * `ci_seeds_*`: seeds `0..KVFABRIC_SIM_SEEDS` (default 10,000), split in
+//!   two tests so both cores work; `KVFABRIC_SIM_START` shifts the range.
+//!   The long run: `KVFABRIC_SIM_SEEDS=1000000 cargo test --release -p
+//!   kvfabric-core --test protocol_sim ci_seeds -- --nocapture`.
+//! * `replay`: `KVFABRIC_SIM_REPLAY=<seed> [KVFABRIC_SIM_BUDGET=<n>]
+//!   [KVFABRIC_SIM_MUTATION=<name>]` prints that run's event list.
+//! * `mutation_*`: each guard switched off in turn must be caught within the
+//!   CI seed budget.
+
+mod sim;
+
+use kvfabric_core::protocol::Mutations;
+use sim::{run_seed, Sim};
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.replace('_', "").parse().ok())
+        .unwrap_or(default)
+}
+
+/// Seeds of the CI run.
+const CI_SEEDS: u64 = 10_000;
+
+fn seeds_part(part: u64, parts: u64) {
+    let n = env_u64("KVFABRIC_SIM_SEEDS", CI_SEEDS);
+    let start = env_u64("KVFABRIC_SIM_START", 0);
+    let t0 = std::time::Instant::now();
+    let (mut steps, mut ok, mut failed, mut crashes) = (0u64, 0u64, 0u64, 0u64);
+    let mut c = kvfabric_core::protocol::Counters::default();
+    let mut seed = start + part;
+    while seed < start + n {
+        match run_seed(seed, Mutations::default()) {
+            Ok(s) => {
+                steps += s.steps_total();
+                ok += s.succeeded;
+                failed += s.failed;
+                crashes += s.crashes;
+                sim::add_counters(&mut c, &s.counters);
+            }
+            Err(f) => panic!("{f}"),
+        }
+        seed += parts;
+    }
+    eprintln!(
+        "protocol_sim part {part}/{parts}: {} seeds from {start}, {steps} steps, {ok} requests succeeded, {failed} failed, {crashes} crashes, {:.1} s",
+        n.div_ceil(parts),
+        t0.elapsed().as_secs_f64()
+    );
+    eprintln!("protocol_sim part {part}/{parts} machine counters: {c:?}");
+}
+
+#[test]
+fn ci_seeds_0() {
+    seeds_part(0, 2);
+}
+
+#[test]
+fn ci_seeds_1() {
+    seeds_part(1, 2);
+}
+
+fn mutation_named(name: &str) -> Mutations {
+    let mut m = Mutations::default();
+    match name {
+        "" | "none" => {}
+        "orphan_deferral" => m.no_orphan_deferral = true,
+        "held_by_flow" => m.no_held_by_flow_validation = true,
+        "cancel_deferral" => m.no_cancel_deferral = true,
+        "bidirectional_reserve" => m.no_bidirectional_reserve = true,
+        "unkeyed_credits" => m.unkeyed_credits = true,
+        "unchecked_data_chunk" => m.unchecked_data_chunk = true,
+        "legacy_eager_reserve" => m.legacy_eager_reserve = true,
+        "legacy_flow_silence" => m.legacy_flow_silence = true,
+        other => panic!("unknown mutation {other:?}"),
+    }
+    m
+}
+
+#[test]
+fn replay() {
+    let Ok(seed) = std::env::var("KVFABRIC_SIM_REPLAY") else {
+        return;
+    };
+    let seed: u64 = seed.parse().expect("KVFABRIC_SIM_REPLAY is a seed number");
+    let budget = std::env::var("KVFABRIC_SIM_BUDGET")
+        .ok()
+        .map(|b| b.parse().expect("budget"));
+    let m = mutation_named(&std::env::var("KVFABRIC_SIM_MUTATION").unwrap_or_default());
+    match Sim::new(seed, budget, m, true).run() {
+        Ok(s) => eprintln!("seed {seed}: all invariants held ({s:?})"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+/// The first seed below the CI budget that `m` fails, with its report.
+fn first_catch(name: &str) -> (u64, String) {
+    let m = mutation_named(name);
+    for seed in 0..CI_SEEDS {
+        if let Err(f) = run_seed(seed, m) {
+            return (seed, f.to_string());
+        }
+    }
+    panic!("mutation {name}: no seed below {CI_SEEDS} caught it");
+}
+
+fn check_mutation(name: &str) {
+    let (seed, report) = first_catch(name);
+    let first = report.lines().next().unwrap_or_default().to_string();
+    eprintln!("mutation {name}: caught by seed {seed}: {first}");
+}
+
+#[test]
+fn mutation_orphan_deferral() {
+    check_mutation("orphan_deferral");
+}
+
+#[test]
+fn mutation_held_by_flow_validation() {
+    check_mutation("held_by_flow");
+}
+
+#[test]
+fn mutation_cancel_deferral() {
+    check_mutation("cancel_deferral");
+}
+
+#[test]
+fn mutation_bidirectional_reserve() {
+    check_mutation("bidirectional_reserve");
+}
+
+#[test]
+fn mutation_unkeyed_credits() {
+    check_mutation("unkeyed_credits");
+}
+
+#[test]
+fn mutation_unchecked_data_chunk() {
+    check_mutation("unchecked_data_chunk");
+}
+
+#[test]
+fn mutation_legacy_eager_reserve() {
+    check_mutation("legacy_eager_reserve");
+}
+
+#[test]
+fn mutation_legacy_flow_silence() {
+    check_mutation("legacy_flow_silence");
+}
+
+/// Bugs the simulator found in `Io`'s rules (docs/protocol.md): each seed
+/// fails under the old rule and passes under the machine's.
+#[test]
+fn regression_seeds() {
+    for (name, seed) in [
+        ("legacy_eager_reserve", 790),
+        ("legacy_flow_silence", 779),
+        ("unkeyed_credits", 15),
+        ("unchecked_data_chunk", 90),
+    ] {
+        assert!(
+            run_seed(seed, mutation_named(name)).is_err(),
+            "seed {seed} no longer catches {name}"
+        );
+        if let Err(f) = run_seed(seed, Mutations::default()) {
+            panic!("regression seed {seed} ({name}) fails: {f}");
+        }
+    }
+}
+
+/// The same seed makes the same run, event for event.
+#[test]
+fn a_seed_replays_exactly() {
+    for seed in [7, 779, 4242] {
+        let a = Sim::new(seed, None, Mutations::default(), true).trace_of();
+        let b = Sim::new(seed, None, Mutations::default(), true).trace_of();
+        assert!(a.len() > 20, "seed {seed}: only {} events", a.len());
+        assert_eq!(a, b, "seed {seed} is not deterministic");
+    }
+}
