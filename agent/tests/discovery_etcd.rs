@@ -606,3 +606,36 @@ fn tombstoned_pod_uid_is_never_loaded_again() {
     wait_true("c watching", Duration::from_secs(5), || dc.is_watching());
     assert!(!dc.peers().iter().any(|r| r.name == "prefill-p-1"));
 }
+
+/// A put does not renew an etcd lease: republishing more often than the
+/// keep-alive interval (engines attaching and detaching, rollout steps)
+/// must not postpone the keep-alives, or the lease expires under a live
+/// agent and every peer forgets it. Regression: the record of an agent
+/// republished every 300 ms vanished after one TTL (2 s here).
+#[test]
+fn frequent_republishes_keep_the_lease_alive() {
+    let Some(etcd) = Etcd::start("republish") else {
+        return;
+    };
+    let fab = fabric("republish");
+    let da = EtcdDiscovery::start(opts(&etcd, &fab, 2)).unwrap();
+    let db = EtcdDiscovery::start(opts(&etcd, &fab, 2)).unwrap();
+    let rb = db.events();
+    let mut rec = fake_record("agent-r-1", "agent-r");
+    da.publish(rec.clone()).unwrap();
+    wait_event(&rb, Duration::from_secs(5), is_upsert("agent-r-1"));
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(6) {
+        rec.config_generation += 1;
+        da.publish(rec.clone()).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !rb.try_iter()
+                .any(|e| matches!(&e, PeerEvent::Removed { name } if name == "agent-r-1")),
+            "the record vanished after {:?} of republishes (lease expired)",
+            t0.elapsed()
+        );
+    }
+    assert_eq!(da.lease_grants(), 1, "one lease, kept alive throughout");
+    assert!(da.keepalives() >= 2, "keep-alives ran: {}", da.keepalives());
+}

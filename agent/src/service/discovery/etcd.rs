@@ -608,7 +608,11 @@ impl LeaseTask {
                 Ok(()) => {
                     self.last_ok = Instant::now();
                     self.backoff.reset();
-                    self.next = Instant::now() + self.opts.interval();
+                    // A put does not renew the lease: never push the next
+                    // keep-alive back (republishing more often than the
+                    // keep-alive interval — engines attaching, rollout
+                    // steps — would otherwise let the lease expire).
+                    self.next = self.next.min(Instant::now() + self.opts.interval());
                     self.shared.set_state(LeaseState::Ok);
                     return Ok(());
                 }
