@@ -285,7 +285,7 @@ fn mismatch_uses_standard_path(
     assert!(
         rx.transport().is_some(),
         "receiver runs bounce: {:?}",
-        rx.bounce_unavailable
+        rx.bounce_unavailable()
     );
     let state = tx.load_peer(&rx.local_descriptor().unwrap()).unwrap();
     let why = state.bounce.expect_err("peer must be incompatible");

@@ -131,6 +131,11 @@ impl GpuHandOff<'_> {
             BenchPath::Standard => self
                 .prefill
                 .submit_standard(&self.decode_name, descs.clone()),
+            BenchPath::Auto => {
+                self.prefill
+                    .submit_write(&self.decode_name, descs.clone())
+                    .1
+            }
         };
         *request_id = logged_request_id(&handle);
         let outcome = handle.wait(XFER_TIMEOUT);
@@ -222,7 +227,7 @@ fn run_in(
         },
     )
     .map_err(|e| format!("prefill agent: {e}"))?;
-    if let Some(w) = &prefill.bounce_unavailable {
+    if let Some(w) = &prefill.bounce_unavailable() {
         return Err(format!("prefill agent: bounce unavailable: {w}"));
     }
     let st = prefill.load_peer(&rdesc).map_err(|e| e.to_string())?;

@@ -300,6 +300,7 @@ fn pb_path(path: BenchPath) -> pb::Path {
     match path {
         BenchPath::Bounce => pb::Path::Bounce,
         BenchPath::Standard => pb::Path::Standard,
+        BenchPath::Auto => pb::Path::Auto,
     }
 }
 
@@ -308,6 +309,7 @@ fn path_name(path: BenchPath) -> &'static str {
     match path {
         BenchPath::Bounce => "bounce",
         BenchPath::Standard => "standard",
+        BenchPath::Auto => "auto",
     }
 }
 
@@ -490,7 +492,7 @@ impl BenchEngines {
                 r.reason
             ));
         }
-        if r.path != path_name(path) {
+        if path != BenchPath::Auto && r.path != path_name(path) {
             return Err(format!(
                 "the agent moved the request through {:?}, not {}",
                 r.path,
@@ -552,7 +554,8 @@ impl HandOff for BenchEngines {
             let rid = PROBE_IDS + self.probes.fetch_add(1, Ordering::Relaxed);
             let why = match self.transfer(rid, path, &[0], &[0], PROBE_TIMEOUT_MS)? {
                 Ok(r) if r.outcome() == pb::Outcome::Success => {
-                    if r.path != path_name(path) {
+                    // AUTO: the agent's routing gate picks either path.
+                    if path != BenchPath::Auto && r.path != path_name(path) {
                         return Err(format!("{what}: the agent moved it through {:?}", r.path));
                     }
                     let a = self.await_arrival(rid, PROBE_ARRIVAL_WAIT)?;

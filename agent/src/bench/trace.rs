@@ -207,17 +207,21 @@ pub enum BenchPath {
     Bounce,
     /// One NIXL descriptor per block.
     Standard,
+    /// The routing gate picks per request (bounce with a compatible peer,
+    /// else standard) — what serving engines ask for by default.
+    Auto,
 }
 
 impl std::str::FromStr for BenchPath {
     type Err = String;
 
-    /// `bounce` or `standard` (surrounding spaces ignored).
+    /// `bounce`, `standard` or `auto` (surrounding spaces ignored).
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
             "bounce" => Ok(Self::Bounce),
             "standard" => Ok(Self::Standard),
-            other => Err(format!("expected bounce or standard, got {other:?}")),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!("expected bounce, standard or auto, got {other:?}")),
         }
     }
 }
@@ -230,7 +234,7 @@ pub fn check_prefill_path(prefill: &FabricAgent, path: BenchPath) -> Result<(), 
     if path == BenchPath::Bounce && prefill.transport().is_none() {
         return Err(format!(
             "bounce is not running on the prefill agent: {}",
-            prefill.bounce_unavailable.clone().unwrap_or_default()
+            prefill.bounce_unavailable().unwrap_or_default()
         ));
     }
     Ok(())
@@ -480,6 +484,7 @@ impl HandOff for LocalHandOff<'_> {
                 None => return HandOffResult::failed("bounce is not running on the prefill agent"),
             },
             BenchPath::Standard => self.prefill.submit_standard(decode_name, descs.clone()),
+            BenchPath::Auto => self.prefill.submit_write(decode_name, descs.clone()).1,
         };
         let request_id = logged_request_id(&handle);
         let outcome = handle.wait(XFER_TIMEOUT);

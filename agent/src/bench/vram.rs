@@ -224,7 +224,7 @@ pub fn run_peer(
         copy_choice(gpu, copy),
     )
     .map_err(|e| e.to_string())?;
-    if let Some(why) = &agent.bounce_unavailable {
+    if let Some(why) = &agent.bounce_unavailable() {
         eprintln!("vram-peer: bounce unavailable: {why}");
     }
     let desc = agent.local_descriptor().map_err(|e| e.to_string())?;
@@ -385,7 +385,7 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
             copy_choice(gpu, opts.copy),
         )
         .map_err(|e| e.to_string())?;
-        if let Some(why) = &agent.bounce_unavailable {
+        if let Some(why) = &agent.bounce_unavailable() {
             return Err(format!("sender bounce unavailable: {why}"));
         }
         let state = agent.load_peer(&rdesc).map_err(|e| e.to_string())?;

@@ -137,7 +137,8 @@ struct BenchArgs {
     /// bench engines' shm pools, sized the same way.
     #[arg(long, value_parser = nonzero_byte_size)]
     pool: Option<u64>,
-    /// Paths to run, in order.
+    /// Paths to run, in order: bounce, standard, auto (the routing gate
+    /// picks per request, as serving engines do by default).
     #[arg(long, default_value = "bounce,standard", value_delimiter = ',', value_parser = bench_path)]
     paths: Vec<BenchPath>,
     /// Bounce config YAML (BounceConfig keys); KVFABRIC_BOUNCE_* env

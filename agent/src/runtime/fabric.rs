@@ -17,15 +17,15 @@
 //! per peer with [`FabricAgent::set_peer_memory`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::config::EffectiveBounceConfig;
 use kvfabric_core::text::LogSafe;
-use kvfabric_core::wire::{self, Handshake, WIRE_VERSION};
+use kvfabric_core::wire::{self, Handshake, Notice, WIRE_VERSION};
 use kvfabric_core::{ControlKind, Descriptor};
 
 use super::arena::HostArena;
@@ -93,6 +93,15 @@ pub enum Incompatibility {
     },
     /// The peer's control endpoint could not be registered.
     Endpoint(String),
+    /// Config (rollout) generations differ (issue 14: bounce runs only
+    /// between agents of the same generation; mixed pairs use the standard
+    /// path while a rollout advances).
+    ConfigGeneration {
+        /// Ours.
+        local: u64,
+        /// Theirs.
+        peer: u64,
+    },
 }
 
 /// What we know of a loaded peer.
@@ -100,6 +109,9 @@ pub enum Incompatibility {
 pub struct PeerState {
     /// `Ok(handshake)` when bounce-capable, else why not.
     pub bounce: Result<Handshake, Incompatibility>,
+    /// The peer's handshake blob as published (re-evaluated when our own
+    /// config generation changes).
+    pub handshake_blob: Option<Vec<u8>>,
     /// The peer's KV memory (the standard path's remote kind and device).
     pub memory: PeerMemory,
 }
@@ -158,9 +170,18 @@ impl ArenaChoice {
     }
 }
 
+/// Base address of an arena (the address it was registered with).
+fn arena_base(a: &ArenaMem) -> u64 {
+    match a {
+        ArenaMem::Host(h) => h.base_addr(),
+        #[cfg(feature = "cuda")]
+        ArenaMem::Cuda(c) => c.mem_desc().addr,
+    }
+}
+
 /// The arena memory the agent owns (kept alive while the transport runs).
 enum ArenaMem {
-    Host(#[allow(dead_code)] HostArena),
+    Host(HostArena),
     #[cfg(feature = "cuda")]
     Cuda(CudaArena),
 }
@@ -220,12 +241,25 @@ struct StdXfer {
 pub struct FabricAgent {
     name: String,
     engine: Arc<dyn TransferEngine>,
-    config: EffectiveBounceConfig,
-    transport: Option<BounceTransport>,
-    _arena: Option<ArenaMem>,
+    /// The bounce side, replaced whole by [`FabricAgent::reconfigure`].
+    bounce: RwLock<BounceSide>,
+    /// Set while a reconfiguration drains: no new bounce submissions
+    /// ([`Incompatibility::LocalDraining`]).
+    draining: AtomicBool,
+    /// Whether the standard poller drives NIXL progress (true while no
+    /// transport's IO thread does).
+    std_progress: Arc<AtomicBool>,
+    arena_choice: ArenaChoice,
+    bind: BindAddr,
+    copy: Option<Arc<dyn CopyEngine>>,
+    kv_regions: Vec<(MemKind, MemDesc)>,
+    /// Scatter destinations allowed beyond the KV regions (engine pools),
+    /// `(addr, len)` bytes; re-allowed on every rebuilt transport.
+    scatter_ranges: Mutex<Vec<(u64, u64)>>,
+    /// Where NOTICEs go; set on every rebuilt transport.
+    notice_sink: Mutex<Option<Sender<(String, Notice)>>>,
     arena_kind: MemKind,
     kv_memory: PeerMemory,
-    handshake: Option<Handshake>,
     peers: Mutex<HashMap<String, PeerState>>,
     stats: Arc<FabricStats>,
     std_tx: Option<Sender<StdXfer>>,
@@ -238,8 +272,40 @@ pub struct FabricAgent {
     /// Bound on one standard-path transfer: the config's
     /// `requestTimeoutMs` (seed R5: every path resolves within it).
     std_timeout: Duration,
+}
+
+/// The bounce side of a [`FabricAgent`]: one config, its arena, transport
+/// and handshake. A reconfiguration replaces it whole.
+struct BounceSide {
+    config: EffectiveBounceConfig,
+    transport: Option<Arc<BounceTransport>>,
+    arena: Option<ArenaMem>,
+    handshake: Option<Handshake>,
     /// Why bounce is off, if it is.
-    pub bounce_unavailable: Option<String>,
+    unavailable: Option<String>,
+}
+
+/// How a [`FabricAgent::reconfigure`] went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reconfigured {
+    /// The new config runs (arena rebuilt, or only the generation changed
+    /// when the config was the same).
+    Applied {
+        /// The arena was rebuilt (false: same config, generation only).
+        rebuilt: bool,
+    },
+    /// The new config could not be built; the previous config was rebuilt
+    /// and runs again (`why` names what failed).
+    RolledBack {
+        /// Why the new config was refused.
+        why: String,
+    },
+    /// Neither the new nor the previous config could be built: the agent
+    /// runs the standard path only.
+    BounceLost {
+        /// What failed.
+        why: String,
+    },
 }
 
 impl FabricAgent {
@@ -287,12 +353,23 @@ impl FabricAgent {
         let mut agent = Self {
             name: opts.name.clone(),
             engine: engine.clone(),
-            config: opts.config.clone(),
-            transport: None,
-            _arena: None,
+            bounce: RwLock::new(BounceSide {
+                config: opts.config.clone(),
+                transport: None,
+                arena: None,
+                handshake: None,
+                unavailable: None,
+            }),
+            draining: AtomicBool::new(false),
+            std_progress: Arc::new(AtomicBool::new(true)),
+            arena_choice: arena.clone(),
+            bind: opts.bind.clone(),
+            copy: opts.copy.clone(),
+            kv_regions: opts.kv_regions.clone(),
+            scatter_ranges: Mutex::new(Vec::new()),
+            notice_sink: Mutex::new(None),
             arena_kind,
             kv_memory,
-            handshake: None,
             peers: Mutex::new(HashMap::new()),
             stats: stats.clone(),
             std_tx: None,
@@ -306,31 +383,19 @@ impl FabricAgent {
             },
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
-            bounce_unavailable: None,
         };
-        if opts.config.enabled() {
-            match Self::init_bounce(&engine, &opts, &arena) {
-                Ok((transport, arena, hs)) => {
-                    for (_, d) in &opts.kv_regions {
-                        transport.allow_scatter_range(d.addr, d.len);
-                    }
-                    agent.transport = Some(transport);
-                    agent._arena = Some(arena);
-                    agent.handshake = Some(hs);
-                }
-                Err(why) => {
-                    tracing::warn!(agent = %opts.name, reason = %why, "bounce initialisation failed; using the standard NIXL path");
-                    stats.fallbacks.fetch_add(1, Ordering::Relaxed);
-                    agent.bounce_unavailable = Some(why);
-                }
+        let side = agent.build_side(opts.config.clone(), 0, None);
+        if let Some(why) = &side.unavailable {
+            if opts.config.enabled() {
+                tracing::warn!(agent = %opts.name, reason = %why, "bounce initialisation failed; using the standard NIXL path");
             }
-        } else {
-            agent.bounce_unavailable = Some("bounce disabled by config".into());
         }
+        agent.std_progress = Arc::new(AtomicBool::new(side.transport.is_none()));
+        *agent.bounce.get_mut().unwrap_or_else(|p| p.into_inner()) = side;
         let (tx, rx) = crossbeam_channel::unbounded();
         let eng = engine.clone();
         let st = stats.clone();
-        let progress = agent.transport.is_none();
+        let progress = agent.std_progress.clone();
         agent.std_thread = Some(
             std::thread::Builder::new()
                 .name(format!("{}-std", opts.name))
@@ -390,28 +455,103 @@ impl FabricAgent {
         }
     }
 
+    /// Builds a bounce side for `config` at `generation` (transport,
+    /// arena, handshake), the KV regions and engine pools allowed as
+    /// scatter destinations and the notice sink set. Never fails: a side
+    /// that cannot be built says why in `unavailable` (a fallback counted).
+    /// `reuse`: the previous transport's control channel, kept when its
+    /// kind is the new config's (the endpoint then stays the same).
+    fn build_side(
+        &self,
+        config: EffectiveBounceConfig,
+        generation: u64,
+        reuse: Option<Box<dyn ControlChannel>>,
+    ) -> BounceSide {
+        if !config.enabled() {
+            return BounceSide {
+                config,
+                transport: None,
+                arena: None,
+                handshake: None,
+                unavailable: Some("bounce disabled by config".into()),
+            };
+        }
+        match Self::init_bounce(
+            &self.engine,
+            &self.name,
+            &config,
+            &self.bind,
+            self.copy.clone(),
+            &self.arena_choice,
+            reuse,
+        ) {
+            Ok((transport, arena, mut hs)) => {
+                hs.config_generation = generation;
+                for (_, d) in &self.kv_regions {
+                    transport.allow_scatter_range(d.addr, d.len);
+                }
+                for (addr, len) in self
+                    .scatter_ranges
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                {
+                    transport.allow_scatter_range(*addr, *len);
+                }
+                if let Some(tx) = self
+                    .notice_sink
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                {
+                    transport.set_notice_sink(tx.clone());
+                }
+                BounceSide {
+                    config,
+                    transport: Some(Arc::new(transport)),
+                    arena: Some(arena),
+                    handshake: Some(hs),
+                    unavailable: None,
+                }
+            }
+            Err(why) => {
+                self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
+                BounceSide {
+                    config,
+                    transport: None,
+                    arena: None,
+                    handshake: None,
+                    unavailable: Some(why),
+                }
+            }
+        }
+    }
+
     fn init_bounce(
         engine: &Arc<dyn TransferEngine>,
-        opts: &FabricOptions,
+        name: &str,
+        cfg: &EffectiveBounceConfig,
+        bind: &BindAddr,
+        copy: Option<Arc<dyn CopyEngine>>,
         choice: &ArenaChoice,
+        reuse: Option<Box<dyn ControlChannel>>,
     ) -> Result<(BounceTransport, ArenaMem, Handshake), String> {
-        let cfg = &opts.config;
         let (arena, spec, default_copy) = Self::make_arena(engine, cfg, choice)?;
         // NIXL notifications, else the `controlTransport` socket kind.
         let control_kind = cfg.control_kind();
-        let channel: Box<dyn ControlChannel> = match control_kind {
-            ControlKind::Zmq => Box::new(
-                ZmqControlChannel::bind(&opts.name, opts.bind.clone())
-                    .map_err(|e| format!("binding the ZMQ control channel: {e}"))?,
-            ),
-            ControlKind::Tcp => Box::new(
-                crate::runtime::control::tcp::TcpControlChannel::bind(
-                    &opts.name,
-                    opts.bind.clone(),
-                )
-                .map_err(|e| format!("binding the TCP control channel: {e}"))?,
-            ),
-            ControlKind::NixlNotif => Box::new(NixlNotifControlChannel::new(engine.clone())),
+        let channel: Box<dyn ControlChannel> = match (reuse, control_kind) {
+            (Some(c), _) => c,
+            (None, kind) => match kind {
+                ControlKind::Zmq => Box::new(
+                    ZmqControlChannel::bind(name, bind.clone())
+                        .map_err(|e| format!("binding the ZMQ control channel: {e}"))?,
+                ),
+                ControlKind::Tcp => Box::new(
+                    crate::runtime::control::tcp::TcpControlChannel::bind(name, bind.clone())
+                        .map_err(|e| format!("binding the TCP control channel: {e}"))?,
+                ),
+                ControlKind::NixlNotif => Box::new(NixlNotifControlChannel::new(engine.clone())),
+            },
         };
         let settings = TransportSettings {
             granularity_bytes: cfg.granularity_bytes(),
@@ -424,8 +564,16 @@ impl FabricAgent {
             merge_runs: !cfg.config().disable_scatter_run_merging,
             busy_poll: cfg.busy_poll(host_cpus()),
         };
-        let copy = opts.copy.clone().unwrap_or(default_copy);
-        let transport = BounceTransport::start(engine.clone(), channel, copy, spec, settings)?;
+        let copy = copy.unwrap_or(default_copy);
+        let arena_base = spec.base;
+        let transport = match BounceTransport::start(engine.clone(), channel, copy, spec, settings)
+        {
+            Ok(t) => t,
+            Err(e) => {
+                engine.deregister_region(arena_base);
+                return Err(e);
+            }
+        };
         let hs = Handshake {
             wire_version: WIRE_VERSION,
             control_kind,
@@ -447,9 +595,201 @@ impl FabricAgent {
         &self.engine
     }
 
-    /// The bounce transport, when running.
-    pub fn transport(&self) -> Option<&BounceTransport> {
-        self.transport.as_ref()
+    fn side(&self) -> std::sync::RwLockReadGuard<'_, BounceSide> {
+        self.bounce.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bounce transport, when running (a reconfiguration replaces it;
+    /// a clone held across one stays valid and resolves its requests).
+    pub fn transport(&self) -> Option<Arc<BounceTransport>> {
+        self.side().transport.clone()
+    }
+
+    /// Why bounce is off, if it is (disabled by config, or its
+    /// initialisation failed).
+    pub fn bounce_unavailable(&self) -> Option<String> {
+        self.side().unavailable.clone()
+    }
+
+    /// The bounce config in force.
+    pub fn bounce_config(&self) -> EffectiveBounceConfig {
+        self.side().config.clone()
+    }
+
+    /// Config (rollout) generation in force: the handshake's, 0 before any
+    /// rollout or without bounce.
+    pub fn config_generation(&self) -> u64 {
+        self.side()
+            .handshake
+            .as_ref()
+            .map_or(0, |h| h.config_generation)
+    }
+
+    /// Whether a reconfiguration is draining (no new bounce work).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Starts draining for a reconfiguration: from now on the routing gate
+    /// sends nothing new through bounce (in-flight work continues), and
+    /// [`FabricAgent::local_descriptor`] advertises no handshake, so peers
+    /// stop sending WANTs. [`FabricAgent::reconfigure`] ends it.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the bounce transport has no in-flight work (no send request,
+    /// no granted flow); true without a transport.
+    pub fn bounce_idle(&self) -> bool {
+        match self.transport() {
+            None => true,
+            Some(t) => t
+                .snapshot()
+                .is_none_or(|s| s.send_requests == 0 && s.flows == 0),
+        }
+    }
+
+    /// Replaces the bounce side with one built from `config` at
+    /// `generation` (issue 14's in-process rollout; call after
+    /// [`FabricAgent::begin_drain`] and a drain): the old transport is
+    /// shut down (anything still in flight resolves FAILURE), its arena
+    /// deregistered and freed (leaked when writes were in doubt), the new
+    /// arena registered and its transport started with the KV regions and
+    /// engine pools allowed and the notice sink set; every loaded peer's
+    /// handshake is re-evaluated against the new one. Engine sessions and
+    /// registered pools are untouched. When `config` equals the running
+    /// config only the generation changes (no rebuild). When the new side
+    /// cannot be built the previous config is rebuilt
+    /// ([`Reconfigured::RolledBack`]). Ends the drain.
+    pub fn reconfigure(&self, config: EffectiveBounceConfig, generation: u64) -> Reconfigured {
+        let result = {
+            let mut side = self.bounce.write().unwrap_or_else(|p| p.into_inner());
+            if side.config == config && (side.transport.is_some() || !config.enabled()) {
+                if let Some(h) = &mut side.handshake {
+                    h.config_generation = generation;
+                }
+                Reconfigured::Applied { rebuilt: false }
+            } else {
+                let previous = side.config.clone();
+                let previous_generation =
+                    side.handshake.as_ref().map_or(0, |h| h.config_generation);
+                let previous_kind = previous.control_kind();
+                let channel = self.retire_side(&mut side);
+                self.std_progress.store(true, Ordering::SeqCst);
+                // The control endpoint survives when the kind does: peers'
+                // routes (and notices in flight to us) stay valid.
+                let (reuse, mut spare) = if config.control_kind() == previous_kind {
+                    (channel, None)
+                } else {
+                    (None, channel)
+                };
+                let next = self.build_side(config.clone(), generation, reuse);
+                let result = match (&next.unavailable, config.enabled()) {
+                    (Some(why), true) => {
+                        tracing::error!(agent = %self.name, generation, reason = %why, "the new bounce config cannot be built; rebuilding the previous one");
+                        // A failed build dropped the reused channel with
+                        // its transport; the previous kind's spare (if
+                        // any) is the one to keep.
+                        let back = self.build_side(previous, previous_generation, spare.take());
+                        let r = match &back.unavailable {
+                            None => Reconfigured::RolledBack { why: why.clone() },
+                            Some(w2) => Reconfigured::BounceLost {
+                                why: format!("{why}; the previous config failed too: {w2}"),
+                            },
+                        };
+                        *side = back;
+                        r
+                    }
+                    _ => {
+                        *side = next;
+                        Reconfigured::Applied { rebuilt: true }
+                    }
+                };
+                drop(spare);
+                self.std_progress
+                    .store(side.transport.is_none(), Ordering::SeqCst);
+                result
+            }
+        };
+        self.draining.store(false, Ordering::SeqCst);
+        self.reevaluate_peers();
+        tracing::info!(agent = %self.name, generation = self.config_generation(), ?result, "bounce reconfigured");
+        result
+    }
+
+    /// Shuts the side's transport down and lets its arena go (leaked when
+    /// writes were still in doubt at the transport's shutdown bound).
+    /// Returns the transport's control channel (for the next side).
+    fn retire_side(&self, side: &mut BounceSide) -> Option<Box<dyn ControlChannel>> {
+        let t = side.transport.take()?;
+        let channel = t.shutdown_keep_channel();
+        let in_doubt = t.stats().arena_in_doubt.load(Ordering::SeqCst);
+        side.handshake = None;
+        if let Some(arena) = side.arena.take() {
+            if in_doubt {
+                tracing::error!(agent = %self.name, "leaking the old bounce arena: writes were still in flight at its shutdown");
+                std::mem::forget(arena);
+            } else {
+                self.engine.deregister_region(arena_base(&arena));
+                drop(arena);
+            }
+        }
+        channel
+    }
+
+    /// Re-checks every loaded peer's stored handshake against ours (after
+    /// our generation or transport changed).
+    fn reevaluate_peers(&self) {
+        let blobs: Vec<(String, Option<Vec<u8>>)> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.handshake_blob.clone()))
+            .collect();
+        for (peer, blob) in blobs {
+            let bounce = self.register_peer_handshake(&peer, blob.as_deref());
+            if let Some(p) = self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(&peer)
+            {
+                p.bounce = bounce;
+            }
+        }
+    }
+
+    /// Allows `[addr, addr + len)` (an engine's pool) as a scatter
+    /// destination on this and every later transport.
+    pub fn allow_scatter_range(&self, addr: u64, len: u64) {
+        self.scatter_ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((addr, len));
+        if let Some(t) = self.transport() {
+            t.allow_scatter_range(addr, len);
+        }
+    }
+
+    /// Withdraws a range given to [`FabricAgent::allow_scatter_range`]
+    /// (see [`BounceTransport::disallow_scatter_range`]; true without a
+    /// transport).
+    pub fn disallow_scatter_range(&self, addr: u64, len: u64, within: Duration) -> bool {
+        self.scatter_ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|r| *r != (addr, len));
+        self.transport()
+            .is_none_or(|t| t.disallow_scatter_range(addr, len, within))
+    }
+
+    /// Where NOTICEs from peers go, on this and every later transport.
+    pub fn set_notice_sink(&self, tx: Sender<(String, Notice)>) {
+        *self.notice_sink.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx.clone());
+        if let Some(t) = self.transport() {
+            t.set_notice_sink(tx);
+        }
     }
 
     /// The memory kind of the bounce arena (bounce serves only transfers
@@ -490,16 +830,23 @@ impl FabricAgent {
     }
 
     /// The local handshake, when bounce is up.
-    pub fn handshake(&self) -> Option<&Handshake> {
-        self.handshake.as_ref()
+    pub fn handshake(&self) -> Option<Handshake> {
+        self.side().handshake.clone()
     }
 
     /// Overrides the handshake's config generation (the operator's rollout
-    /// generation).
-    pub fn set_config_generation(&mut self, generation: u64) {
-        if let Some(h) = &mut self.handshake {
+    /// generation) without rebuilding anything; loaded peers are
+    /// re-evaluated.
+    pub fn set_config_generation(&self, generation: u64) {
+        if let Some(h) = &mut self
+            .bounce
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .handshake
+        {
             h.config_generation = generation;
         }
+        self.reevaluate_peers();
     }
 
     /// What peers need to load us.
@@ -510,7 +857,12 @@ impl FabricAgent {
         Ok(PeerDescriptor {
             name: self.name.clone(),
             nixl_metadata: self.engine.local_metadata()?,
-            handshake: self.handshake.as_ref().map(wire::encode_handshake),
+            // Draining: advertise none, so peers send no new WANTs.
+            handshake: if self.is_draining() {
+                None
+            } else {
+                self.side().handshake.as_ref().map(wire::encode_handshake)
+            },
         })
     }
 
@@ -534,9 +886,16 @@ impl FabricAgent {
         if let Err(why) = &bounce {
             tracing::info!(agent = %self.name, peer = %peer.name, reason = ?why, "peer is not bounce-capable; standard path");
         }
+        let memory = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer.name)
+            .map_or(self.kv_memory, |p| p.memory);
         let state = PeerState {
             bounce,
-            memory: self.kv_memory,
+            handshake_blob: peer.handshake.clone(),
+            memory,
         };
         self.peers
             .lock()
@@ -551,8 +910,12 @@ impl FabricAgent {
         peer: &str,
         blob: Option<&[u8]>,
     ) -> Result<Handshake, Incompatibility> {
-        let (Some(local), Some(transport)) = (&self.handshake, &self.transport) else {
-            return Err(Incompatibility::LocalBounceOff);
+        let (local, transport) = {
+            let side = self.side();
+            match (&side.handshake, &side.transport) {
+                (Some(h), Some(t)) => (h.clone(), t.clone()),
+                _ => return Err(Incompatibility::LocalBounceOff),
+            }
         };
         let blob = blob.ok_or(Incompatibility::NoHandshake)?;
         let hs =
@@ -569,27 +932,38 @@ impl FabricAgent {
                 peer: hs.control_kind,
             });
         }
+        // The route first: NOTICEs (arrival notices of standard-path
+        // hand-offs) flow between agents of any config generation.
+        transport
+            // The handshake carries no memory kind: the peer's arena is
+            // assumed to be of our arena's kind (see the module docs).
+            .add_peer(peer, &hs.endpoint, self.arena_kind)
+            .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
         if hs.max_chunk_size_bytes != local.max_chunk_size_bytes {
             return Err(Incompatibility::MaxChunk {
                 local: local.max_chunk_size_bytes,
                 peer: hs.max_chunk_size_bytes,
             });
         }
-        transport
-            // The handshake carries no memory kind: the peer's arena is
-            // assumed to be of our arena's kind (see the module docs).
-            .add_peer(peer, &hs.endpoint, self.arena_kind)
-            .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
+        if hs.config_generation != local.config_generation {
+            return Err(Incompatibility::ConfigGeneration {
+                local: local.config_generation,
+                peer: hs.config_generation,
+            });
+        }
         Ok(hs)
     }
 
-    /// Whether `peer` passed the handshake.
+    /// Whether `peer` passed the handshake (false for every peer while we
+    /// drain for a reconfiguration).
     pub fn has_peer_handshake(&self, peer: &str) -> bool {
-        self.peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(peer)
-            .is_some_and(|p| p.bounce.is_ok())
+        !self.is_draining()
+            && self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(peer)
+                .is_some_and(|p| p.bounce.is_ok())
     }
 
     /// Loaded peers and their state.
@@ -608,7 +982,7 @@ impl FabricAgent {
     /// When a control message from `peer` was last received, ms since the
     /// Unix epoch (bounce transport only; `None` otherwise or never).
     pub fn last_heard_ms(&self, peer: &str) -> Option<i64> {
-        self.transport.as_ref().and_then(|t| t.last_heard_ms(peer))
+        self.transport().and_then(|t| t.last_heard_ms(peer))
     }
 
     /// Forgets a peer everywhere (seed `invalidateRemoteAgent` →
@@ -621,7 +995,7 @@ impl FabricAgent {
             .unwrap_or_else(|p| p.into_inner())
             .remove(peer)
             .is_some();
-        if let Some(t) = &self.transport {
+        if let Some(t) = self.transport() {
             t.forget_peer(peer);
         } else {
             let _ = self.engine.forget_peer(peer);
@@ -642,25 +1016,46 @@ impl FabricAgent {
         src_kind: MemKind,
         dst_kind: MemKind,
     ) -> bool {
-        if self.transport.is_none() || !self.has_peer_handshake(peer) {
-            return false;
-        }
+        self.bounce_route(peer, descs, src_kind, dst_kind).is_some()
+    }
+
+    /// [`FabricAgent::should_use_bounce`], returning the transport to use
+    /// (taken once, so a concurrent reconfiguration cannot swap it between
+    /// the check and the submit).
+    fn bounce_route(
+        &self,
+        peer: &str,
+        descs: &[Descriptor],
+        src_kind: MemKind,
+        dst_kind: MemKind,
+    ) -> Option<Arc<BounceTransport>> {
         if src_kind != self.arena_kind || dst_kind != self.arena_kind {
-            return false;
+            return None;
+        }
+        let (t, min_n, max_avg) = {
+            let side = self.side();
+            (
+                side.transport.clone()?,
+                side.config.min_descriptor_count(),
+                side.config.max_average_descriptor_size_bytes(),
+            )
+        };
+        if !self.has_peer_handshake(peer) {
+            return None;
         }
         let n = descs.len() as u64;
-        if n == 0 || n < self.config.min_descriptor_count() {
-            return false;
+        if n == 0 || n < min_n {
+            return None;
         }
         let total: u64 = descs.iter().map(|d| d.len).sum();
-        total / n <= self.config.max_average_descriptor_size_bytes()
+        (total / n <= max_avg).then_some(t)
     }
 
     /// The GPU of the bounce arena, when it lives in device memory.
     #[cfg(feature = "cuda")]
     pub fn gpu(&self) -> Option<&Arc<CudaGpu>> {
-        match &self._arena {
-            Some(ArenaMem::Cuda(a)) => Some(a.gpu()),
+        match &self.arena_choice {
+            ArenaChoice::Cuda { gpu, .. } if self.owns_arena() => Some(gpu),
             _ => None,
         }
     }
@@ -697,10 +1092,9 @@ impl FabricAgent {
         traced: bool,
     ) -> (PathKind, TransferHandle) {
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
-        if self.should_use_bounce(peer, &descs, src_kind, dst_kind) {
+        if let Some(t) = self.bounce_route(peer, &descs, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
-            let t = self.transport.as_ref().expect("checked by the gate");
             let h = if traced {
                 t.submit_traced(peer, descs)
             } else {
@@ -806,7 +1200,7 @@ impl FabricAgent {
     /// Whether the agent still owns its bounce arena memory (false without
     /// bounce, or after a shutdown that had to leak it).
     pub fn owns_arena(&self) -> bool {
-        self._arena.is_some()
+        self.side().arena.is_some()
     }
 
     /// Stops the transport (all bounce requests resolve) and the standard
@@ -814,14 +1208,15 @@ impl FabricAgent {
     /// transport's 5 s shutdown bound the bounce arena is leaked, not freed
     /// (the NIC may still read it; [`FabricAgent::owns_arena`] turns false).
     pub fn shutdown(&mut self) {
-        if let Some(t) = &self.transport {
+        let side = self.bounce.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = &side.transport {
             t.shutdown();
             if t.stats().arena_in_doubt.load(Ordering::SeqCst) {
-                if let Some(arena) = self._arena.take() {
+                if let Some(arena) = side.arena.take() {
                     // Freeing memory a NIC may still read (or a peer's
                     // write may still land in) is worse than leaking it.
                     tracing::error!(
-                        agent = %self.name(),
+                        agent = %self.name,
                         "leaking the bounce arena: writes were still in flight at shutdown"
                     );
                     std::mem::forget(arena);
@@ -855,7 +1250,7 @@ fn standard_poller(
     engine: Arc<dyn TransferEngine>,
     rx: Receiver<StdXfer>,
     stats: Arc<FabricStats>,
-    progress: bool,
+    progress: Arc<AtomicBool>,
 ) {
     let mut live: Vec<StdXfer> = Vec::new();
     loop {
@@ -863,7 +1258,7 @@ fn standard_poller(
             match rx.recv_timeout(Duration::from_millis(5)) {
                 Ok(x) => Some(x),
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    if progress {
+                    if progress.load(Ordering::Relaxed) {
                         let _ = engine.progress();
                     }
                     continue;
@@ -876,7 +1271,7 @@ fn standard_poller(
         if let Some(x) = incoming {
             live.push(x);
         }
-        if progress {
+        if progress.load(Ordering::Relaxed) {
             let _ = engine.progress();
         }
         let mut k = 0;

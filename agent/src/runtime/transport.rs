@@ -562,7 +562,9 @@ pub struct BounceTransport {
     cmd: Sender<Command>,
     /// Signalled after every command, so a waiting IO thread wakes at once.
     waker: Arc<Waker>,
-    io: Mutex<Option<JoinHandle<()>>>,
+    /// The IO thread; it hands the control channel back when it ends
+    /// ([`BounceTransport::shutdown_keep_channel`]).
+    io: Mutex<Option<JoinHandle<Box<dyn ControlChannel>>>>,
     next_rid: AtomicU64,
     stats: Arc<TransportStats>,
     /// The busy-poll window, also the handles' wait spin.
@@ -696,7 +698,10 @@ impl BounceTransport {
         };
         let handle = std::thread::Builder::new()
             .name(format!("{name}-io"))
-            .spawn(move || io.run())
+            .spawn(move || {
+                io.run();
+                io.channel
+            })
             .map_err(|e| format!("spawning IO thread: {e}"))?;
         Ok(Self {
             name,
@@ -747,6 +752,12 @@ impl BounceTransport {
     /// Counters.
     pub fn stats(&self) -> &TransportStats {
         &self.stats
+    }
+
+    /// The counters, shared (they outlive a borrow of the transport, e.g.
+    /// one taken from [`FabricAgent::transport`](super::fabric::FabricAgent::transport)).
+    pub fn shared_stats(&self) -> Arc<TransportStats> {
+        self.stats.clone()
     }
 
     /// The transport report for `peer`, once [`PROBE_CHUNKS`] chunk writes
@@ -991,11 +1002,18 @@ impl BounceTransport {
     /// ("shutdown"), copy workers are joined, orphaned writes are drained
     /// (bounded). Idempotent.
     pub fn shutdown(&self) {
+        drop(self.shutdown_keep_channel());
+    }
+
+    /// [`BounceTransport::shutdown`], handing the control channel back
+    /// (bound socket, routes and connections intact) so a transport built
+    /// next — a reconfiguration's — keeps this agent's control endpoint:
+    /// peers' routes stay valid and nothing they send in between is lost.
+    /// `None` when the transport was already shut down.
+    pub fn shutdown_keep_channel(&self) -> Option<Box<dyn ControlChannel>> {
         let _ = self.send_cmd(Command::Shutdown);
         let handle = self.io.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(h) = handle {
-            let _ = h.join();
-        }
+        handle.and_then(|h| h.join().ok())
     }
 }
 

@@ -766,7 +766,8 @@ impl Node {
         record.http = opts.http;
         record.role = opts.role;
         record.pod_uid = opts.pod_uid;
-        record.config_generation = agent.handshake().map_or(0, |h| h.config_generation);
+        record.config_generation = agent.config_generation();
+        record.config_fingerprint = super::rollout::running_fingerprint(&agent);
         record.validate().map_err(|e| e.to_string())?;
         let observer: super::discovery::InvalidationObserver = {
             let (m, name) = (metrics.clone(), agent.name().to_string());
@@ -835,17 +836,38 @@ impl Node {
     /// memory sections peers need for the standard path). A publish the
     /// store did not confirm is retried in the background by the discovery.
     pub fn publish_engines(&self, engines: Vec<EngineRecord>) {
+        self.republish_with(|rec| rec.engines = engines);
+    }
+
+    /// Republishes the record after a rollout step: the agent's current
+    /// NIXL metadata and handshake (none while it drains), its config
+    /// generation, `fingerprint` and `config_error` (empty: none).
+    pub fn republish_config(&self, fingerprint: &str, config_error: &str) {
+        self.republish_with(|rec| {
+            rec.config_fingerprint = fingerprint.to_string();
+            rec.config_error = config_error.to_string();
+        });
+    }
+
+    /// Refreshes the record from the agent (NIXL metadata, handshake,
+    /// config generation), applies `f` and publishes it; a publish the
+    /// store did not confirm is retried in the background by the discovery.
+    fn republish_with(&self, f: impl FnOnce(&mut AgentRecord)) {
         let mut rec = self.record.lock().unwrap_or_else(|p| p.into_inner());
         match self.agent.local_descriptor() {
-            Ok(d) => rec.nixl_metadata = d.nixl_metadata,
+            Ok(d) => {
+                rec.nixl_metadata = d.nixl_metadata;
+                rec.handshake = d.handshake;
+            }
             Err(e) => {
                 tracing::warn!(agent = %self.agent.name(), error = %e, "NIXL metadata not refreshed")
             }
         }
-        rec.engines = engines;
+        rec.config_generation = self.agent.config_generation();
+        f(&mut rec);
         rec.published_at_ms = super::discovery::now_ms();
         if let Err(e) = self.discovery.publish(rec.clone()) {
-            tracing::warn!(agent = %self.agent.name(), error = %e, "engine list not published yet; retrying in the background");
+            tracing::warn!(agent = %self.agent.name(), error = %e, "record not published yet; retrying in the background");
         }
     }
 
@@ -963,10 +985,17 @@ pub fn advertised_http_url(bound: std::net::SocketAddr) -> String {
 /// Bound on finishing open HTTP requests after the lease is revoked.
 const HTTP_DRAIN: Duration = Duration::from_secs(5);
 
-/// Runs the daemon until SIGTERM/SIGINT: allocates and registers the KV
-/// pool and arena, builds the NIXL agent (incarnation-named), discovery
-/// (etcd or embedded), the [`Node`] and the HTTP server (its bound address
-/// is passed to `announce` once listening), then shuts down gracefully.
+/// How long a starting agent waits for etcd's first read to learn its
+/// rollout document before it builds its arena from the mounted config.
+pub const STARTUP_CONFIG_WAIT: Duration = Duration::from_secs(3);
+
+/// Runs the daemon until SIGTERM/SIGINT: starts discovery (etcd or
+/// embedded) and takes the bounce config from this agent's rollout
+/// document in etcd when there is one (else the mounted config), allocates
+/// and registers the KV pool and arena, builds the NIXL agent
+/// (incarnation-named), the [`Node`], the rollout follower
+/// ([`super::rollout::follow`]) and the HTTP server (its bound address is
+/// passed to `announce` once listening), then shuts down gracefully.
 ///
 /// # Errors
 /// A start-up failure (invalid config, pool allocation, NIXL agent,
@@ -979,11 +1008,40 @@ pub fn run(
     for w in &cfg.env_warnings {
         tracing::error!("config: {w}");
     }
-    let eff = cfg.bounce.validate().map_err(|e| format!("bounce: {e}"))?;
+    let seed = cfg.bounce.validate().map_err(|e| format!("bounce: {e}"))?;
+    limit_ucx_net_devices(&cfg.bind_addr()?);
+    // Discovery first: etcd's rollout documents, when the operator wrote
+    // them, win over the mounted config (which only seeds an agent that
+    // starts before the operator has written one).
+    let discovery: Arc<dyn Discovery> = if cfg.etcd_endpoints.is_empty() {
+        tracing::info!("no etcd endpoints: embedded (in-process) discovery");
+        Arc::new(EmbeddedRegistry::new().handle())
+    } else {
+        tracing::info!(endpoints = ?cfg.etcd_endpoints, fabric = %cfg.fabric, "connecting to etcd (discovery)");
+        let mut o = EtcdOptions::new(cfg.etcd_endpoints.clone(), &cfg.fabric);
+        o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
+        o.tls = cfg.etcd_tls()?;
+        o.logical_id = Some(cfg.logical_id.clone());
+        Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
+    };
+    let assigned = discovery.assigned_config();
+    let (eff, generation) = match &assigned {
+        Some(rx) => {
+            if !discovery.wait_first_read(STARTUP_CONFIG_WAIT) {
+                tracing::warn!(wait = ?STARTUP_CONFIG_WAIT, "etcd not read yet: starting with the mounted config; a rollout document is applied when it arrives");
+            }
+            let own = rx.try_iter().last();
+            let desired = discovery.desired_config();
+            let (eff, generation, from) =
+                super::rollout::initial(own.as_deref(), desired.as_deref(), seed);
+            tracing::info!(generation, source = from, "bounce config chosen");
+            (eff, generation)
+        }
+        None => (seed, 0),
+    };
     for n in eff.notes() {
         tracing::info!("bounce config: {n}");
     }
-    limit_ucx_net_devices(&cfg.bind_addr()?);
     let incarnation = Incarnation::generate();
     let name = incarnation_name(&cfg.logical_id, incarnation);
     let pool_len = cfg.pool_size_bytes.get();
@@ -1019,19 +1077,12 @@ pub fn run(
         )),
     }
     .map_err(|e| format!("NIXL agent {name}: {e}"))?);
-    if let Some(why) = &agent.bounce_unavailable {
+    if let Some(why) = &agent.bounce_unavailable() {
         tracing::warn!(agent = %name, reason = %why, "bounce is not running; standard path only");
     }
-    let discovery: Arc<dyn Discovery> = if cfg.etcd_endpoints.is_empty() {
-        tracing::info!("no etcd endpoints: embedded (in-process) discovery");
-        Arc::new(EmbeddedRegistry::new().handle())
-    } else {
-        tracing::info!(endpoints = ?cfg.etcd_endpoints, fabric = %cfg.fabric, "connecting to etcd (discovery)");
-        let mut o = EtcdOptions::new(cfg.etcd_endpoints.clone(), &cfg.fabric);
-        o.lease_ttl = Duration::from_secs(cfg.lease_ttl_seconds);
-        o.tls = cfg.etcd_tls()?;
-        Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
-    };
+    if generation > 0 {
+        agent.set_config_generation(generation);
+    }
     // Bind the HTTP listener before publishing, so the record carries the
     // API's address (clients such as the distributed bench find it there).
     let std_listener = std::net::TcpListener::bind(&cfg.listen)
@@ -1074,6 +1125,13 @@ pub fn run(
         },
     )?);
     drop(agent);
+    let _rollout = match assigned {
+        Some(rx) => Some(
+            super::rollout::follow(Arc::downgrade(&node), rx)
+                .map_err(|e| format!("spawning the rollout thread: {e}"))?,
+        ),
+        None => None,
+    };
     tracing::info!(
         agent = %name, logical = %cfg.logical_id, incarnation = %incarnation, role = %cfg.role,
         pool_bytes = pool_len, bounce = node.agent().transport().is_some(), "agent started"

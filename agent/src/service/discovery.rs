@@ -193,9 +193,17 @@ pub struct AgentRecord {
     /// empty when unknown.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub role: String,
-    /// Config (rollout) generation.
+    /// Config (rollout) generation in force (0: seeded, never rolled out).
     #[serde(default)]
     pub config_generation: u64,
+    /// Fingerprint ([`kvfabric_core::rollout::fingerprint`]) of the bounce
+    /// config in force; empty from older builds.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config_fingerprint: String,
+    /// Why the last assigned config document was refused, as
+    /// `generation N: reason`; empty when none was.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config_error: String,
     /// Serving engines attached to this agent (issue 12); republished on
     /// every attach, pool registration and detach.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -250,6 +258,8 @@ impl AgentRecord {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            config_fingerprint: String::new(),
+            config_error: String::new(),
             engines: Vec::new(),
             pod_uid: String::new(),
             started_at_ms: now,
@@ -566,6 +576,25 @@ pub trait Discovery: Send + Sync {
     }
     fn resyncs(&self) -> u64 {
         0
+    }
+    /// The values of this agent's rollout document
+    /// (`config/agents/<logical id>`, [`kvfabric_core::rollout`]) as the
+    /// store has them, the current one first, then each change; handed out
+    /// once (later calls: `None`); `None` for a store without rollouts.
+    fn assigned_config(&self) -> Option<Receiver<Vec<u8>>> {
+        None
+    }
+    /// The fabric's desired rollout document as last read (`None`: none,
+    /// or a store without rollouts).
+    fn desired_config(&self) -> Option<Vec<u8>> {
+        None
+    }
+    /// Waits at most `within` for the store's first full read (so the
+    /// rollout documents above are known); true when it happened. Stores
+    /// without one answer true at once.
+    fn wait_first_read(&self, within: std::time::Duration) -> bool {
+        let _ = within;
+        true
     }
 }
 
@@ -1187,12 +1216,14 @@ fn upsert<S: PeerSink + ?Sized>(
                 .insert(rec.name.clone(), rec.clone());
             return true;
         }
-        Some(p)
-            if p.name == rec.name && p.handshake == rec.handshake && p.buffers == rec.buffers =>
-        {
-            // Only the NIXL metadata grew (an engine registered a pool on
-            // the peer): load it over the loaded one, without forgetting
-            // the peer — its flows and in-flight requests stay. NIXL merges
+        Some(p) if p.name == rec.name && p.buffers == rec.buffers => {
+            // The same incarnation republished new NIXL metadata (an
+            // engine registered a pool on the peer, or a reconfiguration
+            // rebuilt its arena) and/or a new handshake (a rollout: none
+            // while it drains, then the new generation's): load it over
+            // the loaded one, without forgetting the peer — its flows and
+            // in-flight requests stay (the handshake is re-evaluated; an
+            // incompatible one only stops new bounce work). NIXL merges
             // the new memory sections; if it refuses, forget and reload.
             match sink.load(&rec.descriptor()) {
                 Ok(()) => {
@@ -1271,6 +1302,8 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 7,
+            config_fingerprint: String::new(),
+            config_error: String::new(),
             engines: Vec::new(),
             pod_uid: String::new(),
             started_at_ms: started,
@@ -1476,8 +1509,12 @@ mod tests {
         let mut changed = rec("p-1", "p", 1);
         changed.nixl_metadata = vec![4];
         tx.send(PeerEvent::Upsert(changed.clone())).unwrap();
-        // A new handshake: forgotten, then loaded afresh.
+        // A new handshake of the same incarnation (a rollout): loaded over
+        // too, its flows kept.
         changed.handshake = Some(vec![8]);
+        tx.send(PeerEvent::Upsert(changed.clone())).unwrap();
+        // New buffers: forgotten, then loaded afresh.
+        changed.buffers[0].len *= 2;
         tx.send(PeerEvent::Upsert(changed)).unwrap();
         tx.send(PeerEvent::Removed { name: "p-1".into() }).unwrap();
         tx.send(PeerEvent::Removed { name: "zz".into() }).unwrap();
@@ -1492,12 +1529,13 @@ mod tests {
             vec![
                 "load p-1",
                 "load p-1",
+                "load p-1",
                 "forget p-1",
                 "load p-1",
                 "forget p-1"
             ]
         );
-        assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 2);
+        assert_eq!(sync.stats().reloaded.load(Ordering::SeqCst), 3);
         assert!(sync.loaded().is_empty());
     }
 

@@ -392,9 +392,11 @@ impl EngineHub {
             direct: std::sync::OnceLock::new(),
         });
         let _ = hub.me.set(Arc::downgrade(&hub));
-        if let Some(t) = hub.agent.transport() {
+        {
+            // Set on the agent (not its transport): a reconfiguration's
+            // rebuilt transport gets it too.
             let (tx, rx) = crossbeam_channel::bounded::<(String, Notice)>(4096);
-            t.set_notice_sink(tx);
+            hub.agent.set_notice_sink(tx);
             let weak = Arc::downgrade(&hub);
             let _ = std::thread::Builder::new()
                 .name("kvfabric-notices".into())
@@ -685,10 +687,8 @@ impl EngineHub {
             let _ = std::thread::Builder::new()
                 .name("kvfabric-pool-reaper".into())
                 .spawn(move || {
-                    if let Some(t) = agent.transport() {
-                        while !t.disallow_scatter_range(pool.addr, pool.len, Duration::from_secs(5)) {
-                            tracing::warn!(addr = pool.addr, "a detached engine's pool still has scatters in flight; keeping it mapped");
-                        }
+                    while !agent.disallow_scatter_range(pool.addr, pool.len, Duration::from_secs(5)) {
+                        tracing::warn!(addr = pool.addr, "a detached engine's pool still has scatters in flight; keeping it mapped");
                     }
                     // A cancelled request's gather (an orphan gather) and a
                     // standard-path write may still read the pool after the
@@ -815,9 +815,7 @@ impl EngineHub {
                 "a pool is registered already (one pool per session)",
             ));
         }
-        if let Some(t) = self.agent.transport() {
-            t.allow_scatter_range(pool.addr, pool.len);
-        }
+        self.agent.allow_scatter_range(pool.addr, pool.len);
         *slot = Some(pool);
         Ok(())
     }
@@ -1443,7 +1441,7 @@ impl EngineHub {
                 // bounce alone.
                 match self.agent.transport() {
                     Some(t) if self.agent.has_peer_handshake(agent) => {
-                        (PathKind::Bounce, bounce(t, descs))
+                        (PathKind::Bounce, bounce(&t, descs))
                     }
                     _ => {
                         return Err(Status::failed_precondition(format!(
@@ -1469,7 +1467,7 @@ impl EngineHub {
             pb::Path::Standard => (PathKind::Standard, self.agent.submit_standard(agent, descs)),
             pb::Path::Bounce => match self.agent.transport() {
                 Some(t) if self.agent.has_peer_handshake(agent) => {
-                    (PathKind::Bounce, bounce(t, descs))
+                    (PathKind::Bounce, bounce(&t, descs))
                 }
                 _ => {
                     return Err(Status::failed_precondition(format!(

@@ -240,7 +240,7 @@ impl ServiceState {
             reasons.push(format!(
                 "bounce arena not up: {}",
                 self.agent
-                    .bounce_unavailable
+                    .bounce_unavailable()
                     .as_deref()
                     .unwrap_or("unknown reason")
             ));
@@ -286,6 +286,9 @@ pub fn describe_incompatibility(why: &Incompatibility) -> String {
             format!("max chunk size differs (local {local} B, peer {peer} B)")
         }
         Incompatibility::Endpoint(e) => format!("peer control endpoint unusable: {e}"),
+        Incompatibility::ConfigGeneration { local, peer } => format!(
+            "config generation differs (local {local}, peer {peer}): a rollout is advancing; standard path until both run the same generation"
+        ),
     }
 }
 
@@ -542,6 +545,7 @@ async fn report(State(s): St) -> Response {
 async fn config(State(s): St) -> Response {
     let a = &s.agent;
     let hs = a.handshake();
+    let hs = hs.as_ref();
     Json(json!({
         "agent": a.name(),
         "logical_id": s.logical_id,
@@ -550,12 +554,14 @@ async fn config(State(s): St) -> Response {
         "bounce_effective": {
             "requested": s.bounce_requested,
             "active": a.transport().is_some(),
-            "unavailable_reason": a.bounce_unavailable,
+            "unavailable_reason": a.bounce_unavailable(),
             "max_chunk_size_bytes": hs.map(|h| h.max_chunk_size_bytes),
             "arena_usable_capacity_bytes": hs.map(|h| h.arena_usable_capacity_bytes),
             "control_kind": hs.map(|h| format!("{:?}", h.control_kind)),
             "wire_version": hs.map(|h| h.wire_version),
             "config_generation": hs.map(|h| h.config_generation),
+            "config_fingerprint": crate::service::rollout::running_fingerprint(a),
+            "draining": a.is_draining(),
         },
     }))
     .into_response()
@@ -710,7 +716,10 @@ fn transfer_blocking(
                 StatusCode::CONFLICT,
                 format!(
                     "bounce is not running on this agent: {}",
-                    s.agent.bounce_unavailable.as_deref().unwrap_or("disabled")
+                    s.agent
+                        .bounce_unavailable()
+                        .as_deref()
+                        .unwrap_or("disabled")
                 ),
             ));
         }

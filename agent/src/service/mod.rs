@@ -6,4 +6,5 @@ pub mod discovery;
 pub mod engines;
 pub mod http;
 pub mod metrics;
+pub mod rollout;
 pub mod traces;

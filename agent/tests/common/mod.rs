@@ -201,8 +201,8 @@ pub fn wait_for(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
 }
 
 /// The bounce transport's counters of `agent` (bounce must be up).
-pub fn tstats(agent: &FabricAgent) -> &TransportStats {
-    agent.transport().expect("bounce up").stats()
+pub fn tstats(agent: &FabricAgent) -> std::sync::Arc<TransportStats> {
+    agent.transport().expect("bounce up").shared_stats()
 }
 
 /// Reads a counter.

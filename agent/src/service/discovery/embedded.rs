@@ -114,6 +114,8 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            config_fingerprint: String::new(),
+            config_error: String::new(),
             engines: Vec::new(),
             pod_uid: String::new(),
             started_at_ms: started,

@@ -63,6 +63,11 @@ pub struct EtcdOptions {
     pub backoff_max: Duration,
     /// Client TLS (CA + client certificate); `None` = plain HTTP.
     pub tls: Option<EtcdTls>,
+    /// This agent's logical id: the watch follows its rollout document
+    /// `<fabric prefix>config/agents/<logical id>`
+    /// ([`kvfabric_core::rollout`]) and delivers it through
+    /// [`Discovery::assigned_config`]. `None`: not followed.
+    pub logical_id: Option<String>,
 }
 
 /// etcd client TLS material (PEM): the CA that signed etcd's serving
@@ -99,6 +104,7 @@ impl Default for EtcdOptions {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
             tls: None,
+            logical_id: None,
         }
     }
 }
@@ -182,6 +188,12 @@ struct Shared {
     invalidated: AtomicBool,
     /// etcd revision of the own record's last confirmed put (0: none).
     published_rev: AtomicI64,
+    /// Values of the own rollout document, in order (sender side).
+    config_tx: crossbeam_channel::Sender<Vec<u8>>,
+    /// Receiver side, handed out once by `assigned_config`.
+    config_rx: Mutex<Option<Receiver<Vec<u8>>>>,
+    /// Latest value of the fabric's `config/desired` document.
+    desired: Mutex<Option<Vec<u8>>>,
 }
 
 impl Shared {
@@ -228,7 +240,11 @@ impl EtcdDiscovery {
         validate_name(&opts.fabric)
             .map_err(|e| DiscoveryError::Store(format!("fabric name: {e}")))?;
         let prefix = agents_prefix(&opts.fabric);
+        let (config_tx, config_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
+            config_tx,
+            config_rx: Mutex::new(Some(config_rx)),
+            desired: Mutex::new(None),
             hub: Hub::default(),
             state: AtomicU8::new(LeaseState::Unpublished.code()),
             lease_id: AtomicI64::new(0),
@@ -269,6 +285,18 @@ impl EtcdDiscovery {
             reads: 0,
             fabric_prefix: format!("/kvfabric/{}/", opts.fabric),
             tomb_prefix: format!("/kvfabric/{}/tombstones/", opts.fabric),
+            own_config_key: opts.logical_id.as_ref().map(|l| {
+                format!(
+                    "/kvfabric/{}/{}{l}",
+                    opts.fabric,
+                    kvfabric_core::rollout::AGENTS_KEY_PREFIX
+                )
+            }),
+            desired_key: format!(
+                "/kvfabric/{}/{}",
+                opts.fabric,
+                kvfabric_core::rollout::DESIRED_KEY
+            ),
         };
         let t_watch =
             spawn_runtime_thread(
@@ -415,6 +443,33 @@ impl Discovery for EtcdDiscovery {
 
     fn resyncs(&self) -> u64 {
         EtcdDiscovery::resyncs(self)
+    }
+
+    fn assigned_config(&self) -> Option<Receiver<Vec<u8>>> {
+        self.shared
+            .config_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    fn desired_config(&self) -> Option<Vec<u8>> {
+        self.shared
+            .desired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn wait_first_read(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while !self.is_watching() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
     }
 }
 
@@ -797,9 +852,27 @@ struct WatchTask {
     fabric_prefix: String,
     /// `/kvfabric/<fabric>/tombstones/`: pod UIDs the operator invalidated.
     tomb_prefix: String,
+    /// `<fabric prefix>config/agents/<logical id>`, when followed.
+    own_config_key: Option<String>,
+    /// `<fabric prefix>config/desired`.
+    desired_key: String,
 }
 
 impl WatchTask {
+    /// Passes rollout documents on: the own one to `assigned_config`'s
+    /// channel, the desired one to `desired`.
+    fn config_kv(&self, key: &[u8], value: &[u8]) {
+        if self.own_config_key.as_deref().map(str::as_bytes) == Some(key) {
+            let _ = self.shared.config_tx.send(value.to_vec());
+        } else if key == self.desired_key.as_bytes() {
+            *self
+                .shared
+                .desired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(value.to_vec());
+        }
+    }
+
     async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(&self.opts);
         loop {
@@ -921,6 +994,7 @@ impl WatchTask {
             if let Some(uid) = self.tomb_of(kv.key()) {
                 self.shared.hub.add_tombstone(uid, None);
             }
+            self.config_kv(kv.key(), kv.value());
         }
         for kv in resp.kvs() {
             if let Some(name) = self.name_of(kv.key()) {
@@ -990,6 +1064,9 @@ impl WatchTask {
                 let Some(kv) = ev.kv() else { continue };
                 if self.tomb_of(kv.key()).is_some() {
                     continue;
+                }
+                if ev.event_type() == EventType::Put {
+                    self.config_kv(kv.key(), kv.value());
                 }
                 let Some(name) = self.name_of(kv.key()) else {
                     continue;

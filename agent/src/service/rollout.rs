@@ -1,0 +1,229 @@
+//! The agent's side of the generation-isolated config rollout (issue 14,
+//! item 4; documents and pacing in [`kvfabric_core::rollout`]).
+//!
+//! The operator writes this agent's document `config/agents/<logical id>`;
+//! [`follow`] applies each newer generation in process, at a safe point,
+//! without restarting and without detaching engines:
+//!
+//! 1. **check** the document (generation, fingerprint, the bounce rules of
+//!    [`BounceConfig::validate`](kvfabric_core::config::BounceConfig::validate));
+//!    a refused one is published as the record's `config_error` and the
+//!    running config stays;
+//! 2. **same config** (only the generation moved): the handshake's
+//!    generation changes in place, nothing is rebuilt;
+//! 3. otherwise **drain**: no new bounce work here, and the record is
+//!    republished without a handshake so peers send no new WANTs (they keep
+//!    their in-flight flows); wait until the transport has been idle for
+//!    [`QUIET`] and at least [`MIN_DRAIN`] has passed since the republish
+//!    (peers' watches see it), at most `requestTimeoutMs` + [`DRAIN_SLACK`];
+//! 4. **rebuild** the arena and transport ([`FabricAgent::reconfigure`];
+//!    the previous config comes back when the new one cannot be built);
+//! 5. **republish** with the new handshake, generation and fingerprint.
+//!
+//! New transfers meanwhile take the standard path (mixed generations never
+//! bounce), so nothing accepted fails.
+
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use kvfabric_core::config::EffectiveBounceConfig;
+use kvfabric_core::rollout::{fingerprint, ConfigDoc};
+
+use super::daemon::Node;
+use crate::runtime::fabric::{FabricAgent, Reconfigured};
+
+/// The transport must have been idle this long before the arena is rebuilt.
+pub const QUIET: Duration = Duration::from_millis(300);
+/// At least this long between the draining republish and the rebuild, so
+/// peers' discovery watches have seen it (the operator path's budget is
+/// 1 s end to end).
+pub const MIN_DRAIN: Duration = Duration::from_millis(1000);
+/// Added to `requestTimeoutMs` to bound the drain: every in-flight request
+/// resolves within its timeout, so the drain ends by then.
+pub const DRAIN_SLACK: Duration = Duration::from_secs(2);
+
+/// A checked document, ready to apply.
+#[derive(Clone, Debug)]
+pub struct Accepted {
+    /// The document's generation.
+    pub generation: u64,
+    /// Its fingerprint.
+    pub fingerprint: String,
+    /// The validated config.
+    pub config: EffectiveBounceConfig,
+}
+
+/// Decodes and checks one document value (JSON) against the generation in
+/// force: `Ok(None)` when it is not newer (nothing to do).
+///
+/// # Errors
+/// A message naming what is wrong: not JSON of the document schema, a
+/// fingerprint that does not match, generation 0, or a bounce config that
+/// breaks a rule.
+pub fn check(value: &[u8], running_generation: u64) -> Result<Option<Accepted>, String> {
+    let doc: ConfigDoc = serde_json::from_slice(value)
+        .map_err(|e| format!("rollout document is not valid JSON of the document schema: {e}"))?;
+    doc.check()
+        .map_err(|e| format!("rollout document generation {}: {e}", doc.generation))?;
+    if doc.generation <= running_generation {
+        return Ok(None);
+    }
+    let config = doc
+        .bounce
+        .validate()
+        .map_err(|e| format!("generation {}: bounce: {e}", doc.generation))?;
+    Ok(Some(Accepted {
+        generation: doc.generation,
+        fingerprint: doc.fingerprint,
+        config,
+    }))
+}
+
+/// The config an agent starts with: its own document if the store has a
+/// valid one, else the fabric's desired document, else `seed` (the mounted
+/// config, generation 0). Returns `(config, generation, where from)`.
+pub fn initial(
+    own: Option<&[u8]>,
+    desired: Option<&[u8]>,
+    seed: EffectiveBounceConfig,
+) -> (EffectiveBounceConfig, u64, &'static str) {
+    for (value, from) in [(own, "own rollout document"), (desired, "desired document")] {
+        let Some(v) = value else { continue };
+        match check(v, 0) {
+            Ok(Some(a)) => return (a.config, a.generation, from),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, source = from, "rollout document refused at start-up")
+            }
+        }
+    }
+    (seed, 0, "mounted config")
+}
+
+/// Fingerprint of the config `agent` runs.
+pub fn running_fingerprint(agent: &FabricAgent) -> String {
+    fingerprint(agent.bounce_config().config())
+}
+
+/// Applies one checked document to `node` (steps 2–5 of the module docs).
+/// Blocking; bounded by `requestTimeoutMs` + [`DRAIN_SLACK`] + the rebuild.
+pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
+    let agent = node.agent();
+    if agent.bounce_config() == doc.config {
+        let r = agent.reconfigure(doc.config.clone(), doc.generation);
+        node.republish_config(&doc.fingerprint, "");
+        return r;
+    }
+    let t0 = Instant::now();
+    agent.begin_drain();
+    node.republish_config(&running_fingerprint(agent), "");
+    let bound = Duration::from_millis(agent.bounce_config().request_timeout_ms()) + DRAIN_SLACK;
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if agent.bounce_idle() {
+            let since = *idle_since.get_or_insert(now);
+            if now.duration_since(since) >= QUIET && now.duration_since(t0) >= MIN_DRAIN {
+                break;
+            }
+        } else {
+            idle_since = None;
+        }
+        if now.duration_since(t0) >= bound {
+            tracing::warn!(agent = %agent.name(), ?bound, "in-flight bounce work did not drain before the rebuild; it resolves FAILURE");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let drained = t0.elapsed();
+    let r = agent.reconfigure(doc.config.clone(), doc.generation);
+    let error = match &r {
+        Reconfigured::Applied { .. } => String::new(),
+        Reconfigured::RolledBack { why } | Reconfigured::BounceLost { why } => {
+            format!("generation {}: {why}", doc.generation)
+        }
+    };
+    node.republish_config(&running_fingerprint(agent), &error);
+    tracing::info!(agent = %agent.name(), generation = doc.generation, drained_ms = drained.as_millis() as u64, result = ?r, "config rollout step applied");
+    r
+}
+
+/// Follows this agent's rollout document on a thread of its own: each
+/// value newer than the generation in force is checked and applied; a
+/// refused one is published as `config_error`. Ends when `rx` closes
+/// (discovery stopped) or `node` is dropped.
+pub fn follow(
+    node: std::sync::Weak<Node>,
+    rx: Receiver<Vec<u8>>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("kvfabric-rollout".into())
+        .spawn(move || {
+            while let Ok(mut value) = rx.recv() {
+                // Only the latest value matters.
+                while let Ok(v) = rx.try_recv() {
+                    value = v;
+                }
+                let Some(node) = node.upgrade() else { return };
+                if node.state().is_shutting_down() {
+                    return;
+                }
+                let running = node.agent().config_generation();
+                match check(&value, running) {
+                    Ok(None) => {}
+                    Ok(Some(doc)) => {
+                        apply(&node, &doc);
+                    }
+                    Err(e) => {
+                        tracing::error!(agent = %node.agent().name(), error = %e, "rollout document refused; the running config stays");
+                        node.republish_config(&running_fingerprint(node.agent()), &e);
+                    }
+                }
+            }
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfabric_core::config::BounceConfig;
+
+    fn doc(generation: u64, f: impl FnOnce(&mut BounceConfig)) -> Vec<u8> {
+        let mut b = BounceConfig {
+            enabled: true,
+            ..BounceConfig::default()
+        };
+        f(&mut b);
+        serde_json::to_vec(&ConfigDoc::new(generation, b)).unwrap()
+    }
+
+    #[test]
+    fn documents_are_checked_before_anything_is_applied() {
+        assert!(check(&doc(2, |_| {}), 1).unwrap().is_some());
+        assert!(check(&doc(2, |_| {}), 2).unwrap().is_none(), "not newer");
+        let e = check(b"{", 0).unwrap_err();
+        assert!(e.contains("not valid JSON"), "{e}");
+        let mut tampered: serde_json::Value = serde_json::from_slice(&doc(3, |_| {})).unwrap();
+        tampered["bounce"]["requestTimeoutMs"] = serde_json::json!(1234);
+        let e = check(&serde_json::to_vec(&tampered).unwrap(), 0).unwrap_err();
+        assert!(e.contains("fingerprint"), "{e}");
+        let e = check(&doc(4, |b| b.request_timeout_ms = 0), 0).unwrap_err();
+        assert!(e.starts_with("generation 4: bounce:"), "{e}");
+    }
+
+    #[test]
+    fn start_up_prefers_the_own_document_then_the_desired_one() {
+        let seed = BounceConfig::default().validate().unwrap();
+        let own = doc(5, |b| b.request_timeout_ms = 7000);
+        let desired = doc(6, |b| b.request_timeout_ms = 8000);
+        let (c, g, from) = initial(Some(&own), Some(&desired), seed.clone());
+        assert_eq!((g, from), (5, "own rollout document"));
+        assert_eq!(c.request_timeout_ms(), 7000);
+        let (_, g, _) = initial(None, Some(&desired), seed.clone());
+        assert_eq!(g, 6);
+        let (c, g, from) = initial(Some(b"garbage"), None, seed.clone());
+        assert_eq!((g, from), (0, "mounted config"));
+        assert_eq!(c, seed);
+    }
+}
