@@ -146,16 +146,44 @@ pub struct FleetStatus {
     pub degraded: Vec<String>,
 }
 
+/// Where the config rollout stands (from the last rollout step).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RolloutStatus {
+    /// A rollout step has read etcd.
+    pub known: bool,
+    /// Desired generation.
+    pub generation: u64,
+    /// Desired fingerprint.
+    pub fingerprint: String,
+    /// Agents running the desired generation.
+    pub at_desired: u32,
+    /// Agents with a live record.
+    pub total: u32,
+    /// `logical id: reason` of agents that refused the desired generation
+    /// (the rollout halts).
+    pub refused: Vec<String>,
+}
+
+impl RolloutStatus {
+    /// Every agent runs the desired generation.
+    pub fn complete(&self) -> bool {
+        self.known && self.at_desired == self.total
+    }
+}
+
 /// The conditions for `status` given what the fabric task knows: whether
-/// the bounce config validates (`config_error`), whether etcd answers, and
-/// the agents' reports (`fleet`). Ready = not Degraded and Transferring (a
-/// healthy fabric that moves nothing is not Ready).
+/// the bounce config validates (`config_error`), whether etcd answers, the
+/// config rollout (`rollout`) and the agents' reports (`fleet`).
+/// Ready = not Degraded, not rolling out, and Transferring (a healthy
+/// fabric that moves nothing is not Ready). An agent refusing the desired
+/// config is Degraded (`ConfigRefused`) and halts the rollout.
 /// Transition times are kept from `previous` when a status is unchanged.
 /// Pure.
 pub fn conditions(
     generation: i64,
     config_error: Option<&str>,
     etcd_error: Option<&str>,
+    rollout: &RolloutStatus,
     fleet: &FleetStatus,
     previous: &[Condition],
     now: &Time,
@@ -180,7 +208,7 @@ pub fn conditions(
             condition::DEGRADED,
             "True",
             "InvalidBounceConfig",
-            e.to_string(),
+            format!("{e} (the running config stays)"),
         ),
         (None, Some(e)) => mk(
             condition::DEGRADED,
@@ -188,7 +216,62 @@ pub fn conditions(
             "EtcdUnreachable",
             e.to_string(),
         ),
+        (None, None) if !rollout.refused.is_empty() => mk(
+            condition::DEGRADED,
+            "True",
+            "ConfigRefused",
+            format!(
+                "generation {} refused (the rollout halts; those agents keep their running config): {}",
+                rollout.generation,
+                rollout.refused.join("; ")
+            ),
+        ),
         (None, None) => mk(condition::DEGRADED, "False", "AsExpected", String::new()),
+    };
+    let progressing = if config_error.is_some() {
+        mk(
+            condition::PROGRESSING,
+            "False",
+            "InvalidBounceConfig",
+            "the spec's bounce config is refused; nothing rolls out".into(),
+        )
+    } else if !rollout.known {
+        mk(
+            condition::PROGRESSING,
+            "Unknown",
+            "RolloutNotRead",
+            "the rollout documents have not been read from etcd yet".into(),
+        )
+    } else if !rollout.refused.is_empty() {
+        mk(
+            condition::PROGRESSING,
+            "False",
+            "RolloutHalted",
+            format!(
+                "{}/{} agents at generation {}; halted on a refusal",
+                rollout.at_desired, rollout.total, rollout.generation
+            ),
+        )
+    } else if !rollout.complete() {
+        mk(
+            condition::PROGRESSING,
+            "True",
+            "RollingOut",
+            format!(
+                "{}/{} agents at generation {} (fingerprint {})",
+                rollout.at_desired, rollout.total, rollout.generation, rollout.fingerprint
+            ),
+        )
+    } else {
+        mk(
+            condition::PROGRESSING,
+            "False",
+            "RolloutComplete",
+            format!(
+                "{} agents at generation {} (fingerprint {})",
+                rollout.total, rollout.generation, rollout.fingerprint
+            ),
+        )
     };
     let transferring = match (fleet.observed, fleet.transferring) {
         (false, _) => mk(
@@ -246,6 +329,13 @@ pub fn conditions(
             "Degraded",
             degraded.message.clone(),
         )
+    } else if progressing.status == "True" {
+        mk(
+            condition::READY,
+            "False",
+            "RollingOut",
+            progressing.message.clone(),
+        )
     } else if transferring.status != "True" {
         mk(
             condition::READY,
@@ -256,18 +346,7 @@ pub fn conditions(
     } else {
         mk(condition::READY, "True", "AsExpected", String::new())
     };
-    vec![
-        ready,
-        mk(
-            condition::PROGRESSING,
-            "False",
-            "NoRollout",
-            "config rollout is not implemented yet".into(),
-        ),
-        degraded,
-        transport,
-        transferring,
-    ]
+    vec![ready, progressing, degraded, transport, transferring]
 }
 
 /// Runs the operator until the `KvFabric` watch ends (it does not on its
@@ -695,6 +774,8 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let mut etcd_error: Option<String> = None;
     let mut status_dirty = true;
     let mut retry_delay = RETRY_INITIAL;
+    let mut rollout = RolloutStatus::default();
+    let mut next_rollout = Instant::now();
 
     loop {
         // Wake for the next event, the earliest grace deadline, or a retry.
@@ -704,6 +785,9 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
             .unwrap_or(Duration::from_secs(30));
         if !pending.is_empty() {
             wait = wait.min(retry_delay);
+        }
+        if config_error.is_none() {
+            wait = wait.min(next_rollout.saturating_duration_since(Instant::now()));
         }
         if status_dirty {
             wait = Duration::ZERO;
@@ -840,6 +924,35 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         }
         pending = failed;
 
+        // Config rollout: one step per tick (fast while it advances).
+        if config_error.is_none() && Instant::now() >= next_rollout {
+            match rollout_step(&store, &client, &fabric, &rollout).await {
+                Ok(next) => {
+                    if next != rollout {
+                        rollout = next;
+                        status_dirty = true;
+                    }
+                    if etcd_error.take().is_some() {
+                        status_dirty = true;
+                    }
+                }
+                Err(e) => {
+                    metrics.errors.with_label_values(&["etcd"]).inc();
+                    tracing::warn!(fabric = %name, error = %e, "rollout step failed; retrying");
+                    if etcd_error.is_none() {
+                        status_dirty = true;
+                    }
+                    etcd_error = Some(e.to_string());
+                }
+            }
+            next_rollout = Instant::now()
+                + if rollout.complete() {
+                    ROLLOUT_IDLE_PERIOD
+                } else {
+                    ROLLOUT_STEP_PERIOD
+                };
+        }
+
         if status_dirty {
             status_dirty = false;
             let count = |r: Role| {
@@ -856,11 +969,18 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
                 .map(|i| u32::try_from(i.len()).unwrap_or(u32::MAX))
                 .unwrap_or(0);
             status.observed_generation = Some(generation);
+            if rollout.known {
+                status.config_generation = Some(rollout.generation);
+                status.config_fingerprint = Some(rollout.fingerprint.clone());
+                status.agents_at_desired_generation = rollout.at_desired;
+                status.agent_records = rollout.total;
+            }
             let t = Time(k8s_openapi::jiff::Timestamp::now());
             status.conditions = conditions(
                 generation,
                 config_error.as_deref(),
                 etcd_error.as_deref(),
+                &rollout,
                 &fleet,
                 &status.conditions,
                 &t,
@@ -875,6 +995,95 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
             .with_label_values(&[fabric_name.as_str()])
             .observe(seen.elapsed().as_secs_f64());
     }
+}
+
+/// Rollout step period while agents are moving to a new generation.
+pub const ROLLOUT_STEP_PERIOD: Duration = Duration::from_millis(500);
+/// Rollout step period once every agent runs the desired generation (new
+/// agents get their document within it).
+pub const ROLLOUT_IDLE_PERIOD: Duration = Duration::from_secs(2);
+
+/// One rollout step (issue 14, item 4): writes the desired document when
+/// the spec's config changed (a new generation; Event `RolloutStarted`),
+/// assigns the desired document to the agents [`kvfabric_core::rollout::plan`]
+/// lets move now (Event `RolloutStep` per agent that changes), and returns
+/// where the rollout stands (Event `RolloutComplete` when it just ended).
+async fn rollout_step(
+    store: &FabricStore,
+    client: &Client,
+    fabric: &KvFabric,
+    previous: &RolloutStatus,
+) -> Result<RolloutStatus, crate::store::StoreError> {
+    use kvfabric_core::rollout::{next_desired, plan};
+    let read = store.read_rollout().await?;
+    let desired = next_desired(read.desired.as_ref(), &fabric.spec.bounce);
+    if read.desired.as_ref() != Some(&desired) {
+        store.put_desired(&desired).await?;
+        tracing::info!(fabric = %fabric.name_any(), generation = desired.generation, fingerprint = %desired.fingerprint, "config rollout started");
+        publish_event(
+            client,
+            fabric,
+            EventType::Normal,
+            "RolloutStarted",
+            "Rollout",
+            format!(
+                "bounce config generation {} (fingerprint {}), {} agent(s) at a time",
+                desired.generation, desired.fingerprint, fabric.spec.rollout.max_unavailable
+            ),
+        )
+        .await;
+    }
+    let inputs = crate::store::rollout_inputs(&read.records, &read.documents, desired.generation);
+    let p = plan(
+        desired.generation,
+        &inputs,
+        fabric.spec.rollout.max_unavailable,
+    );
+    for id in &p.assign {
+        store.assign(id, &desired).await?;
+        let moving = inputs
+            .iter()
+            .any(|a| &a.logical_id == id && a.running_generation != desired.generation);
+        if moving {
+            tracing::info!(fabric = %fabric.name_any(), agent = %id, generation = desired.generation, "rollout: agent assigned the new generation");
+            publish_event(
+                client,
+                fabric,
+                EventType::Normal,
+                "RolloutStep",
+                "Rollout",
+                format!(
+                    "agent {id} → bounce config generation {}",
+                    desired.generation
+                ),
+            )
+            .await;
+        }
+    }
+    let next = RolloutStatus {
+        known: true,
+        generation: desired.generation,
+        fingerprint: desired.fingerprint.clone(),
+        at_desired: p.at_desired,
+        total: p.total,
+        refused: crate::store::refusals(&read.records, desired.generation),
+    };
+    let was_complete = previous.complete() && previous.generation == next.generation;
+    if next.complete() && !was_complete && next.total > 0 {
+        publish_event(
+            client,
+            fabric,
+            EventType::Normal,
+            "RolloutComplete",
+            "Rollout",
+            format!(
+                "{} agent(s) run bounce config generation {}",
+                next.total, next.generation
+            ),
+        )
+        .await;
+    }
+    Ok(next)
 }
 
 async fn patch_status(
@@ -936,14 +1145,22 @@ mod tests {
             let c = cs.iter().find(|c| c.type_ == ty).unwrap();
             (c.status.clone(), c.reason.clone())
         };
-        let unknown = conditions(1, None, None, &FleetStatus::default(), &[], &t);
+        let unknown = conditions(
+            1,
+            None,
+            None,
+            &RolloutStatus::default(),
+            &FleetStatus::default(),
+            &[],
+            &t,
+        );
         assert_eq!(get(&unknown, "Transferring").0, "Unknown");
         assert_eq!(get(&unknown, "Ready").0, "False");
         let idle = FleetStatus {
             observed: true,
             ..Default::default()
         };
-        let c = conditions(1, None, None, &idle, &[], &t);
+        let c = conditions(1, None, None, &RolloutStatus::default(), &idle, &[], &t);
         assert_eq!(
             get(&c, "Transferring"),
             ("False".into(), "NoBounceTraffic".into())
@@ -955,18 +1172,26 @@ mod tests {
             transferring: true,
             degraded: vec![],
         };
-        let c = conditions(1, None, None, &busy, &[], &t);
+        let c = conditions(1, None, None, &RolloutStatus::default(), &busy, &[], &t);
         assert_eq!(get(&c, "Ready"), ("True".into(), "AsExpected".into()));
         let slow = FleetStatus {
             degraded: vec!["p-1 → d-1".into()],
             ..busy.clone()
         };
-        let c = conditions(1, None, None, &slow, &[], &t);
+        let c = conditions(1, None, None, &RolloutStatus::default(), &slow, &[], &t);
         assert_eq!(
             get(&c, "TransportDegraded"),
             ("True".into(), "SuspectTransportFallback".into())
         );
-        let c = conditions(1, Some("bad"), None, &busy, &[], &t);
+        let c = conditions(
+            1,
+            Some("bad"),
+            None,
+            &RolloutStatus::default(),
+            &busy,
+            &[],
+            &t,
+        );
         assert_eq!(get(&c, "Ready"), ("False".into(), "Degraded".into()));
     }
 
@@ -986,12 +1211,20 @@ mod tests {
         let t0 = Time(k8s_openapi::jiff::Timestamp::from_second(100).unwrap());
         let t1 = Time(k8s_openapi::jiff::Timestamp::from_second(200).unwrap());
         let f = FleetStatus::default();
-        let c0 = conditions(1, None, None, &f, &[], &t0);
+        let c0 = conditions(1, None, None, &RolloutStatus::default(), &f, &[], &t0);
         assert_eq!(c0.len(), 5);
-        let c1 = conditions(2, None, None, &f, &c0, &t1);
+        let c1 = conditions(2, None, None, &RolloutStatus::default(), &f, &c0, &t1);
         assert!(c1.iter().all(|c| c.last_transition_time == t0));
         assert!(c1.iter().all(|c| c.observed_generation == Some(2)));
-        let c2 = conditions(2, Some("arena too small"), None, &f, &c1, &t1);
+        let c2 = conditions(
+            2,
+            Some("arena too small"),
+            None,
+            &RolloutStatus::default(),
+            &f,
+            &c1,
+            &t1,
+        );
         let deg = c2.iter().find(|c| c.type_ == "Degraded").unwrap();
         assert_eq!(
             (deg.status.as_str(), deg.reason.as_str()),

@@ -44,6 +44,8 @@ pub const MAX_NOT_READY_GRACE_SECONDS: u32 = 3600;
     printcolumn = r#"{"name": "Decode", "type": "integer", "jsonPath": ".status.decodeReady"}"#,
     printcolumn = r#"{"name": "Agents", "type": "integer", "jsonPath": ".status.agentsReady"}"#,
     printcolumn = r#"{"name": "Invalidated", "type": "integer", "jsonPath": ".status.peersInvalidated"}"#,
+    printcolumn = r#"{"name": "Config-Gen", "type": "integer", "jsonPath": ".status.configGeneration"}"#,
+    printcolumn = r#"{"name": "At-Gen", "type": "integer", "jsonPath": ".status.agentsAtDesiredGeneration", "priority": 1}"#,
     printcolumn = r#"{"name": "Last-Inval-ms", "type": "integer", "jsonPath": ".status.lastInvalidationLatencyMs", "priority": 1}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
@@ -77,6 +79,34 @@ pub struct KvFabricSpec {
     #[serde(default = "default_grace")]
     #[schemars(range(max = 3600))]
     pub not_ready_grace_seconds: u32,
+    /// How a changed bounce config rolls out to the agents.
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+}
+
+/// Rollout strategy of a bounce config change (issue 14, item 4; see
+/// `kvfabric_core::rollout`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Agents that may be moving to the new generation at once (each
+    /// drains its bounce work and rebuilds its arena in process; its pairs
+    /// use the standard path meanwhile). Default 1.
+    #[serde(default = "default_max_unavailable")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_unavailable: u32,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            max_unavailable: default_max_unavailable(),
+        }
+    }
+}
+
+fn default_max_unavailable() -> u32 {
+    1
 }
 
 fn default_grace() -> u32 {
@@ -133,6 +163,18 @@ pub struct KvFabricStatus {
     /// `namespace/name (reason)` of the last invalidated pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_invalidated: Option<String>,
+    /// Generation of the desired bounce config (etcd `config/desired`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_generation: Option<u64>,
+    /// Fingerprint of the desired bounce config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_fingerprint: Option<String>,
+    /// Agents running the desired generation (of `agentRecords`).
+    #[serde(default)]
+    pub agents_at_desired_generation: u32,
+    /// Agents with a live discovery record (what the rollout counts).
+    #[serde(default)]
+    pub agent_records: u32,
 }
 
 /// Condition types of [`KvFabricStatus::conditions`].

@@ -4,7 +4,10 @@
 //!   agents under their lease; JSON with `logical_id`, `started_at_ms` and,
 //!   once agents carry it, `pod_uid`);
 //! * tombstones: `/kvfabric/<fabric>/tombstones/<pod-uid>` (written here;
-//!   a tombstoned UID is never loaded again).
+//!   a tombstoned UID is never loaded again);
+//! * rollout documents: `/kvfabric/<fabric>/config/desired` and
+//!   `/kvfabric/<fabric>/config/agents/<logical id>` (written here; see
+//!   `kvfabric_core::rollout`).
 //!
 //! Which records an invalidation removes is decided by the pure
 //! [`records_to_remove`]; [`FabricStore`] only does the IO (one etcd
@@ -16,6 +19,7 @@ use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp}
 use serde::{Deserialize, Serialize};
 
 use crate::index::Invalidation;
+use kvfabric_core::rollout::{AgentRollout, ConfigDoc, AGENTS_KEY_PREFIX, DESIRED_KEY};
 
 /// `/kvfabric/<fabric>/agents/`.
 pub fn agents_prefix(fabric: &str) -> String {
@@ -43,6 +47,87 @@ struct RecordIdentity {
     /// Pod UID, once agents publish it (issue 14 item 2).
     #[serde(default)]
     pod_uid: Option<String>,
+}
+
+/// The fields of an agent record the rollout reads.
+#[derive(Clone, Debug, Deserialize)]
+struct RecordConfig {
+    logical_id: String,
+    #[serde(default)]
+    started_at_ms: u64,
+    #[serde(default)]
+    config_generation: u64,
+    #[serde(default)]
+    config_error: String,
+}
+
+/// The rollout's view of the agents (pure): one entry per logical id of
+/// `records` (agent records, key and JSON value; the newest incarnation
+/// wins), with the generation of its document among `documents`
+/// (`config/agents/<logical id>` values keyed by logical id) and whether it
+/// refused `desired` (its `config_error` names `generation <desired>:`).
+/// Undecodable values are skipped.
+pub fn rollout_inputs(
+    records: &[(String, Vec<u8>)],
+    documents: &[(String, Vec<u8>)],
+    desired: u64,
+) -> Vec<AgentRollout> {
+    let mut newest: std::collections::BTreeMap<String, RecordConfig> = Default::default();
+    for (_, v) in records {
+        let Ok(r) = serde_json::from_slice::<RecordConfig>(v) else {
+            continue;
+        };
+        match newest.get(&r.logical_id) {
+            Some(p) if p.started_at_ms > r.started_at_ms => {}
+            _ => {
+                newest.insert(r.logical_id.clone(), r);
+            }
+        }
+    }
+    let assigned: std::collections::BTreeMap<&str, u64> = documents
+        .iter()
+        .filter_map(|(id, v)| {
+            serde_json::from_slice::<ConfigDoc>(v)
+                .ok()
+                .map(|d| (id.as_str(), d.generation))
+        })
+        .collect();
+    let tag = format!("generation {desired}:");
+    newest
+        .into_values()
+        .map(|r| AgentRollout {
+            assigned_generation: assigned.get(r.logical_id.as_str()).copied(),
+            refused: r.config_error.contains(&tag),
+            running_generation: r.config_generation,
+            logical_id: r.logical_id,
+        })
+        .collect()
+}
+
+/// The rollout's reads of one step.
+#[derive(Clone, Debug, Default)]
+pub struct RolloutRead {
+    /// The desired document, when one was written.
+    pub desired: Option<ConfigDoc>,
+    /// Agent records (key, value).
+    pub records: Vec<(String, Vec<u8>)>,
+    /// Per-agent documents (logical id, value).
+    pub documents: Vec<(String, Vec<u8>)>,
+}
+
+/// `logical id: config_error` of the agent records (key, JSON value) that
+/// refused generation `desired` (pure; sorted).
+pub fn refusals(records: &[(String, Vec<u8>)], desired: u64) -> Vec<String> {
+    let tag = format!("generation {desired}:");
+    let mut v: Vec<String> = records
+        .iter()
+        .filter_map(|(_, v)| serde_json::from_slice::<RecordConfig>(v).ok())
+        .filter(|r| r.config_error.contains(&tag))
+        .map(|r| format!("{}: {}", r.logical_id, r.config_error))
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// A tombstone's value.
@@ -302,6 +387,58 @@ impl FabricStore {
         }
         Ok(keys)
     }
+
+    /// Reads what a rollout step needs: the desired document, the agent
+    /// records and the per-agent documents (one prefix read).
+    pub async fn read_rollout(&self) -> Result<RolloutRead, StoreError> {
+        let mut kv = self.client.kv_client();
+        let prefix = fabric_prefix(&self.fabric);
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let agents = agents_prefix(&self.fabric);
+        let docs = format!("{prefix}{AGENTS_KEY_PREFIX}");
+        let desired_key = format!("{prefix}{DESIRED_KEY}");
+        let mut out = RolloutRead::default();
+        for e in resp.kvs() {
+            let key = String::from_utf8_lossy(e.key()).into_owned();
+            if key == desired_key {
+                out.desired = serde_json::from_slice(e.value()).ok();
+            } else if key.starts_with(&agents) {
+                out.records.push((key, e.value().to_vec()));
+            } else if let Some(id) = key.strip_prefix(&docs) {
+                out.documents.push((id.to_string(), e.value().to_vec()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes the desired document.
+    pub async fn put_desired(&self, doc: &ConfigDoc) -> Result<(), StoreError> {
+        let key = format!("{}{DESIRED_KEY}", fabric_prefix(&self.fabric));
+        self.put_json(key, doc).await
+    }
+
+    /// Writes `logical_id`'s document (the agent applies it).
+    pub async fn assign(&self, logical_id: &str, doc: &ConfigDoc) -> Result<(), StoreError> {
+        let key = format!(
+            "{}{AGENTS_KEY_PREFIX}{logical_id}",
+            fabric_prefix(&self.fabric)
+        );
+        self.put_json(key, doc).await
+    }
+
+    async fn put_json(&self, key: String, doc: &ConfigDoc) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(doc).unwrap_or_default();
+        let mut kv = self.client.kv_client();
+        tokio::time::timeout(self.timeout, kv.put(key, value, None))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -331,6 +468,53 @@ mod tests {
             v["pod_uid"] = u.into();
         }
         (key.to_string(), serde_json::to_vec(&v).unwrap())
+    }
+
+    #[test]
+    fn rollout_inputs_take_the_newest_incarnation_and_the_documents() {
+        let rec = |logical: &str, started: u64, gen: u64, err: &str| {
+            (
+                format!("/kvfabric/f/agents/{logical}-{started}"),
+                serde_json::to_vec(&serde_json::json!({
+                    "logical_id": logical, "started_at_ms": started,
+                    "config_generation": gen, "config_error": err,
+                }))
+                .unwrap(),
+            )
+        };
+        let doc = |g| serde_json::to_vec(&ConfigDoc::new(g, Default::default())).unwrap();
+        let records = vec![
+            rec("a", 1, 1, ""),
+            rec("a", 2, 2, ""),
+            rec("b", 1, 1, "generation 2: arena: out of memory"),
+            rec("c", 1, 1, "generation 1: old news"),
+            ("/kvfabric/f/agents/x".into(), b"garbage".to_vec()),
+        ];
+        let documents = vec![("a".to_string(), doc(2)), ("b".to_string(), doc(2))];
+        let v = rollout_inputs(&records, &documents, 2);
+        assert_eq!(
+            v,
+            vec![
+                AgentRollout {
+                    logical_id: "a".into(),
+                    running_generation: 2,
+                    assigned_generation: Some(2),
+                    refused: false
+                },
+                AgentRollout {
+                    logical_id: "b".into(),
+                    running_generation: 1,
+                    assigned_generation: Some(2),
+                    refused: true
+                },
+                AgentRollout {
+                    logical_id: "c".into(),
+                    running_generation: 1,
+                    assigned_generation: None,
+                    refused: false
+                },
+            ]
+        );
     }
 
     #[test]

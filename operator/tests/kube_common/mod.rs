@@ -2,6 +2,8 @@
 //! control plane of e2e/kube/up.sh, SKIP handling, bounded polling.
 #![allow(dead_code)]
 
+pub mod agent;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
