@@ -149,6 +149,9 @@ pub struct FleetStatus {
 /// Where the config rollout stands (from the last rollout step).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RolloutStatus {
+    /// `spec.bounce` is unset: the agents run their mounted configs and
+    /// nothing rolls out.
+    pub unmanaged: bool,
     /// A rollout step has read etcd.
     pub known: bool,
     /// Desired generation.
@@ -234,6 +237,14 @@ pub fn conditions(
             "False",
             "InvalidBounceConfig",
             "the spec's bounce config is refused; nothing rolls out".into(),
+        )
+    } else if rollout.unmanaged {
+        mk(
+            condition::PROGRESSING,
+            "False",
+            "ConfigNotManaged",
+            "spec.bounce is unset: each agent runs its mounted bounce config; nothing rolls out"
+                .into(),
         )
     } else if !rollout.known {
         mk(
@@ -698,7 +709,14 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let fabric_name = fabric.fabric_name();
     let generation = fabric.metadata.generation.unwrap_or(0);
     let grace_ms = u64::from(fabric.spec.not_ready_grace_seconds) * 1000;
-    let config_error = fabric.spec.bounce.validate().err().map(|e| e.to_string());
+    let config_error = fabric
+        .spec
+        .bounce
+        .as_ref()
+        .and_then(|b| b.validate().err())
+        .map(|e| e.to_string());
+    // Unset: the agents' mounted configs rule; nothing rolls out.
+    let managed = fabric.spec.bounce.is_some();
     if let Some(e) = &config_error {
         publish_event(
             &client,
@@ -774,7 +792,10 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let mut etcd_error: Option<String> = None;
     let mut status_dirty = true;
     let mut retry_delay = RETRY_INITIAL;
-    let mut rollout = RolloutStatus::default();
+    let mut rollout = RolloutStatus {
+        unmanaged: !managed,
+        ..RolloutStatus::default()
+    };
     let mut next_rollout = Instant::now();
 
     loop {
@@ -786,7 +807,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         if !pending.is_empty() {
             wait = wait.min(retry_delay);
         }
-        if config_error.is_none() {
+        if managed && config_error.is_none() {
             wait = wait.min(next_rollout.saturating_duration_since(Instant::now()));
         }
         if status_dirty {
@@ -925,7 +946,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         pending = failed;
 
         // Config rollout: one step per tick (fast while it advances).
-        if config_error.is_none() && Instant::now() >= next_rollout {
+        if managed && config_error.is_none() && Instant::now() >= next_rollout {
             match rollout_step(&store, &client, &fabric, &rollout).await {
                 Ok(next) => {
                     if next != rollout {
@@ -1016,7 +1037,10 @@ async fn rollout_step(
 ) -> Result<RolloutStatus, crate::store::StoreError> {
     use kvfabric_core::rollout::{next_desired, plan};
     let read = store.read_rollout().await?;
-    let desired = next_desired(read.desired.as_ref(), &fabric.spec.bounce);
+    let Some(bounce) = &fabric.spec.bounce else {
+        return Ok(previous.clone());
+    };
+    let desired = next_desired(read.desired.as_ref(), bounce);
     if read.desired.as_ref() != Some(&desired) {
         store.put_desired(&desired).await?;
         tracing::info!(fabric = %fabric.name_any(), generation = desired.generation, fingerprint = %desired.fingerprint, "config rollout started");
@@ -1061,6 +1085,7 @@ async fn rollout_step(
         }
     }
     let next = RolloutStatus {
+        unmanaged: false,
         known: true,
         generation: desired.generation,
         fingerprint: desired.fingerprint.clone(),
@@ -1193,6 +1218,66 @@ mod tests {
             &t,
         );
         assert_eq!(get(&c, "Ready"), ("False".into(), "Degraded".into()));
+    }
+
+    #[test]
+    fn rollout_states_drive_progressing_ready_and_degraded() {
+        let t = Time(k8s_openapi::jiff::Timestamp::from_second(100).unwrap());
+        let get = |cs: &[Condition], ty: &str| {
+            let c = cs.iter().find(|c| c.type_ == ty).unwrap();
+            (c.status.clone(), c.reason.clone())
+        };
+        let busy = FleetStatus {
+            observed: true,
+            transferring: true,
+            degraded: vec![],
+        };
+        let run = |r: &RolloutStatus| conditions(1, None, None, r, &busy, &[], &t);
+        let unmanaged = RolloutStatus {
+            unmanaged: true,
+            ..Default::default()
+        };
+        let c = run(&unmanaged);
+        assert_eq!(
+            get(&c, "Progressing"),
+            ("False".into(), "ConfigNotManaged".into())
+        );
+        assert_eq!(get(&c, "Ready").0, "True");
+        let rolling = RolloutStatus {
+            known: true,
+            generation: 3,
+            fingerprint: "f".into(),
+            at_desired: 1,
+            total: 3,
+            ..Default::default()
+        };
+        let c = run(&rolling);
+        assert_eq!(get(&c, "Progressing"), ("True".into(), "RollingOut".into()));
+        assert_eq!(get(&c, "Ready"), ("False".into(), "RollingOut".into()));
+        assert!(c
+            .iter()
+            .any(|x| x.message.contains("1/3 agents at generation 3")));
+        let refused = RolloutStatus {
+            refused: vec!["a: generation 3: arena: out of memory".into()],
+            ..rolling.clone()
+        };
+        let c = run(&refused);
+        assert_eq!(get(&c, "Degraded"), ("True".into(), "ConfigRefused".into()));
+        assert_eq!(
+            get(&c, "Progressing"),
+            ("False".into(), "RolloutHalted".into())
+        );
+        assert_eq!(get(&c, "Ready"), ("False".into(), "Degraded".into()));
+        let done = RolloutStatus {
+            at_desired: 3,
+            ..rolling
+        };
+        let c = run(&done);
+        assert_eq!(
+            get(&c, "Progressing"),
+            ("False".into(), "RolloutComplete".into())
+        );
+        assert_eq!(get(&c, "Ready"), ("True".into(), "AsExpected".into()));
     }
 
     #[test]

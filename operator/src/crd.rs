@@ -68,10 +68,13 @@ pub struct KvFabricSpec {
     /// belongs to exactly one fabric; two fabrics never share an agent.
     pub agent_selector: LabelSelector,
     /// The agents' bounce config (the agent's `bounce:` YAML, camelCase);
-    /// missing keys take the agent's defaults.
-    #[serde(default)]
+    /// missing keys take the agent's defaults. Set, the operator manages
+    /// it: etcd holds it with a generation and a fingerprint, and a change
+    /// rolls out to the agents in process (`rollout`). Unset, every agent
+    /// runs its own mounted config and nothing is rolled out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "bounce_schema")]
-    pub bounce: BounceConfig,
+    pub bounce: Option<BounceConfig>,
     /// etcd the agents and the operator use.
     pub etcd: EtcdSpec,
     /// How long a pod that was Ready may stay not Ready before its peer is
@@ -305,10 +308,11 @@ etcd: {endpoints: ["http://127.0.0.1:2379"]}
 bounce: {enabled: true, arenaSizeBytes: 16777216}
 "#;
         let s: KvFabricSpec = serde_yaml::from_str(y).expect("spec parses");
-        assert!(s.bounce.enabled);
-        assert_eq!(s.bounce.arena_size_bytes.get(), 16 << 20);
+        let b = s.bounce.clone().expect("bounce set");
+        assert!(b.enabled);
+        assert_eq!(b.arena_size_bytes.get(), 16 << 20);
         assert_eq!(s.not_ready_grace_seconds, DEFAULT_NOT_READY_GRACE_SECONDS);
-        assert!(s.bounce.validate().is_ok());
+        assert!(b.validate().is_ok());
     }
 
     #[test]

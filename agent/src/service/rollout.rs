@@ -10,7 +10,8 @@
 //!    a refused one is published as the record's `config_error` and the
 //!    running config stays;
 //! 2. **same config** (only the generation moved): the handshake's
-//!    generation changes in place, nothing is rebuilt;
+//!    generation changes in place, nothing is rebuilt; without bounce
+//!    running nothing can be in flight, so the new config is built at once;
 //! 3. otherwise **drain**: no new bounce work here, and the record is
 //!    republished without a handshake so peers send no new WANTs (they keep
 //!    their in-flight flows); wait until the transport has been idle for
@@ -110,9 +111,17 @@ pub fn running_fingerprint(agent: &FabricAgent) -> String {
 /// Blocking; bounded by `requestTimeoutMs` + [`DRAIN_SLACK`] + the rebuild.
 pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
     let agent = node.agent();
-    if agent.bounce_config() == doc.config {
+    // Same config (only the generation moves), or no bounce running (no
+    // bounce work can be in flight): no drain needed.
+    if agent.bounce_config() == doc.config || agent.transport().is_none() {
         let r = agent.reconfigure(doc.config.clone(), doc.generation);
-        node.republish_config(&doc.fingerprint, "");
+        let error = match &r {
+            Reconfigured::Applied { .. } => String::new(),
+            Reconfigured::RolledBack { why } | Reconfigured::BounceLost { why } => {
+                format!("generation {}: {why}", doc.generation)
+            }
+        };
+        node.republish_config(&running_fingerprint(agent), &error);
         return r;
     }
     let t0 = Instant::now();
