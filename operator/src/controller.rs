@@ -1318,3 +1318,7 @@ mod tests {
         assert_eq!(deg.last_transition_time, t1);
     }
 }
+
+#[cfg(test)]
+#[path = "controller_scenarios.rs"]
+mod scenarios;
