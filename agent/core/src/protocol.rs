@@ -92,11 +92,32 @@
 //!   late under backpressure): the receiver then frees that region under
 //!   the landing write. Here the receiver's own GRANTs and ACKs count as
 //!   activity ([`Mutations::legacy_flow_silence`] restores the old rule).
-//!   The remaining assumption is stated in docs/protocol.md: a control
-//!   message, gather or write takes well under the request timeout.
+//! * **A credit expires after the request timeout.** Even with the clock
+//!   restarted by every GRANT and ACK, sender-local progress (a gather
+//!   done, a write landed whose DATA was lost) keeps a request alive
+//!   without the receiver hearing of it, so `Io` may post a write into a
+//!   region more than 2 × timeout after its GRANT — after the receiver
+//!   reclaimed the silent flow and re-granted the region. Here a chunk whose
+//!   credit arrived more than one request timeout ago is not written: the
+//!   request fails ([`Mutations::legacy_credit_expiry`] restores the old
+//!   rule). With this, a write lands before the reclaim whenever one
+//!   control message plus one write take less than the request timeout
+//!   (the stated timing assumption, docs/protocol.md).
 //!
-//! The first two cannot happen over today's channels (ZMQ and TCP deliver each
-//! message once, in order, per peer); both are cheap defence against a
+//! * **A WANT for a live or recently ended flow is dropped.** `Io` hands
+//!   every WANT to the scheduler, which appends to a live flow or creates
+//!   the flow anew. A replayed WANT arriving after its flow was reclaimed
+//!   (say the sender crashed and was forgotten) re-creates the flow and
+//!   re-grants the same regions; a stale DATA of the dead sender still in
+//!   the network then matches a fresh grant and is scattered — from a
+//!   region another flow's data was written to. Here the receiver keeps
+//!   ended flows (finished, cancelled — even before their WANT arrived —,
+//!   reclaimed, forgotten) for 2 × the request timeout and drops a WANT for
+//!   one of them, or for a live flow ([`Mutations::no_flow_tombstones`]
+//!   restores the old rule).
+//!
+//! The first two and the last cannot happen over today's channels (ZMQ and TCP deliver each
+//! message once, in order, per peer); all three are cheap defence against a
 //! peer or channel that replays.
 
 #![forbid(unsafe_code)]
@@ -142,6 +163,12 @@ pub struct Mutations {
     /// `Io`'s flow-silence clock: refreshed only by WANT and DATA received,
     /// not by the receiver's own GRANTs and ACKs (see "Deviations").
     pub legacy_flow_silence: bool,
+    /// `Io`'s rule: a credit never expires (see "Deviations": the sender
+    /// may write a region later than the receiver's silence reclaim).
+    pub legacy_credit_expiry: bool,
+    /// `Io`'s rule: a WANT for a flow that is live or just ended is
+    /// accepted (appended, or the flow re-created; see "Deviations").
+    pub no_flow_tombstones: bool,
 }
 
 /// Settings of one machine (the subset of `BounceConfig` the protocol
@@ -425,6 +452,8 @@ pub struct Counters {
     pub silent_flows: u64,
     /// Orphaned writes whose cancel went out past the request timeout.
     pub overdue_orphans: u64,
+    /// WANTs dropped as replays (flow live or recently ended).
+    pub wants_stale: u64,
 }
 
 /// A snapshot of the state sizes (for gauges, tests and the simulator's
@@ -473,6 +502,8 @@ struct SendChunk {
     local: Option<u64>,
     eager: bool,
     credit: Option<Credit>,
+    /// When the credit's GRANT arrived (ns).
+    credit_at: Nanos,
     runs: Vec<ScatterRun>,
 }
 
@@ -483,8 +514,8 @@ struct SendRequest {
     state: Vec<SendChunk>,
     /// Credits received and not attached: chunk index → credit (keyed), or
     /// arrival order under [`Mutations::unkeyed_credits`].
-    credits: BTreeMap<u32, Credit>,
-    unkeyed: VecDeque<Credit>,
+    credits: BTreeMap<u32, (Credit, Nanos)>,
+    unkeyed: VecDeque<(Credit, Nanos)>,
     next_attach: usize,
     next_stage: usize,
     acked: usize,
@@ -565,6 +596,11 @@ pub struct Machine {
     regions: BTreeMap<u64, RecvRegion>,
     grant_index: BTreeMap<FlowKey, u32>,
     flow_seen: BTreeMap<FlowKey, Nanos>,
+    /// Receiver flows that ended (finished, cancelled, reclaimed), kept
+    /// for 2 × the request timeout: a replayed or late WANT must not bring
+    /// one back (deviation, module docs).
+    ended: BTreeSet<FlowKey>,
+    ended_order: VecDeque<(Nanos, FlowKey)>,
     scatter_queue: VecDeque<PendingScatter>,
     deferred_cancels: BTreeMap<u64, (String, usize)>,
     allowed: Vec<(u64, u64)>,
@@ -638,6 +674,8 @@ impl Machine {
             regions: BTreeMap::new(),
             grant_index: BTreeMap::new(),
             flow_seen: BTreeMap::new(),
+            ended: BTreeSet::new(),
+            ended_order: VecDeque::new(),
             scatter_queue: VecDeque::new(),
             deferred_cancels: BTreeMap::new(),
             allowed: Vec::new(),
@@ -679,7 +717,10 @@ impl Machine {
                 self.quiesce.push((id, addr, addr.saturating_add(len)));
             }
             Input::Cancel { rid, why } => self.fail_request(rid, why, false),
-            Input::Tick => self.check_timeouts(),
+            Input::Tick => {
+                self.check_timeouts();
+                self.prune_tombstones();
+            }
             Input::Shutdown => self.shutdown(),
             Input::AbandonInFlight => self.abandon_in_flight(),
         }
@@ -845,6 +886,7 @@ impl Machine {
                 local: None,
                 eager: false,
                 credit: None,
+                credit_at: 0,
                 runs: Vec::new(),
             })
             .collect();
@@ -883,9 +925,10 @@ impl Machine {
             } else {
                 req.credits.remove(&(req.next_attach as u32))
             };
-            let Some(credit) = credit else { break };
+            let Some((credit, at)) = credit else { break };
             let c = &mut req.state[req.next_attach];
             c.credit = Some(credit);
+            c.credit_at = at;
             if c.eager {
                 if let Some(off) = c.local {
                     let _ = self.scheduler.promote_local(off);
@@ -990,6 +1033,16 @@ impl Machine {
                 credit.len
             ));
         }
+        let age = self.now.saturating_sub(req.state[i].credit_at);
+        if age > self.cfg.request_timeout && !self.cfg.mutations.legacy_credit_expiry {
+            // The receiver may reclaim a region whose flow was silent for
+            // 2 × timeout since this GRANT; a write posted later could land
+            // after that (deviation, module docs).
+            return Err(format!(
+                "the GRANT for chunk {i} is {} ms old, past the request timeout",
+                age / 1_000_000
+            ));
+        }
         req.state[i].state = ChunkState::Writing(write);
         self.writes.insert(write, WriteRef::Live { rid, chunk: i });
         let peer = req.peer.clone();
@@ -1074,7 +1127,7 @@ impl Machine {
         let n = req.chunks.len();
         for c in g.credits {
             if unkeyed {
-                req.unkeyed.push_back(c);
+                req.unkeyed.push_back((c, self.now));
                 continue;
             }
             let i = c.chunk_index as usize;
@@ -1084,7 +1137,7 @@ impl Machine {
                 self.counters.credits_rejected += 1;
                 continue;
             }
-            req.credits.insert(c.chunk_index, c);
+            req.credits.insert(c.chunk_index, (c, self.now));
         }
         self.pump(g.request_id);
     }
@@ -1341,6 +1394,15 @@ impl Machine {
             self.counters.wants_rejected += 1;
             return;
         }
+        if !self.cfg.mutations.no_flow_tombstones {
+            self.prune_tombstones();
+            // A sender sends one WANT per request: another one for a live
+            // or recently ended flow is a replay.
+            if self.ended.contains(&flow) || self.scheduler.contains_flow(&flow) {
+                self.counters.wants_stale += 1;
+                return;
+            }
+        }
         self.flow_seen.insert(flow.clone(), self.now);
         if self.scheduler.on_want(flow, &w.chunk_bytes).is_err() {
             self.counters.wants_rejected += 1;
@@ -1349,7 +1411,31 @@ impl Machine {
         self.schedule_and_send();
     }
 
+    /// Remembers that `flow` ended (see `ended`).
+    fn tombstone(&mut self, flow: FlowKey) {
+        if self.cfg.mutations.no_flow_tombstones {
+            return;
+        }
+        self.prune_tombstones();
+        if self.ended.insert(flow.clone()) {
+            self.ended_order.push_back((self.now, flow));
+        }
+    }
+
+    fn prune_tombstones(&mut self) {
+        let keep = self.cfg.request_timeout.saturating_mul(2);
+        while let Some((t, _)) = self.ended_order.front() {
+            if self.now.saturating_sub(*t) <= keep {
+                break;
+            }
+            if let Some((_, f)) = self.ended_order.pop_front() {
+                self.ended.remove(&f);
+            }
+        }
+    }
+
     fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.tombstone(flow.clone());
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
         self.grant_index.remove(flow);
@@ -1577,6 +1663,9 @@ impl Machine {
         }
         if !self.scheduler.contains_flow(&flow) {
             self.grant_index.remove(&flow);
+            if live {
+                self.tombstone(flow.clone());
+            }
         }
         if live && result.is_ok() {
             self.counters.chunks_scattered += 1;
@@ -1614,7 +1703,9 @@ impl Machine {
             peer: peer.to_string(),
         });
         self.peers.remove(peer);
-        self.scheduler.reclaim_by_prefix(peer);
+        for flow in self.scheduler.reclaim_by_prefix(peer).flows {
+            self.tombstone(flow);
+        }
         self.forget_regions(|f| f.peer == peer);
         self.grant_index.retain(|f, _| f.peer != peer);
         self.flow_seen.retain(|f, _| f.peer != peer);
@@ -1649,5 +1740,318 @@ impl Machine {
             self.writes.remove(&w);
             self.orphan_write_settled(rid);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Nanos = 1_000_000_000;
+
+    fn machine(name: &str) -> Machine {
+        let mut m = Machine::new(Config {
+            arena_bytes: 4096,
+            granularity_bytes: 256,
+            max_chunk_size_bytes: 1024,
+            max_inflight_chunks: 2,
+            copy_contexts: 2,
+            request_timeout: T,
+            eager_gather: true,
+            arena_base: 0x7000_0000,
+            device_id: 0,
+            endpoint: name.as_bytes().to_vec(),
+            mutations: Mutations::default(),
+        })
+        .unwrap();
+        m.handle(
+            0,
+            Input::AllowScatter {
+                addr: 0x1000,
+                len: 1 << 20,
+            },
+        );
+        m
+    }
+
+    fn chunks(sizes: &[u64]) -> Vec<ChunkBound> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| ChunkBound {
+                index: i as u32,
+                first_desc: i,
+                first_done: 0,
+                packed_bytes: b,
+                payload_bytes: b,
+                pieces: 1,
+            })
+            .collect()
+    }
+
+    fn drain(m: &mut Machine) -> Vec<Action> {
+        std::iter::from_fn(|| m.poll_action()).collect()
+    }
+
+    fn run(len: u64) -> Vec<ScatterRun> {
+        vec![ScatterRun {
+            region_offset: 0,
+            addr: 0x1000,
+            segment_len: len,
+            region_stride: 0,
+            addr_stride: 0,
+            count: 1,
+        }]
+    }
+
+    /// Delivers every message between `a` ("a") and `b` ("b") and completes
+    /// every gather, write and scatter at once, until both are idle;
+    /// returns the resolutions seen.
+    fn settle(a: &mut Machine, b: &mut Machine, now: Nanos) -> Vec<(u64, Outcome)> {
+        let mut out = Vec::new();
+        loop {
+            let mut acts: Vec<(bool, Action)> = drain(a).into_iter().map(|x| (true, x)).collect();
+            acts.extend(drain(b).into_iter().map(|x| (false, x)));
+            if acts.is_empty() {
+                return out;
+            }
+            for (from_a, act) in acts {
+                let (me, other, my_name) = if from_a {
+                    (&mut *a, &mut *b, "a")
+                } else {
+                    (&mut *b, &mut *a, "b")
+                };
+                match act {
+                    Action::Send { msg, .. } => other.handle(
+                        now,
+                        Input::Message {
+                            from: my_name.into(),
+                            msg,
+                            route: Route::Usable,
+                        },
+                    ),
+                    Action::StartGather { job, bound, .. } => me.handle(
+                        now,
+                        Input::GatherDone {
+                            job,
+                            result: Ok(run(bound.packed_bytes)),
+                        },
+                    ),
+                    Action::PostWrite { write, .. } => me.handle(
+                        now,
+                        Input::WriteDone {
+                            write,
+                            result: Ok(()),
+                        },
+                    ),
+                    Action::StartScatter { job, .. } => me.handle(
+                        now,
+                        Input::ScatterDone {
+                            job,
+                            result: Ok(()),
+                        },
+                    ),
+                    Action::Resolve { rid, outcome, .. } => out.push((rid, outcome)),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_request_completes_and_everything_is_freed() {
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                chunks: chunks(&[1024, 512, 100]),
+            },
+        );
+        assert_eq!(settle(&mut a, &mut b, 1), vec![(1, Outcome::Success)]);
+        for m in [&a, &b] {
+            let s = m.snapshot();
+            assert_eq!(
+                (s.free_bytes, s.flows, s.requests, s.jobs),
+                (s.capacity, 0, 0, 0)
+            );
+            m.scheduler().check_conservation().unwrap();
+        }
+        assert_eq!(a.next_deadline(), None);
+        assert_eq!(b.counters().chunks_scattered, 3);
+    }
+
+    #[test]
+    fn a_failed_request_cancels_only_once_its_write_is_terminal() {
+        let mut a = machine("a");
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                chunks: chunks(&[512]),
+            },
+        );
+        let gather = drain(&mut a)
+            .into_iter()
+            .find_map(|x| match x {
+                Action::StartGather { job, .. } => Some(job),
+                _ => None,
+            })
+            .unwrap();
+        a.handle(
+            1,
+            Input::GatherDone {
+                job: gather,
+                result: Ok(run(512)),
+            },
+        );
+        let credit = Credit {
+            chunk_index: 0,
+            region_handle: 0,
+            addr: 0,
+            len: 512,
+            device_id: 0,
+        };
+        let grant = Message::Grant(Grant {
+            request_id: 1,
+            credits: vec![credit],
+        });
+        a.handle(
+            2,
+            Input::Message {
+                from: "b".into(),
+                msg: grant,
+                route: Route::Usable,
+            },
+        );
+        let write = drain(&mut a)
+            .into_iter()
+            .find_map(|x| match x {
+                Action::PostWrite { write, .. } => Some(write),
+                _ => None,
+            })
+            .unwrap();
+        // Cancelled while the write is in flight: resolved now, no cancel
+        // yet, staging still held.
+        a.handle(
+            3,
+            Input::Cancel {
+                rid: 1,
+                why: "test".into(),
+            },
+        );
+        let acts = drain(&mut a);
+        assert!(acts
+            .iter()
+            .any(|x| matches!(x, Action::Resolve { rid: 1, .. })));
+        assert!(!acts.iter().any(|x| matches!(x, Action::Send { .. })));
+        assert!(a.scheduler().local_held_bytes() > 0);
+        // The write fails (terminal): staging freed, the cancel goes out.
+        a.handle(
+            4,
+            Input::WriteDone {
+                write,
+                result: Err("x".into()),
+            },
+        );
+        let acts = drain(&mut a);
+        assert!(acts.iter().any(|x| matches!(
+            x,
+            Action::Send { msg: Message::Want(w), .. } if w.is_cancel() && w.request_id == 1
+        )));
+        assert_eq!(a.scheduler().free_bytes(), a.scheduler().capacity());
+    }
+
+    #[test]
+    fn late_data_after_a_cancel_is_dropped() {
+        let mut b = machine("b");
+        let want = Message::Want(Want {
+            request_id: 7,
+            chunk_bytes: vec![512],
+            endpoint: b"a".to_vec(),
+        });
+        b.handle(
+            0,
+            Input::Message {
+                from: "a".into(),
+                msg: want,
+                route: Route::Usable,
+            },
+        );
+        let region = drain(&mut b)
+            .into_iter()
+            .find_map(|x| match x {
+                Action::Send {
+                    msg: Message::Grant(g),
+                    ..
+                } => Some(g.credits[0].region_handle),
+                _ => None,
+            })
+            .unwrap();
+        let cancel = Message::Want(Want {
+            request_id: 7,
+            chunk_bytes: vec![],
+            endpoint: b"a".to_vec(),
+        });
+        b.handle(
+            1,
+            Input::Message {
+                from: "a".into(),
+                msg: cancel,
+                route: Route::Usable,
+            },
+        );
+        let data = Message::Data(Data {
+            request_id: 7,
+            chunk_index: 0,
+            region_handle: region,
+            runs: run(512),
+        });
+        b.handle(
+            2,
+            Input::Message {
+                from: "a".into(),
+                msg: data,
+                route: Route::Usable,
+            },
+        );
+        assert!(!drain(&mut b)
+            .iter()
+            .any(|x| matches!(x, Action::StartScatter { .. })));
+        assert_eq!(b.counters().data_rejected, 1);
+        assert_eq!(b.scheduler().free_bytes(), b.scheduler().capacity());
+    }
+
+    #[test]
+    fn a_request_without_progress_times_out_at_its_deadline() {
+        let mut a = machine("a");
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            5,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                chunks: chunks(&[256]),
+            },
+        );
+        let d = a.next_deadline().unwrap();
+        assert_eq!(d, 5 + T + 1);
+        drain(&mut a);
+        a.handle(d - 1, Input::Tick);
+        assert!(a.has_request(1));
+        a.handle(d, Input::Tick);
+        assert!(!a.has_request(1));
+        assert!(drain(&mut a).iter().any(|x| matches!(
+            x,
+            Action::Resolve {
+                rid: 1,
+                timed_out: true,
+                ..
+            }
+        )));
     }
 }

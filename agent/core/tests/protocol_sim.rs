@@ -74,6 +74,8 @@ fn mutation_named(name: &str) -> Mutations {
         "unchecked_data_chunk" => m.unchecked_data_chunk = true,
         "legacy_eager_reserve" => m.legacy_eager_reserve = true,
         "legacy_flow_silence" => m.legacy_flow_silence = true,
+        "legacy_credit_expiry" => m.legacy_credit_expiry = true,
+        "no_flow_tombstones" => m.no_flow_tombstones = true,
         other => panic!("unknown mutation {other:?}"),
     }
     m
@@ -132,35 +134,17 @@ fn mutation_bidirectional_reserve() {
     check_mutation("bidirectional_reserve");
 }
 
-#[test]
-fn mutation_unkeyed_credits() {
-    check_mutation("unkeyed_credits");
-}
-
-#[test]
-fn mutation_unchecked_data_chunk() {
-    check_mutation("unchecked_data_chunk");
-}
-
-#[test]
-fn mutation_legacy_eager_reserve() {
-    check_mutation("legacy_eager_reserve");
-}
-
-#[test]
-fn mutation_legacy_flow_silence() {
-    check_mutation("legacy_flow_silence");
-}
-
 /// Bugs the simulator found in `Io`'s rules (docs/protocol.md): each seed
 /// fails under the old rule and passes under the machine's.
 #[test]
 fn regression_seeds() {
     for (name, seed) in [
+        ("unkeyed_credits", 33),
+        ("unchecked_data_chunk", 18),
         ("legacy_eager_reserve", 790),
-        ("legacy_flow_silence", 779),
-        ("unkeyed_credits", 15),
-        ("unchecked_data_chunk", 90),
+        ("legacy_flow_silence", 7458),
+        ("legacy_credit_expiry", 299411),
+        ("no_flow_tombstones", 258851),
     ] {
         assert!(
             run_seed(seed, mutation_named(name)).is_err(),
@@ -181,4 +165,31 @@ fn a_seed_replays_exactly() {
         assert!(a.len() > 20, "seed {seed}: only {} events", a.len());
         assert_eq!(a, b, "seed {seed} is not deterministic");
     }
+}
+
+/// Counts the seeds below `KVFABRIC_SIM_SEEDS` that `KVFABRIC_SIM_MUTATION`
+/// fails and lists the first five (to pick regression seeds):
+/// `KVFABRIC_SIM_MUTATION=legacy_credit_expiry KVFABRIC_SIM_SEEDS=100000
+/// cargo test --release -p kvfabric-core --test protocol_sim hunt --
+/// --ignored --nocapture`.
+#[test]
+#[ignore]
+fn hunt() {
+    let name = std::env::var("KVFABRIC_SIM_MUTATION").unwrap_or_default();
+    let m = mutation_named(&name);
+    let n = env_u64("KVFABRIC_SIM_SEEDS", CI_SEEDS);
+    let start = env_u64("KVFABRIC_SIM_START", 0);
+    let mut found = 0;
+    for seed in start..start + n {
+        if let Err(f) = Sim::new(seed, None, m, false).run() {
+            if found < 5 {
+                eprintln!("{name}: seed {seed}: {}", f.what);
+            }
+            found += 1;
+        }
+    }
+    eprintln!(
+        "{name}: {found} of {n} seeds catch it ({start}..{})",
+        start + n
+    );
 }

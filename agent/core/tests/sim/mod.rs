@@ -16,7 +16,7 @@ use kvfabric_core::plan::ChunkBound;
 use kvfabric_core::protocol::{
     Action, Config, Counters, Input, Machine, Mutations, Nanos, Outcome, Route,
 };
-use kvfabric_core::wire::Message;
+use kvfabric_core::wire::{Ack, Credit, Data, Grant, Message, Want};
 use kvfabric_core::{FlowKey, ScatterRun};
 
 /// splitmix64: tiny, fast, good enough to pick events.
@@ -54,12 +54,20 @@ pub const TIMEOUT: Nanos = 1_000 * MS;
 /// simulator feeds `Tick` exactly at `next_deadline`, so 0 would do; 1 ms
 /// absorbs events sharing that instant.
 pub const SLACK: Nanos = MS;
+/// Slowest gather / write / scatter and slowest control message. The
+/// timing assumption of the protocol (docs/protocol.md): one control
+/// message plus one write take less than the request timeout.
+const SLOW_MAX: Nanos = 550 * MS;
+const NET_SLOW_MAX: Nanos = 400 * MS;
+const _: () = assert!(SLOW_MAX + NET_SLOW_MAX < TIMEOUT);
 const GRAN: u64 = 256;
 const MAX_CHUNK: u64 = 1024;
 /// Scatter destinations: two "tenant" halves of registered memory.
 const DST_BASE: u64 = 0x1000_0000;
 const DST_HALF: u64 = 0x0100_0000;
 const ARENA_BASE: u64 = 0x7000_0000;
+/// The name forged messages come from (never a real agent).
+const ROGUE: &str = "rogue";
 
 /// Fault profile of one seed.
 #[derive(Clone, Debug)]
@@ -79,6 +87,12 @@ struct Faults {
     detach: u64,
     unroutable: u64,
     send_fail: u64,
+    /// Spontaneous events that are forged messages from a peer named
+    /// `rogue` (random fields: the machine must drop or survive them).
+    rogue: u64,
+    /// Some pairs learn of each other only later (WANTs then bootstrap
+    /// the reverse route).
+    late_register: bool,
 }
 
 /// One simulated agent slot (incarnations replace each other).
@@ -239,6 +253,7 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.credits_rejected += b.credits_rejected;
     a.silent_flows += b.silent_flows;
     a.overdue_orphans += b.overdue_orphans;
+    a.wants_stale += b.wants_stale;
 }
 
 impl Stats {
@@ -335,6 +350,8 @@ impl Sim {
             detach: p(&mut rng, 60),
             unroutable: p(&mut rng, 30),
             send_fail: p(&mut rng, 20),
+            rogue: p(&mut rng, 150),
+            late_register: !calm && rng.chance(300),
         };
         let n = rng.range(3, 4) as usize;
         let arena_blocks = [2u64, 3, 4, 6][rng.below(4) as usize];
@@ -380,13 +397,26 @@ impl Sim {
             sim.agents.push(a);
         }
         let names: Vec<String> = sim.agents.iter().map(|a| a.name.clone()).collect();
-        for a in &mut sim.agents {
+        for i in 0..n {
             for p in &names {
-                if *p != a.name {
-                    a.routes.insert(p.clone());
-                    a.registered.insert(p.clone());
-                    a.inputs.push_back(Input::PeerAdded { peer: p.clone() });
+                if *p == sim.agents[i].name {
+                    continue;
                 }
+                if sim.faults.late_register && sim.rng.chance(500) {
+                    let t = sim.rng.range(0, 300 * MS);
+                    let ev = Ev::Learn {
+                        slot: i,
+                        inc: 0,
+                        peer: p.clone(),
+                        add: true,
+                    };
+                    sim.at(t, ev);
+                    continue;
+                }
+                let a = &mut sim.agents[i];
+                a.routes.insert(p.clone());
+                a.registered.insert(p.clone());
+                a.inputs.push_back(Input::PeerAdded { peer: p.clone() });
             }
         }
         sim.next_spont = sim.spont.below(20 * MS);
@@ -465,7 +495,7 @@ impl Sim {
 
     fn op_delay(&mut self) -> Nanos {
         if self.rng.chance(self.faults.slow_op) {
-            self.rng.range(50 * MS, 800 * MS)
+            self.rng.range(50 * MS, SLOW_MAX)
         } else {
             self.rng.range(0, 2 * MS)
         }
@@ -473,7 +503,7 @@ impl Sim {
 
     fn net_delay(&mut self) -> Nanos {
         if self.rng.chance(self.faults.long_delay) {
-            self.rng.range(20 * MS, 600 * MS)
+            self.rng.range(20 * MS, NET_SLOW_MAX)
         } else {
             self.rng.range(0, 3 * MS)
         }
@@ -591,6 +621,9 @@ impl Sim {
             }
             return Ok(());
         }
+        if roll >= 1000 - f.rogue {
+            return self.rogue(i);
+        }
         if roll < f.crash + f.shutdown + f.cancel + f.detach {
             let half = self.spont.below(2) as usize;
             if self.agents[i].unmapped[half]
@@ -647,6 +680,67 @@ impl Sim {
         self.agents[i]
             .inputs
             .push_back(Input::Submit { rid, peer, chunks });
+        Ok(())
+    }
+
+    /// A forged message from `rogue` to agent `i`: plausible-looking random
+    /// fields (small rids, region-aligned handles, runs in and out of
+    /// registered memory, zero and huge sizes).
+    fn rogue(&mut self, i: usize) -> R {
+        let r = &mut self.spont;
+        let rid = r.range(1, 4);
+        let pick = |r: &mut Rng, xs: &[u64]| xs[r.below(xs.len() as u64) as usize];
+        let msg = match r.below(4) {
+            0 => Message::Want(Want {
+                request_id: rid,
+                chunk_bytes: (0..r.below(4))
+                    .map(|_| pick(r, &[0, 32, 256, 1000, MAX_CHUNK, 8 * MAX_CHUNK, u64::MAX]))
+                    .collect(),
+                endpoint: b"rogue".to_vec(),
+            }),
+            1 => Message::Grant(Grant {
+                request_id: rid,
+                credits: (0..r.range(1, 3))
+                    .map(|_| Credit {
+                        chunk_index: r.below(6) as u32,
+                        region_handle: r.below(24) * GRAN,
+                        addr: ARENA_BASE + r.below(24) * GRAN,
+                        len: pick(r, &[0, 32, MAX_CHUNK, u64::MAX]),
+                        device_id: 0,
+                    })
+                    .collect(),
+            }),
+            2 => Message::Data(Data {
+                request_id: rid,
+                chunk_index: r.below(6) as u32,
+                region_handle: r.below(24) * GRAN,
+                runs: (0..r.below(3))
+                    .map(|_| ScatterRun {
+                        region_offset: pick(r, &[0, 32, 512, MAX_CHUNK, u64::MAX - 8]),
+                        addr: pick(r, &[0, DST_BASE, DST_BASE + DST_HALF - 64, u64::MAX - 64]),
+                        segment_len: pick(r, &[0, 1, 64, MAX_CHUNK, u64::MAX]),
+                        region_stride: pick(r, &[0, 64, u64::MAX]),
+                        addr_stride: pick(r, &[0, 64, u64::MAX]),
+                        count: pick(r, &[0, 1, 2, u64::from(u32::MAX)]) as u32,
+                    })
+                    .collect(),
+            }),
+            _ => Message::Ack(Ack {
+                request_id: rid,
+                chunk_index: r.below(6) as u32,
+                region_handle: r.below(24) * GRAN,
+            }),
+        };
+        let to = self.agents[i].name.clone();
+        let t = self.now + self.net_delay();
+        self.at(
+            t,
+            Ev::Deliver {
+                to,
+                from: ROGUE.into(),
+                msg,
+            },
+        );
         Ok(())
     }
 
@@ -791,7 +885,7 @@ impl Sim {
                     return Err(format!("scatter {job} completed twice"));
                 };
                 let t1 = mem_read(&a.mem, region, len);
-                if ok {
+                if ok && flow.peer != ROGUE {
                     if t1 != Some(t0) {
                         return Err(format!(
                             "region {region} of {} changed while scattering chunk {chunk} of {flow}",
@@ -1065,16 +1159,28 @@ impl Sim {
                         "scatter of chunk {chunk} of {flow} from region {region} of {name}, which the flow does not hold"
                     ));
                 }
-                let len = runs.iter().map(ScatterRun::total_bytes).sum::<u64>();
+                // (A rogue's empty run list still reads the region: count a byte.)
+                let len = runs
+                    .iter()
+                    .map(ScatterRun::total_bytes)
+                    .fold(0u64, u64::saturating_add)
+                    .max(1);
                 let content = mem_read(&self.agents[i].mem, region, len);
                 let want = tag(&flow.peer, flow.rid, chunk);
-                if content != Some(want) {
+                // A rogue's scatters carry no data of ours to check.
+                if content != Some(want) && flow.peer != ROGUE {
                     return Err(format!(
                         "scatter of chunk {chunk} of {flow} from region {region} of {name}: the region holds {content:?}, not the chunk's data"
                     ));
                 }
                 for r in &runs {
-                    let half = ((r.addr - DST_BASE) / DST_HALF) as usize;
+                    let half = (r.addr.saturating_sub(DST_BASE) / DST_HALF) as usize;
+                    if r.addr < DST_BASE {
+                        return Err(format!(
+                            "scatter to {:#x}, outside registered memory",
+                            r.addr
+                        ));
+                    }
                     if half > 1 || self.agents[i].unmapped[half] {
                         return Err(format!(
                             "scatter of chunk {chunk} of {flow} into unmapped tenant memory {:#x}",
