@@ -15,11 +15,9 @@
 //! `kvfabric` binary or the NIXL runtime are missing; fails instead under
 //! `KVFABRIC_REQUIRE_SERVICES=1`.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +26,7 @@ mod kube_common;
 use etcd_client::GetOptions;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube_common::agent::{get_json, get_text, kvfabric_bin, AgentProc};
 use kube_common::{poll_until, skip, wait_for, Cluster};
 use kvfabric_operator::crd::KvFabric;
 use kvfabric_operator::metrics::Metrics;
@@ -50,174 +49,49 @@ const GRACE: Duration = Duration::from_secs(5);
 const BOUND: Duration = Duration::from_secs(1);
 
 /// The `kvfabric` binary next to this test's target dir.
-fn kvfabric_bin() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?; // target/<profile>/deps/.. → target/<profile>
-    let p = dir.join("kvfabric");
-    p.is_file().then_some(p)
-}
-
-/// A `kvfabric agent` child, killed on drop.
-struct Agent {
-    child: Child,
-    addr: SocketAddr,
-    name: String,
-    /// The last stderr lines (diagnostics of a failure).
-    log: Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
-}
+/// A `kvfabric agent` of this test (role both, 4 MiB pool, 60 s lease so
+/// only the operator path removes it), bound to `pod_uid` when given.
+struct Agent;
 
 impl Agent {
-    fn log_tail(&self) -> String {
-        self.log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    /// Starts an agent; `Err(stderr)` when it never announced its address.
     fn spawn(
         bin: &Path,
         etcd: &str,
         fabric: &str,
         logical: &str,
         pod_uid: Option<&str>,
-    ) -> Result<Self, String> {
-        let mut cmd = Command::new(bin);
-        cmd.arg("agent");
+    ) -> Result<AgentProc, String> {
+        let mut args = vec![
+            "--etcd",
+            etcd,
+            "--fabric",
+            fabric,
+            "--logical-id",
+            logical,
+            "--role",
+            "both",
+            "--pool-size",
+            "4MiB",
+            "--control-bind",
+            "loopback",
+            "--lease-ttl",
+            "60",
+        ];
         if let Some(uid) = pod_uid {
-            cmd.args(["--pod-uid", uid]);
+            args.extend(["--pod-uid", uid]);
         }
-        let mut child = cmd
-            .args([
-                "--etcd",
-                etcd,
-                "--fabric",
-                fabric,
-                "--logical-id",
-                logical,
-                "--role",
-                "both",
-                "--listen",
-                "127.0.0.1:0",
-                "--pool-size",
-                "4MiB",
-                "--control-bind",
-                "loopback",
-                "--lease-ttl",
-                "60",
-            ])
-            .env("KVFABRIC_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(a) = line.split("listening on http://").nth(1) {
-                    if let Ok(a) = a.trim().parse::<SocketAddr>() {
-                        let _ = tx.send(a);
-                    }
-                }
-            }
-        });
-        let err = child.stderr.take().ok_or("no stderr")?;
-        let log = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut l = log2.lock().unwrap_or_else(|p| p.into_inner());
-                if l.len() >= 40 {
-                    l.pop_front();
-                }
-                l.push_back(line);
-            }
-        });
-        let addr = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                std::thread::sleep(Duration::from_millis(200));
-                return Err(log
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join("\n"));
-            }
-        };
-        // The HTTP API may answer a moment after the address is printed
-        // (a loaded machine): retry, bounded.
-        let deadline = Instant::now() + Duration::from_secs(15);
-        let name = loop {
-            let n = get_json(addr, "/v1/config")["agent"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            if !n.is_empty() {
-                break n;
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("agent at {addr} never named itself on /v1/config"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        Ok(Self {
-            child,
-            addr,
-            name,
-            log,
-        })
-    }
-
-    /// SIGSTOP (kill(1); this crate has no libc dependency).
-    fn freeze(&self) {
-        let ok = Command::new("kill")
-            .args(["-STOP", &self.child.id().to_string()])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        assert!(ok, "kill -STOP {}", self.child.id());
+        AgentProc::spawn(bin, &args, &[("KVFABRIC_LOG", "info")])
     }
 }
 
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn get_json(addr: SocketAddr, path: &str) -> Value {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
-    let mut raw = String::new();
-    let _ = s.read_to_string(&mut raw);
-    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    serde_json::from_str(body).unwrap_or(Value::Null)
-}
-
-fn get_text(addr: SocketAddr, path: &str) -> String {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
-    let mut raw = String::new();
-    let _ = s.read_to_string(&mut raw);
-    raw.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+/// SIGSTOP (kill(1); this crate has no libc dependency).
+fn freeze(a: &AgentProc) {
+    let ok = Command::new("kill")
+        .args(["-STOP", &a.child.id().to_string()])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "kill -STOP {}", a.child.id());
 }
 
 /// Sum of the operator-path (`path="operator"`) samples of `name` whose
@@ -414,7 +288,7 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
             }
         })
         .await;
-        agent.freeze();
+        freeze(&agent);
 
         let t0 = Instant::now();
         pods.delete(&pod_name, &DeleteParams::default())
@@ -565,7 +439,7 @@ async fn pod_delete_removes_the_agent_record_within_a_second() {
             },
         )
         .await;
-        agent.freeze();
+        freeze(&agent);
         if case == "NodeNotReady" {
             // A blip shorter than the grace changes nothing.
             for st in ["False", "True"] {
