@@ -112,9 +112,9 @@
 //!   the network then matches a fresh grant and is scattered — from a
 //!   region another flow's data was written to. Here the receiver keeps
 //!   ended flows (finished, cancelled — even before their WANT arrived —,
-//!   reclaimed, forgotten) for 2 × the request timeout and drops a WANT for
-//!   one of them, or for a live flow ([`Mutations::no_flow_tombstones`]
-//!   restores the old rule).
+//!   reclaimed, forgotten) for 2 × the request timeout (memory: one key per
+//!   flow ended in that window) and drops a WANT for one of them, or for a
+//!   live flow ([`Mutations::no_flow_tombstones`] restores the old rule).
 //!
 //! The first two and the last cannot happen over today's channels (ZMQ and TCP deliver each
 //! message once, in order, per peer); all three are cheap defence against a

@@ -5,7 +5,8 @@
 //!   The long run: `KVFABRIC_SIM_SEEDS=1000000 cargo test --release -p
 //!   kvfabric-core --test protocol_sim ci_seeds -- --nocapture`.
 //! * `replay`: `KVFABRIC_SIM_REPLAY=<seed> [KVFABRIC_SIM_BUDGET=<n>]
-//!   [KVFABRIC_SIM_MUTATION=<name>]` prints that run's event list.
+//!   [KVFABRIC_SIM_MUTATION=<name>]` replays one run and prints its event
+//!   list if it fails (always with `KVFABRIC_SIM_PRINT=1`).
 //! * `mutation_*`: each guard switched off in turn must be caught within the
 //!   CI seed budget.
 
@@ -91,6 +92,11 @@ fn replay() {
         .ok()
         .map(|b| b.parse().expect("budget"));
     let m = mutation_named(&std::env::var("KVFABRIC_SIM_MUTATION").unwrap_or_default());
+    if std::env::var_os("KVFABRIC_SIM_PRINT").is_some() {
+        for line in Sim::new(seed, budget, m, true).trace_of() {
+            eprintln!("  {line}");
+        }
+    }
     match Sim::new(seed, budget, m, true).run() {
         Ok(s) => eprintln!("seed {seed}: all invariants held ({s:?})"),
         Err(f) => panic!("{f}"),
