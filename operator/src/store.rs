@@ -37,6 +37,14 @@ pub fn tombstones_prefix(fabric: &str) -> String {
     format!("/kvfabric/{fabric}/tombstones/")
 }
 
+/// `/kvfabric/<fabric>/removals/`: a note per agent record the operator
+/// removes without a tombstone (a restart, a node NotReady), put in the
+/// removal's transaction and deleted right after, so agents label the
+/// removal as the operator path with the pod event's time.
+pub fn removals_prefix(fabric: &str) -> String {
+    format!("/kvfabric/{fabric}/removals/")
+}
+
 /// The fields of an agent record the operator matches on (the agent's
 /// `AgentRecord` has many more; unknown fields are ignored).
 #[derive(Clone, Debug, Deserialize)]
@@ -366,6 +374,27 @@ impl FabricStore {
             .iter()
             .map(|k| TxnOp::delete(k.as_str(), None))
             .collect();
+        let noted: Vec<String> = if inv.reason.is_terminal() && !inv.uid.is_empty() {
+            Vec::new()
+        } else {
+            // No tombstone (the pod lives on): a removal note per record,
+            // first in the transaction like a tombstone.
+            let agents = agents_prefix(&self.fabric);
+            let note = serde_json::to_vec(&serde_json::json!({
+                "observedAtMs": inv.observed_at_ms,
+                "reason": inv.reason.code(),
+            }))
+            .unwrap_or_default();
+            let notes: Vec<String> = keys
+                .iter()
+                .filter_map(|k| k.strip_prefix(agents.as_str()))
+                .map(|name| format!("{}{name}", removals_prefix(&self.fabric)))
+                .collect();
+            for (i, n) in notes.iter().enumerate() {
+                ops.insert(i, TxnOp::put(n.as_str(), note.clone(), None));
+            }
+            notes
+        };
         if inv.reason.is_terminal() && !inv.uid.is_empty() {
             let t = Tombstone {
                 uid: inv.uid.clone(),
@@ -384,6 +413,15 @@ impl FabricStore {
             tokio::time::timeout(self.timeout, kv.txn(Txn::new().and_then(ops)))
                 .await
                 .map_err(|_| StoreError::Timeout(self.timeout))??;
+        }
+        if !noted.is_empty() {
+            // Watchers saw the notes with the removal (one revision); they
+            // are not state. Best effort: the finalizer removes leftovers.
+            let dels: Vec<TxnOp> = noted
+                .iter()
+                .map(|n| TxnOp::delete(n.as_str(), None))
+                .collect();
+            let _ = tokio::time::timeout(self.timeout, kv.txn(Txn::new().and_then(dels))).await;
         }
         Ok(keys)
     }

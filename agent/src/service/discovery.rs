@@ -830,6 +830,24 @@ impl Hub {
         }
     }
 
+    /// Removes record `name` that the operator removes without a
+    /// tombstone (a removal note: the pod restarted, its node went
+    /// NotReady), announcing it on the operator path with `since_ms` = the
+    /// operator's observation of the pod event. No-op for an unknown name
+    /// (the record's own DELETE, in the same revision, is then a no-op).
+    pub(crate) fn remove_noted(&self, name: &str, since_ms: i64) {
+        let mut g = self.lock();
+        if !g.raw.contains_key(name) {
+            return;
+        }
+        g.fan_out(vec![PeerEvent::Invalidated {
+            name: name.to_string(),
+            path: InvalidationPath::Operator,
+            since_ms,
+        }]);
+        g.remove(name);
+    }
+
     /// Removes record `name` whose key vanished from the store without a
     /// tombstone (lease expiry or withdrawal), announcing it on the lease
     /// path with `since_ms` = the earliest moment the peer can have died.

@@ -285,6 +285,7 @@ impl EtcdDiscovery {
             reads: 0,
             fabric_prefix: format!("/kvfabric/{}/", opts.fabric),
             tomb_prefix: format!("/kvfabric/{}/tombstones/", opts.fabric),
+            removals_prefix: format!("/kvfabric/{}/removals/", opts.fabric),
             own_config_key: opts.logical_id.as_ref().map(|l| {
                 format!(
                     "/kvfabric/{}/{}{l}",
@@ -852,6 +853,9 @@ struct WatchTask {
     fabric_prefix: String,
     /// `/kvfabric/<fabric>/tombstones/`: pod UIDs the operator invalidated.
     tomb_prefix: String,
+    /// `/kvfabric/<fabric>/removals/`: the operator's note that it removes
+    /// a record without a tombstone (a restart, a node NotReady).
+    removals_prefix: String,
     /// `<fabric prefix>config/agents/<logical id>`, when followed.
     own_config_key: Option<String>,
     /// `<fabric prefix>config/desired`.
@@ -1047,11 +1051,23 @@ impl WatchTask {
                     resp.cancel_reason()
                 ));
             }
-            // Tombstones first: the operator removes a dead pod's records
-            // and tombstones its UID in one transaction (one revision), and
-            // a removal that has a tombstone is the operator path.
+            // Tombstones and removal notes first: the operator removes a
+            // dead pod's records and tombstones its UID (or, for a pod that
+            // lives on, notes the removal) in one transaction (one
+            // revision), and such a removal is the operator path.
             for ev in resp.events() {
                 let Some(kv) = ev.kv() else { continue };
+                if ev.event_type() == EventType::Put {
+                    if let Some(name) = std::str::from_utf8(kv.key())
+                        .ok()
+                        .and_then(|k| k.strip_prefix(self.removals_prefix.as_str()))
+                    {
+                        if let Some(observed) = tombstone_observed_at_ms(kv.value()) {
+                            self.shared.hub.remove_noted(name, observed);
+                        }
+                        continue;
+                    }
+                }
                 if let Some(uid) = self.tomb_of(kv.key()) {
                     if ev.event_type() == EventType::Put {
                         tracing::info!(pod_uid = %LogSafe(uid), "pod invalidated by the operator (tombstone)");
