@@ -54,9 +54,39 @@ pub enum Step {
     },
 }
 
-/// The candidate `me`'s step at `now_ms` given the lease (`None`: it does
-/// not exist yet). Pure.
-pub fn decide(lease: Option<&LeaseView>, me: &str, now_ms: i64) -> Step {
+/// When this candidate first saw the lease's current record (holder and
+/// renewTime), on its own clock: followers time a holder out from that,
+/// never from the holder's `renewTime`, so clock skew between nodes does
+/// not shorten or stretch a lease (client-go's observedTime).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observed {
+    /// The holder seen.
+    pub holder: Option<String>,
+    /// Its renewTime, ms (the holder's clock; compared, never subtracted).
+    pub renew_ms: Option<i64>,
+    /// When it was first seen, ms on this candidate's clock.
+    pub at_ms: i64,
+}
+
+/// Folds a read of `lease` at `local_now_ms` into `previous`: the same
+/// record keeps its first sighting; a new holder or renewTime restarts the
+/// clock. Pure.
+pub fn observe(previous: Option<&Observed>, lease: &LeaseView, local_now_ms: i64) -> Observed {
+    match previous {
+        Some(p) if p.holder == lease.holder && p.renew_ms == lease.renew_ms => p.clone(),
+        _ => Observed {
+            holder: lease.holder.clone(),
+            renew_ms: lease.renew_ms,
+            at_ms: local_now_ms,
+        },
+    }
+}
+
+/// The candidate `me`'s step at `now_ms` (its own clock) given the lease
+/// (`None`: it does not exist yet) and when its current record was first
+/// seen (`observed_at_ms`, same clock; see [`observe`]). A lease whose
+/// record has not changed for its duration is expired. Pure.
+pub fn decide(lease: Option<&LeaseView>, observed_at_ms: i64, me: &str, now_ms: i64) -> Step {
     let Some(l) = lease else {
         return Step::Acquire { transitions: 0 };
     };
@@ -69,7 +99,10 @@ pub fn decide(lease: Option<&LeaseView>, me: &str, now_ms: i64) -> Step {
             transitions: l.transitions.saturating_add(1),
         };
     }
-    let expires_ms = l.renew_ms.unwrap_or(i64::MIN).saturating_add(l.duration_ms);
+    let expires_ms = match l.renew_ms {
+        None => i64::MIN,
+        Some(_) => observed_at_ms.saturating_add(l.duration_ms),
+    };
     if now_ms >= expires_ms {
         Step::Acquire {
             transitions: l.transitions.saturating_add(1),
@@ -142,10 +175,10 @@ impl ElectionConfig {
 pub struct LeaderElector {
     api: Api<Lease>,
     cfg: ElectionConfig,
-}
-
-fn now_ms() -> i64 {
-    crate::controller::now_ms()
+    /// The lease record last seen and when (this process's monotonic clock).
+    observed: std::sync::Mutex<Option<Observed>>,
+    /// Origin of that clock.
+    epoch: std::time::Instant,
 }
 
 fn micro_now() -> MicroTime {
@@ -156,7 +189,12 @@ impl LeaderElector {
     /// An elector for `cfg` (validate it first).
     pub fn new(client: Client, cfg: ElectionConfig) -> Self {
         let api = Api::namespaced(client, &cfg.namespace);
-        Self { api, cfg }
+        Self {
+            api,
+            cfg,
+            observed: std::sync::Mutex::new(None),
+            epoch: std::time::Instant::now(),
+        }
     }
 
     /// One attempt: read the lease, decide, write. `Ok(true)` when this
@@ -172,10 +210,23 @@ impl LeaderElector {
             .await
             .map_err(|_| format!("reading lease timed out after {bound:?}"))?
             .map_err(|e| format!("reading lease: {e}"))?;
+        let local_ms = i64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(i64::MAX);
+        let lease_view = current.as_ref().map(view);
+        let observed_at = match &lease_view {
+            Some(v) => {
+                let mut o = self.observed.lock().unwrap_or_else(|p| p.into_inner());
+                let next = observe(o.as_ref(), v, local_ms);
+                let at = next.at_ms;
+                *o = Some(next);
+                at
+            }
+            None => local_ms,
+        };
         let step = decide(
-            current.as_ref().map(view).as_ref(),
+            lease_view.as_ref(),
+            observed_at,
             &self.cfg.identity,
-            now_ms(),
+            local_ms,
         );
         let secs = i32::try_from(self.cfg.lease_duration.as_secs()).unwrap_or(i32::MAX);
         let (mut lease, create) = match (&step, current) {
@@ -226,11 +277,11 @@ impl LeaderElector {
     /// Campaigns and then leads: sends `true` on `leading` once the lease is
     /// held, and `false` (then returns) at the renew deadline — measured
     /// from the moment before the last successful renewal was stamped, so
-    /// it falls before any follower may take over (renewTime + lease
-    /// duration; the followers compare that with their own clock, so clock
-    /// skew between nodes must stay well under lease duration − renew
-    /// deadline, as with client-go). Every attempt is bounded by the time
-    /// left to the deadline. Candidates retry every retry period forever.
+    /// it falls before any follower may take over (a follower waits a lease
+    /// duration from when it saw the last renewal, on its own monotonic
+    /// clock — clock skew between nodes does not matter, only the watch
+    /// delay, which lease duration − renew deadline covers). Every attempt
+    /// is bounded by the time left to the deadline. Candidates retry every retry period forever.
     pub async fn run(&self, leading: watch::Sender<bool>) {
         let mut deadline: Option<tokio::time::Instant> = None;
         loop {
@@ -322,26 +373,55 @@ mod tests {
 
     #[test]
     fn absent_lease_is_acquired() {
-        assert_eq!(decide(None, "a", 0), Step::Acquire { transitions: 0 });
+        assert_eq!(decide(None, 0, "a", 0), Step::Acquire { transitions: 0 });
     }
 
     #[test]
     fn own_lease_is_renewed_even_when_expired() {
-        assert_eq!(decide(Some(&held("a", 0)), "a", 1_000_000), Step::Renew);
+        assert_eq!(decide(Some(&held("a", 0)), 0, "a", 1_000_000), Step::Renew);
     }
 
     #[test]
     fn live_lease_of_another_is_followed_until_it_expires() {
         let l = held("b", 10_000);
         assert_eq!(
-            decide(Some(&l), "a", 24_999),
+            decide(Some(&l), 10_000, "a", 24_999),
             Step::Follow {
                 holder: "b".into(),
                 expires_ms: 25_000
             }
         );
         assert_eq!(
-            decide(Some(&l), "a", 25_000),
+            decide(Some(&l), 10_000, "a", 25_000),
+            Step::Acquire { transitions: 4 }
+        );
+    }
+
+    #[test]
+    fn followers_time_a_holder_out_on_their_own_clock() {
+        // The holder's clock is an hour behind ours: its renewTime looks
+        // stale, but we just saw it change — follow for a full duration.
+        let l = held("b", 0);
+        let o = observe(None, &l, 3_600_000);
+        assert_eq!(o.at_ms, 3_600_000);
+        assert!(matches!(
+            decide(Some(&l), o.at_ms, "a", 3_600_001),
+            Step::Follow { .. }
+        ));
+        // Renewed (renewTime moved): the clock restarts.
+        let l2 = held("b", 2_000);
+        let o2 = observe(Some(&o), &l2, 3_610_000);
+        assert_eq!(o2.at_ms, 3_610_000);
+        assert!(matches!(
+            decide(Some(&l2), o2.at_ms, "a", 3_624_999),
+            Step::Follow { .. }
+        ));
+        // Unchanged for the lease duration on our clock (the holder's
+        // clock may be an hour ahead: its renewTime does not count): expired.
+        let o3 = observe(Some(&o2), &l2, 3_620_000);
+        assert_eq!(o3.at_ms, 3_610_000, "same record keeps its first sighting");
+        assert_eq!(
+            decide(Some(&l2), o3.at_ms, "a", 3_625_000),
             Step::Acquire { transitions: 4 }
         );
     }
@@ -351,12 +431,12 @@ mod tests {
         let mut l = held("b", 10_000);
         l.holder = None;
         assert_eq!(
-            decide(Some(&l), "a", 10_001),
+            decide(Some(&l), 10_000, "a", 10_001),
             Step::Acquire { transitions: 4 }
         );
         l.holder = Some(String::new());
         assert_eq!(
-            decide(Some(&l), "a", 10_001),
+            decide(Some(&l), 10_000, "a", 10_001),
             Step::Acquire { transitions: 4 }
         );
     }
@@ -365,7 +445,7 @@ mod tests {
     fn never_renewed_lease_is_expired() {
         let mut l = held("b", 0);
         l.renew_ms = None;
-        assert!(matches!(decide(Some(&l), "a", 0), Step::Acquire { .. }));
+        assert!(matches!(decide(Some(&l), 0, "a", 0), Step::Acquire { .. }));
     }
 
     #[test]
