@@ -50,6 +50,7 @@ fn fake_record(name: &str, logical: &str) -> AgentRecord {
             name: name.into(),
             nixl_metadata: b"not-really-nixl".to_vec(),
             handshake: None,
+            draining: false,
         },
         logical,
         Incarnation::generate(),

@@ -9,7 +9,8 @@
 //!    spec's arena);
 //! 2. changing `spec.bounce.arenaSizeBytes` rolls generation 2 out one
 //!    agent at a time (`maxUnavailable: 1`) while bench runs hand KV off
-//!    back to back: **every bench run succeeds (zero failed transfers)**,
+//!    back to back, alternately AUTO and BOUNCE (bounce required, as for GPU
+//!    pools): **every bench run succeeds (zero failed transfers)**,
 //!    the agents rebuild their arenas in process (same incarnation, same
 //!    PID, engines attached by a running bench stay attached), mixed pairs
 //!    took the standard path, bounce resumes afterwards, status reaches
@@ -77,9 +78,17 @@ fn submissions(a: &AgentProc, path: &str) -> f64 {
         .sum()
 }
 
-/// One bench run through the engine API: `Ok(seconds)` or the output of a
-/// failed run.
-fn bench(bin: &Path, dir: &Path, ps: &Path, ds: &Path, start: usize) -> Result<f64, String> {
+/// One bench run through the engine API over `path` (`auto`: the routing
+/// gate picks; `bounce`: bounce required, as for GPU pools, which have no
+/// standard path): `Ok(seconds)` or the output of a failed run.
+fn bench(
+    bin: &Path,
+    dir: &Path,
+    ps: &Path,
+    ds: &Path,
+    start: usize,
+    path: &str,
+) -> Result<f64, String> {
     let t = Instant::now();
     let start = start.to_string();
     let out = Command::new(bin)
@@ -96,7 +105,7 @@ fn bench(bin: &Path, dir: &Path, ps: &Path, ds: &Path, start: usize) -> Result<f
             "--tp",
             "1",
             "--paths",
-            "auto",
+            path,
             "--quiet",
             "--prefill-socket",
         ])
@@ -240,7 +249,11 @@ async fn arena_change_rolls_out_in_process_with_zero_failed_transfers() {
         std::thread::spawn(move || {
             let mut k = 0;
             while !stop.load(Ordering::SeqCst) {
-                let r = bench(&bin, &dir, &ps, &ds, (k * 48) % 11000);
+                // Alternately AUTO (mixed pairs take the standard path) and
+                // BOUNCE (held while a peer drains, served across
+                // generations: what GPU pools get).
+                let path = if k % 2 == 0 { "auto" } else { "bounce" };
+                let r = bench(&bin, &dir, &ps, &ds, (k * 48) % 11000, path);
                 runs.lock().unwrap().push(r);
                 k += 1;
             }
@@ -342,7 +355,7 @@ async fn arena_change_rolls_out_in_process_with_zero_failed_transfers() {
         "mixed-generation pairs took the standard path during the rollout"
     );
     let bounce_after = submissions(&prefill, "bounce");
-    bench(&bin, &dir, &ps, &ds, 5000).expect("bench after the rollout");
+    bench(&bin, &dir, &ps, &ds, 5000, "auto").expect("bench after the rollout");
     assert!(
         submissions(&prefill, "bounce") > bounce_after,
         "bounce resumed between agents of generation 2"
@@ -422,7 +435,7 @@ async fn arena_change_rolls_out_in_process_with_zero_failed_transfers() {
             a.name
         );
     }
-    bench(&bin, &dir, &ps, &ds, 6000).expect("bench on the running config");
+    bench(&bin, &dir, &ps, &ds, 6000, "auto").expect("bench on the running config");
 
     // 4. The apiserver's schema refuses a granularity that is not a power
     //    of two.

@@ -1053,9 +1053,10 @@ mod tests {
     fn bench_paths_parse_by_name() {
         assert_eq!(" bounce".parse::<BenchPath>(), Ok(BenchPath::Bounce));
         assert_eq!("standard".parse::<BenchPath>(), Ok(BenchPath::Standard));
+        assert_eq!("auto ".parse::<BenchPath>(), Ok(BenchPath::Auto));
         let e = "both".parse::<BenchPath>().unwrap_err();
         assert!(
-            e.contains("bounce or standard") && e.contains("\"both\""),
+            e.contains("bounce, standard or auto") && e.contains("\"both\""),
             "{e}"
         );
     }

@@ -50,6 +50,9 @@ pub struct PeerDescriptor {
     pub nixl_metadata: Vec<u8>,
     /// Encoded [`Handshake`], or `None` when bounce is off/unavailable.
     pub handshake: Option<Vec<u8>>,
+    /// The agent is draining for a reconfiguration (no handshake meanwhile;
+    /// bounce comes back with the next generation's).
+    pub draining: bool,
 }
 
 /// Which path a transfer took.
@@ -112,6 +115,8 @@ pub struct PeerState {
     /// The peer's handshake blob as published (re-evaluated when our own
     /// config generation changes).
     pub handshake_blob: Option<Vec<u8>>,
+    /// The peer said it is draining for a reconfiguration.
+    pub draining: bool,
     /// The peer's KV memory (the standard path's remote kind and device).
     pub memory: PeerMemory,
 }
@@ -760,6 +765,53 @@ impl FabricAgent {
         }
     }
 
+    /// The transport for a transfer to `peer` that must bounce (GPU pools
+    /// have no other path; or the caller asked for bounce), riding out a
+    /// config rollout instead of failing: while this agent drains, or the
+    /// peer drains (it advertises no handshake meanwhile), it waits — at
+    /// most `within` — and a peer at another config generation whose wire
+    /// fields match (version, control kind, max chunk) is served anyway:
+    /// generation isolation (issue 14) yields where the standard path
+    /// cannot take the transfer.
+    ///
+    /// # Errors
+    /// Why bounce to `peer` is not available (bounce off here, the peer
+    /// unknown or incompatible, or still draining at the bound).
+    pub fn bounce_transport_for(
+        &self,
+        peer: &str,
+        within: Duration,
+    ) -> Result<Arc<BounceTransport>, Incompatibility> {
+        let deadline = Instant::now() + within;
+        loop {
+            let t = self.transport().ok_or(Incompatibility::LocalBounceOff)?;
+            let state = self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(peer)
+                .map(|p| (p.bounce.clone(), p.draining));
+            // Serve, refuse, or wait (draining here or there).
+            match (self.is_draining(), state) {
+                (_, None) => return Err(Incompatibility::NoHandshake),
+                (true, _) | (false, Some((Err(Incompatibility::NoHandshake), true))) => {}
+                (false, Some((Ok(_), _)))
+                | (false, Some((Err(Incompatibility::ConfigGeneration { .. }), _))) => {
+                    return Ok(t)
+                }
+                (false, Some((Err(e), _))) => return Err(e),
+            }
+            if Instant::now() >= deadline {
+                return Err(if self.is_draining() {
+                    Incompatibility::LocalBounceOff
+                } else {
+                    Incompatibility::NoHandshake
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Allows `[addr, addr + len)` (an engine's pool) as a scatter
     /// destination on this and every later transport.
     pub fn allow_scatter_range(&self, addr: u64, len: u64) {
@@ -863,6 +915,7 @@ impl FabricAgent {
             } else {
                 self.side().handshake.as_ref().map(wire::encode_handshake)
             },
+            draining: self.is_draining(),
         })
     }
 
@@ -895,6 +948,7 @@ impl FabricAgent {
         let state = PeerState {
             bounce,
             handshake_blob: peer.handshake.clone(),
+            draining: peer.draining,
             memory,
         };
         self.peers

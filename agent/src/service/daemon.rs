@@ -858,6 +858,7 @@ impl Node {
             Ok(d) => {
                 rec.nixl_metadata = d.nixl_metadata;
                 rec.handshake = d.handshake;
+                rec.draining = d.draining;
             }
             Err(e) => {
                 tracing::warn!(agent = %self.agent.name(), error = %e, "NIXL metadata not refreshed")

@@ -196,6 +196,10 @@ pub struct AgentRecord {
     /// Config (rollout) generation in force (0: seeded, never rolled out).
     #[serde(default)]
     pub config_generation: u64,
+    /// Draining for a reconfiguration (no handshake until the next
+    /// generation's; peers hold bounce-only transfers meanwhile).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
     /// Fingerprint ([`kvfabric_core::rollout::fingerprint`]) of the bounce
     /// config in force; empty from older builds.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -258,6 +262,7 @@ impl AgentRecord {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            draining: desc.draining,
             config_fingerprint: String::new(),
             config_error: String::new(),
             engines: Vec::new(),
@@ -273,6 +278,7 @@ impl AgentRecord {
             name: self.name.clone(),
             nixl_metadata: self.nixl_metadata.clone(),
             handshake: self.handshake.clone(),
+            draining: self.draining,
         }
     }
 
@@ -1320,6 +1326,7 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 7,
+            draining: false,
             config_fingerprint: String::new(),
             config_error: String::new(),
             engines: Vec::new(),

@@ -1439,14 +1439,14 @@ impl EngineHub {
                 // to UCX cuda_ipc (DESIGN.md, H200 2026-12-01): NIXL can
                 // write only agent-owned arenas, so GPU pools move through
                 // bounce alone.
-                match self.agent.transport() {
-                    Some(t) if self.agent.has_peer_handshake(agent) => {
-                        (PathKind::Bounce, bounce(&t, descs))
-                    }
-                    _ => {
+                // A rollout in progress is ridden out (bounded), not failed.
+                match self.agent.bounce_transport_for(agent, timeout / 2) {
+                    Ok(t) => (PathKind::Bounce, bounce(&t, descs)),
+                    Err(why) => {
                         return Err(Status::failed_precondition(format!(
-                            "GPU pools move through bounce only (an engine's imported CUDA memory cannot be a NIXL write target), and bounce to agent {} is not available",
-                            LogSafe(agent)
+                            "GPU pools move through bounce only (an engine's imported CUDA memory cannot be a NIXL write target), and bounce to agent {} is not available: {}",
+                            LogSafe(agent),
+                            crate::service::http::describe_incompatibility(&why)
                         )))
                     }
                 }
@@ -1465,14 +1465,13 @@ impl EngineHub {
                 r
             }
             pb::Path::Standard => (PathKind::Standard, self.agent.submit_standard(agent, descs)),
-            pb::Path::Bounce => match self.agent.transport() {
-                Some(t) if self.agent.has_peer_handshake(agent) => {
-                    (PathKind::Bounce, bounce(&t, descs))
-                }
-                _ => {
+            pb::Path::Bounce => match self.agent.bounce_transport_for(agent, timeout / 2) {
+                Ok(t) => (PathKind::Bounce, bounce(&t, descs)),
+                Err(why) => {
                     return Err(Status::failed_precondition(format!(
-                        "bounce is not available to agent {} (not running here, or the peer is not bounce-compatible)",
-                        LogSafe(agent)
+                        "bounce is not available to agent {}: {}",
+                        LogSafe(agent),
+                        crate::service::http::describe_incompatibility(&why)
                     )))
                 }
             },

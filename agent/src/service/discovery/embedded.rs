@@ -114,6 +114,7 @@ mod tests {
             http: String::new(),
             role: String::new(),
             config_generation: 0,
+            draining: false,
             config_fingerprint: String::new(),
             config_error: String::new(),
             engines: Vec::new(),
