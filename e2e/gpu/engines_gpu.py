@@ -16,6 +16,14 @@ Python client (CUDA IPC). Then:
     second and its GPU pool is released (the agent logs it), the decode
     engine's pool stays registered, a new prefill engine transfers again.
 
+`--only rollout` (issue 14 on the GPU): a prefill engine hands blocks off
+to a decode engine back to back (GPU pools: bounce only) while each agent
+in turn is given a new bounce config (a bigger arena) through its rollout
+document in etcd (`kvfabric config-doc`, put over etcd's JSON gateway):
+every hand-off must succeed, every destination block verify, and both
+agents end at generation 1 with the new arena, same processes, engines
+still attached.
+
 Writes a JSON report (--out). Usage (repo root, on the GPU machine):
   python3 e2e/gpu/engines_gpu.py --bin BIN --etcd ETCD --out OUT.json
 """
@@ -188,6 +196,91 @@ def edge_main(sock, ready_path, out_path):
     dst.detach()
 
 
+def roll_prefill_main(sock, peer, ready_path, out_path, stop_path):
+    """Hands blocks off (AUTO: bounce for GPU pools) until `stop_path`
+    exists; records every outcome and the last writer of each destination
+    block."""
+    import torch
+    import kvfabric
+
+    layout = kvfabric.Layout.for_model(device=0, **LAYOUT)
+    nbytes = layout.pool_bytes()
+    pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+    pool.copy_(((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1)
+    torch.cuda.synchronize()
+    client = kvfabric.Client(sock, timeout=10.0)
+    s = client.attach("roll-prefill", "uid-roll-prefill", "prefill", layout)
+    s.register_tensor(pool)
+    with open(ready_path, "w") as f:
+        f.write(s.id)
+    writer, outcomes, paths, slow = {}, {}, {}, []
+    k = 0
+    t0 = time.time()
+    while not os.path.exists(stop_path) and time.time() - t0 < 120:
+        src = [100 + (k * 5 + j) % 64 for j in range(4)]
+        dst = [100 + (k * 7 + j * 3) % 300 for j in range(4)]
+        try:
+            r = s.transfer_blocks(10 + k, peer, src, dst)
+            out = r.outcome if r.ok else f"{r.outcome}: {r.reason}"
+            if r.ok:
+                for sb, db in zip(src, dst):
+                    writer[db] = sb
+            paths[r.path] = paths.get(r.path, 0) + 1
+            slow.append(r.transfer_us)
+        except kvfabric.NotFound:
+            out = "not found (decode engine not loaded yet)"
+            time.sleep(0.05)
+        except kvfabric.KvfabricError as e:
+            out = "error: " + str(e)[:200]
+        outcomes[out] = outcomes.get(out, 0) + 1
+        k += 1
+    slow.sort()
+    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))] if v else None
+    with open(out_path, "w") as f:
+        json.dump({"session": s.id, "handoffs": k, "outcomes": outcomes, "paths": paths,
+                   "transfer_us_p50": q(slow, 0.5), "transfer_us_p99": q(slow, 0.99),
+                   "transfer_us_max": slow[-1] if slow else None,
+                   "writer": {str(d): sb for d, sb in writer.items()}}, f)
+    time.sleep(3600)
+
+
+def roll_decode_main(sock, ready_path, out_path, map_path):
+    """Attaches, then once `map_path` (the prefill's report) exists checks
+    every destination block against the block its last writer sent."""
+    import torch
+    import kvfabric
+
+    layout = kvfabric.Layout.for_model(device=0, **LAYOUT)
+    nbytes = layout.pool_bytes()
+    pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    client = kvfabric.Client(sock, timeout=10.0)
+    s = client.attach("roll-decode", "uid-roll-decode", "decode", layout)
+    s.register_tensor(pool)
+    with open(ready_path, "w") as f:
+        f.write(s.id)
+    while not (os.path.exists(map_path) and os.path.getsize(map_path) > 0):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    writer = json.load(open(map_path))["writer"]
+    idx = torch.arange(nbytes, dtype=torch.int64, device="cuda:0")
+    exp_pool = ((idx * 2654435761) >> 13).remainder(255).to(torch.uint8) + 1
+    torch.cuda.synchronize()
+    bb = layout.block_bytes
+    bad = checked = 0
+    for d, sb in writer.items():
+        for layer in range(layout.layers):
+            for plane in range(2):
+                so = layout.block_offset(layer, plane, int(sb))
+                do = layout.block_offset(layer, plane, int(d))
+                checked += 1
+                if not torch.equal(pool[do:do + bb], exp_pool[so:so + bb]):
+                    bad += 1
+    with open(out_path, "w") as f:
+        json.dump({"session": s.id, "blocks_checked": checked, "bad": bad}, f)
+    time.sleep(3600)
+
+
 def engine_main(role, sock, engine_id, peer, ready_path, out_path, n_latency):
     import torch
     import kvfabric
@@ -276,7 +369,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-n", type=int, default=300)
     ap.add_argument("--bulk-repeats", type=int, default=10)
-    ap.add_argument("--only", choices=["all", "bulk", "edge"], default="all")
+    ap.add_argument("--only", choices=["all", "bulk", "edge", "rollout"], default="all")
     ap.add_argument("--log-dir", default="")
     ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
     a = ap.parse_args()
@@ -284,6 +377,10 @@ def main():
         role, sock, eid, peer, ready, out = a.engine
         if role == "bulk":
             bulk_main(sock, peer, ready, out, a.bulk_repeats)
+        elif role == "roll-prefill":
+            roll_prefill_main(sock, peer, ready, out, eid)
+        elif role == "roll-decode":
+            roll_decode_main(sock, ready, out, peer)
         elif role == "edge":
             edge_main(sock, ready, out)
         else:
@@ -320,7 +417,7 @@ def main():
             line = p.stdout.readline()
             if "listening on" not in line:
                 raise RuntimeError(f"{name} did not start: {line!r}; log {open(log.name).read()[-3000:]}")
-            agents[name] = (p, sock)
+            agents[name] = (p, sock, line.split("listening on ")[1].strip())
 
         def engine(role, node, eid, peer):
             ready = os.path.join(tmp, eid + ".ready")
@@ -339,6 +436,72 @@ def main():
                 time.sleep(0.05)
             raise RuntimeError("timed out waiting for " + path)
 
+        if a.only == "rollout":
+            import base64
+            import urllib.request
+
+            def get_config(node):
+                with urllib.request.urlopen(agents[node][2] + "/v1/config", timeout=5) as r:
+                    v = json.load(r)
+                return v["agent"], v["bounce_effective"]
+
+            def put(key, value):
+                body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
+                                   "value": base64.b64encode(value.encode()).decode()}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{cport}/v3/kv/put", data=body,
+                                             headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=5).read()
+
+            stop = os.path.join(tmp, "stop")
+            d_ready, d_out = os.path.join(tmp, "rd.ready"), os.path.join(tmp, "rd.json")
+            p_ready, p_out = os.path.join(tmp, "rp.ready"), os.path.join(tmp, "rp.json")
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin,
+                                           "--etcd", a.etcd, "--out", a.out, "--engine", "roll-decode",
+                                           agents["node-b"][1], "roll-decode", p_out, d_ready, d_out]))
+            wait_file(d_ready)
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin,
+                                           "--etcd", a.etcd, "--out", a.out, "--engine", "roll-prefill",
+                                           agents["node-a"][1], stop, "roll-decode", p_ready, p_out]))
+            wait_file(p_ready)
+            before = {n: get_config(n) for n in agents}
+            time.sleep(2.0)
+            doc_env = dict(env, KVFABRIC_BOUNCE_ARENA_SIZE_BYTES="768MiB")
+            doc = subprocess.run([a.bin, "config-doc", "--generation", "1"], env=doc_env,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            steps = []
+            for node in ("node-b", "node-a"):
+                t = time.time()
+                put(f"/kvfabric/gpu/config/agents/{node}", doc)
+                while time.time() - t < 30:
+                    _, be = get_config(node)
+                    if be.get("config_generation") == 1 and not be.get("draining"):
+                        break
+                    time.sleep(0.02)
+                steps.append({"agent": node, "applied_s": round(time.time() - t, 3)})
+                time.sleep(1.0)
+            time.sleep(2.0)
+            open(stop, "w").write("stop")
+            report["prefill"] = json.loads(wait_file(p_out, 60))
+            report["decode"] = json.loads(wait_file(d_out, 60))
+            after = {n: get_config(n) for n in agents}
+            report["rollout"] = {
+                "steps": steps,
+                "before": {n: {"agent": v[0], "generation": v[1].get("config_generation"),
+                               "arena_bytes": v[1].get("arena_usable_capacity_bytes")} for n, v in before.items()},
+                "after": {n: {"agent": v[0], "generation": v[1].get("config_generation"),
+                              "arena_bytes": v[1].get("arena_usable_capacity_bytes")} for n, v in after.items()},
+                "same_processes": all(agents[n][0].poll() is None for n in agents),
+            }
+            report["prefill"].pop("writer", None)
+            oc = report["prefill"]["outcomes"]
+            r = report["rollout"]
+            report["ok"] = (set(oc) == {"success"} and report["decode"]["bad"] == 0
+                            and report["decode"]["blocks_checked"] > 0
+                            and all(r["after"][n]["generation"] == 1 for n in agents)
+                            and all(r["after"][n]["agent"] == r["before"][n]["agent"] for n in agents)
+                            and all(r["after"][n]["arena_bytes"] > r["before"][n]["arena_bytes"] for n in agents)
+                            and r["same_processes"])
+            return
         if a.only == "edge":
             e_ready = os.path.join(tmp, "edge.ready")
             e_out = os.path.join(tmp, "edge.json")

@@ -39,6 +39,11 @@ for step in ${KVF_STEPS:-engines model vram}; do
           | grep -v '^ ' | tail -n 5 || rc=1
         grep -h "direct copy\|direct block copy\|dir=Scatter" "$out"/bulk_$src.json.node-a.log | tail -n 6
       done ;;
+    rollout)
+      # Issue 14 on the GPU: a config rollout (bigger arena) applied in
+      # process by both agents while GPU engines hand blocks off.
+      timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --only rollout --log-dir "$out" --out "$out/rollout_gpu.json" 2>&1 | grep -v '^ ' | tail -n 30 || rc=1 ;;
     edge)
       # Issue 19's byte-exact edge cases of the direct path.
       timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \

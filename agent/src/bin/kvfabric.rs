@@ -49,6 +49,10 @@ enum Cmd {
     DataplaneBench(DataplaneArgs),
     /// Run the agent daemon (config: --config YAML, KVFABRIC_* env, flags; flags win).
     Agent(AgentArgs),
+    /// Print a config rollout document (JSON) for a bounce config, to put at
+    /// /kvfabric/<fabric>/config/agents/<logical id> in etcd when no
+    /// operator manages the fabric; the agent applies it in process.
+    ConfigDoc(ConfigDocArgs),
     /// Receiver process of the data-plane bench (spawned by it).
     #[command(hide = true)]
     Peer {
@@ -59,6 +63,17 @@ enum Cmd {
         #[arg(long, value_parser = nonzero_byte_size)]
         pool_bytes: u64,
     },
+}
+
+#[derive(clap::Args)]
+struct ConfigDocArgs {
+    /// Rollout generation, at least 1 (higher than the agent's to apply).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    generation: u64,
+    /// Bounce config YAML (BounceConfig keys; default: the defaults with
+    /// bounce enabled); KVFABRIC_BOUNCE_* env overrides it.
+    #[arg(long)]
+    config: Option<PathBuf>,
 }
 
 /// Most descriptors per transfer `dataplane-bench` builds (`--total` /
@@ -724,6 +739,28 @@ fn run_dataplane(a: DataplaneArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn run_config_doc(a: ConfigDocArgs) -> Result<(), String> {
+    let mut config = match &a.config {
+        Some(p) => {
+            let y =
+                std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
+            BounceConfig::from_yaml_str(&y).map_err(|e| format!("--config {}: {e}", p.display()))?
+        }
+        None => BounceConfig {
+            enabled: true,
+            ..BounceConfig::default()
+        },
+    };
+    for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| is_config_env(k))) {
+        eprintln!("warning: {w}");
+    }
+    println!(
+        "{}",
+        kvfabric_agent::service::rollout::document(a.generation, config)?
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     kvfabric_agent::tune_allocator();
     let cli = Cli::parse();
@@ -735,6 +772,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => run_bench(a),
         Cmd::Peer { dir, pool_bytes } => dataplane::run_peer(&dir, pool_bytes),
         Cmd::DataplaneBench(a) => run_dataplane(a),
+        Cmd::ConfigDoc(a) => run_config_doc(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

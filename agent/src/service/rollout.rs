@@ -102,6 +102,24 @@ pub fn initial(
     (seed, 0, "mounted config")
 }
 
+/// The rollout document (JSON) for `bounce` at `generation` — what the
+/// operator writes to `config/agents/<logical id>`; `kvfabric config-doc`
+/// prints it for fabrics run without the operator (`etcdctl put`).
+///
+/// # Errors
+/// Generation 0 (reserved for mounted configs), or a bounce config that
+/// breaks a rule (the message names the field).
+pub fn document(
+    generation: u64,
+    bounce: kvfabric_core::config::BounceConfig,
+) -> Result<String, String> {
+    if generation == 0 {
+        return Err("--generation must be at least 1 (0 means a mounted config)".into());
+    }
+    bounce.validate().map_err(|e| format!("bounce: {e}"))?;
+    serde_json::to_string(&ConfigDoc::new(generation, bounce)).map_err(|e| e.to_string())
+}
+
 /// Fingerprint of the config `agent` runs.
 pub fn running_fingerprint(agent: &FabricAgent) -> String {
     fingerprint(agent.bounce_config().config())
@@ -219,6 +237,26 @@ mod tests {
         assert!(e.contains("fingerprint"), "{e}");
         let e = check(&doc(4, |b| b.request_timeout_ms = 0), 0).unwrap_err();
         assert!(e.starts_with("generation 4: bounce:"), "{e}");
+    }
+
+    #[test]
+    fn documents_printed_for_etcdctl_are_accepted_by_agents() {
+        let b = BounceConfig {
+            enabled: true,
+            request_timeout_ms: 4321,
+            ..BounceConfig::default()
+        };
+        let d = document(3, b).unwrap();
+        let a = check(d.as_bytes(), 2).unwrap().expect("newer");
+        assert_eq!((a.generation, a.config.request_timeout_ms()), (3, 4321));
+        assert!(document(0, BounceConfig::default())
+            .unwrap_err()
+            .contains("--generation"));
+        let bad = BounceConfig {
+            request_timeout_ms: 0,
+            ..BounceConfig::default()
+        };
+        assert!(document(1, bad).unwrap_err().contains("requestTimeoutMs"));
     }
 
     #[test]
