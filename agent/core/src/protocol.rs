@@ -92,6 +92,10 @@
 //!   late under backpressure): the receiver then frees that region under
 //!   the landing write. Here the receiver's own GRANTs and ACKs count as
 //!   activity ([`Mutations::legacy_flow_silence`] restores the old rule).
+//!   The silent-flow sweep re-checks each flow before reclaiming it:
+//!   reclaiming one silent flow frees regions that are granted at once,
+//!   possibly to the next flow on the list, which `Io`'s sweep then
+//!   reclaims right after its GRANT left ([`Mutations::legacy_silence_sweep`]).
 //! * **A credit expires after the request timeout.** Even with the clock
 //!   restarted by every GRANT and ACK, sender-local progress (a gather
 //!   done, a write landed whose DATA was lost) keeps a request alive
@@ -169,6 +173,10 @@ pub struct Mutations {
     /// `Io`'s rule: a WANT for a flow that is live or just ended is
     /// accepted (appended, or the flow re-created; see "Deviations").
     pub no_flow_tombstones: bool,
+    /// The silent-flow sweep as in `Io::check_timeouts`: the list is made
+    /// once and every flow on it reclaimed, even one granted to while the
+    /// sweep reclaimed the others (see "Deviations").
+    pub legacy_silence_sweep: bool,
 }
 
 /// Settings of one machine (the subset of `BounceConfig` the protocol
@@ -1362,7 +1370,19 @@ impl Machine {
             .filter(|(_, t)| now.saturating_sub(**t) > timeout.saturating_mul(2))
             .map(|(f, _)| f.clone())
             .collect();
+        let two_t = timeout.saturating_mul(2);
         for flow in silent {
+            // Reclaiming one flow frees regions that the next sweep grants,
+            // possibly to another flow of this list (restarting its clock):
+            // re-check, or its fresh GRANT would point at a region freed
+            // right after (deviation, module docs).
+            let still = self
+                .flow_seen
+                .get(&flow)
+                .is_some_and(|t| now.saturating_sub(*t) > two_t);
+            if !still && !self.cfg.mutations.legacy_silence_sweep {
+                continue;
+            }
             self.counters.silent_flows += 1;
             self.flow_seen.remove(&flow);
             self.reclaim_flow(&flow);
@@ -2024,6 +2044,177 @@ mod tests {
             .any(|x| matches!(x, Action::StartScatter { .. })));
         assert_eq!(b.counters().data_rejected, 1);
         assert_eq!(b.scheduler().free_bytes(), b.scheduler().capacity());
+    }
+
+    fn with(mutations: Mutations) -> Machine {
+        let mut m = machine("b");
+        m.cfg.mutations = mutations;
+        m
+    }
+
+    fn from_a(m: &mut Machine, now: Nanos, msg: Message) -> Vec<Action> {
+        m.handle(
+            now,
+            Input::Message {
+                from: "a".into(),
+                msg,
+                route: Route::Usable,
+            },
+        );
+        drain(m)
+    }
+
+    fn grants(acts: &[Action]) -> Vec<Credit> {
+        acts.iter()
+            .filter_map(|x| match x {
+                Action::Send {
+                    msg: Message::Grant(g),
+                    ..
+                } => Some(g.credits.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// Bug 6 (docs/protocol.md): a replayed WANT of a forgotten sender must
+    /// not re-create its flow, or a stale DATA is scattered from a region
+    /// the fresh grant handed out again.
+    #[test]
+    fn a_replayed_want_after_a_forget_does_not_revive_the_flow() {
+        for old_rule in [false, true] {
+            let mut b = with(Mutations {
+                no_flow_tombstones: old_rule,
+                ..Mutations::default()
+            });
+            let want = Message::Want(Want {
+                request_id: 1,
+                chunk_bytes: vec![512],
+                endpoint: b"a".to_vec(),
+            });
+            let region = grants(&from_a(&mut b, 0, want.clone()))[0].region_handle;
+            b.handle(1, Input::PeerForgotten { peer: "a".into() });
+            drain(&mut b);
+            let regrant = grants(&from_a(&mut b, 2, want));
+            let data = Message::Data(Data {
+                request_id: 1,
+                chunk_index: 0,
+                region_handle: region,
+                runs: run(512),
+            });
+            let scattered = from_a(&mut b, 3, data)
+                .iter()
+                .any(|x| matches!(x, Action::StartScatter { .. }));
+            assert_eq!(regrant.is_empty(), !old_rule, "old rule {old_rule}");
+            assert_eq!(scattered, old_rule, "old rule {old_rule}");
+        }
+    }
+
+    /// Bug 5: a chunk whose credit is older than the request timeout is
+    /// not written (the receiver may have reclaimed the region).
+    #[test]
+    fn a_credit_older_than_the_timeout_is_not_written() {
+        for old_rule in [false, true] {
+            let mut a = machine("a");
+            a.cfg.mutations.legacy_credit_expiry = old_rule;
+            a.cfg.copy_contexts = 1;
+            a.exec_free = 1;
+            a.handle(0, Input::PeerAdded { peer: "b".into() });
+            // Two chunks; one copy context: chunk 1 stages only after
+            // chunk 0's gather, which takes (almost) a timeout each.
+            a.handle(
+                0,
+                Input::Submit {
+                    rid: 1,
+                    peer: "b".into(),
+                    chunks: chunks(&[512, 512]),
+                },
+            );
+            let credits: Vec<Credit> = (0..2)
+                .map(|i| Credit {
+                    chunk_index: i,
+                    region_handle: 1024 * u64::from(i),
+                    addr: 0,
+                    len: 512,
+                    device_id: 0,
+                })
+                .collect();
+            a.handle(
+                1,
+                Input::Message {
+                    from: "b".into(),
+                    msg: Message::Grant(Grant {
+                        request_id: 1,
+                        credits,
+                    }),
+                    route: Route::Usable,
+                },
+            );
+            let job = |acts: &[Action]| {
+                acts.iter().find_map(|x| match x {
+                    Action::StartGather { job, .. } => Some(*job),
+                    _ => None,
+                })
+            };
+            let j0 = job(&drain(&mut a)).unwrap();
+            a.handle(
+                T,
+                Input::GatherDone {
+                    job: j0,
+                    result: Ok(run(512)),
+                },
+            );
+            let acts = drain(&mut a);
+            let j1 = job(&acts).unwrap();
+            a.handle(
+                2 * T,
+                Input::GatherDone {
+                    job: j1,
+                    result: Ok(run(512)),
+                },
+            );
+            let acts = drain(&mut a);
+            let posted = acts
+                .iter()
+                .any(|x| matches!(x, Action::PostWrite { chunk: 1, .. }));
+            assert_eq!(posted, old_rule, "old rule {old_rule}: {acts:?}");
+        }
+    }
+
+    /// The silent-flow sweep must not reclaim a flow that reclaiming an
+    /// earlier one just granted to: its GRANT is on the way to the sender.
+    #[test]
+    fn the_silence_sweep_spares_a_flow_it_just_granted_to() {
+        for old_rule in [false, true] {
+            let mut b = with(Mutations {
+                legacy_silence_sweep: old_rule,
+                ..Mutations::default()
+            });
+            let want = |rid, chunk_bytes: Vec<u64>| {
+                Message::Want(Want {
+                    request_id: rid,
+                    chunk_bytes,
+                    endpoint: b"a".to_vec(),
+                })
+            };
+            // Flow 1 takes the whole arena; flow 2 waits for space.
+            assert_eq!(
+                grants(&from_a(&mut b, 0, want(1, vec![2048, 2048]))).len(),
+                2
+            );
+            assert!(grants(&from_a(&mut b, 0, want(2, vec![1024]))).is_empty());
+            // Both silent for 2 × timeout: flow 1 is reclaimed, its space
+            // granted to flow 2 — which must then be left alone.
+            b.handle(2 * T + 1, Input::Tick);
+            let granted = grants(&drain(&mut b));
+            assert_eq!(granted.len(), 1, "old rule {old_rule}");
+            let f2 = FlowKey::new("a", 2);
+            assert_eq!(
+                b.scheduler().held_by_flow(&f2, granted[0].region_handle),
+                !old_rule,
+                "old rule {old_rule}"
+            );
+        }
     }
 
     #[test]

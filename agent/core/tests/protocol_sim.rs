@@ -77,6 +77,7 @@ fn mutation_named(name: &str) -> Mutations {
         "legacy_flow_silence" => m.legacy_flow_silence = true,
         "legacy_credit_expiry" => m.legacy_credit_expiry = true,
         "no_flow_tombstones" => m.no_flow_tombstones = true,
+        "legacy_silence_sweep" => m.legacy_silence_sweep = true,
         other => panic!("unknown mutation {other:?}"),
     }
     m
@@ -145,12 +146,11 @@ fn mutation_bidirectional_reserve() {
 #[test]
 fn regression_seeds() {
     for (name, seed) in [
-        ("unkeyed_credits", 33),
-        ("unchecked_data_chunk", 18),
-        ("legacy_eager_reserve", 790),
-        ("legacy_flow_silence", 7458),
-        ("legacy_credit_expiry", 299411),
-        ("no_flow_tombstones", 258851),
+        ("unkeyed_credits", 19),
+        ("unchecked_data_chunk", 21),
+        ("legacy_eager_reserve", 57),
+        ("legacy_flow_silence", 5363),
+        ("legacy_credit_expiry", 291593),
     ] {
         assert!(
             run_seed(seed, mutation_named(name)).is_err(),

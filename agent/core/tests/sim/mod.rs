@@ -90,6 +90,9 @@ struct Faults {
     /// Spontaneous events that are forged messages from a peer named
     /// `rogue` (random fields: the machine must drop or survive them).
     rogue: u64,
+    /// Spontaneous events that are bursts: every agent submits to every
+    /// peer at once (calm seeds too).
+    burst: u64,
     /// Some pairs learn of each other only later (WANTs then bootstrap
     /// the reverse route).
     late_register: bool,
@@ -351,6 +354,7 @@ impl Sim {
             unroutable: p(&mut rng, 30),
             send_fail: p(&mut rng, 20),
             rogue: p(&mut rng, 150),
+            burst: rng.below(101),
             late_register: !calm && rng.chance(300),
         };
         let n = rng.range(3, 4) as usize;
@@ -624,6 +628,9 @@ impl Sim {
         if roll >= 1000 - f.rogue {
             return self.rogue(i);
         }
+        if roll >= 1000 - f.rogue - f.burst {
+            return self.burst();
+        }
         if roll < f.crash + f.shutdown + f.cancel + f.detach {
             let half = self.spont.below(2) as usize;
             if self.agents[i].unmapped[half]
@@ -649,18 +656,46 @@ impl Sim {
         } else {
             peers[self.spont.below(peers.len() as u64) as usize].clone()
         };
-        let k = self.spont.range(1, 5) as usize;
-        let chunks: Vec<ChunkBound> = (0..k)
-            .map(|c| {
-                let b = self.spont.range(1, MAX_CHUNK / 32) * 32;
-                ChunkBound {
-                    index: c as u32,
-                    first_desc: c,
-                    first_done: 0,
-                    packed_bytes: b,
-                    payload_bytes: b,
-                    pieces: 1,
-                }
+        let k = self.spont.range(1, 5);
+        let sizes: Vec<u64> = (0..k)
+            .map(|_| self.spont.range(1, MAX_CHUNK / 32) * 32)
+            .collect();
+        self.submit(i, peer, &sizes);
+        Ok(())
+    }
+
+    /// Every live agent submits a request of 1–3 large chunks to every
+    /// peer it knows, all at once (traffic both ways over small arenas).
+    fn burst(&mut self) -> R {
+        self.note(|| "burst".to_string());
+        for i in 0..self.agents.len() {
+            if self.agents[i].down || self.agents[i].shutting {
+                continue;
+            }
+            let peers: Vec<String> = self.agents[i].registered.iter().cloned().collect();
+            for peer in peers {
+                let k = self.spont.range(1, 3);
+                let sizes: Vec<u64> = (0..k)
+                    .map(|_| self.spont.range(MAX_CHUNK / 64, MAX_CHUNK / 32) * 32)
+                    .collect();
+                self.submit(i, peer, &sizes);
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(&mut self, i: usize, peer: String, sizes: &[u64]) {
+        let k = sizes.len();
+        let chunks: Vec<ChunkBound> = sizes
+            .iter()
+            .enumerate()
+            .map(|(c, &b)| ChunkBound {
+                index: c as u32,
+                first_desc: c,
+                first_done: 0,
+                packed_bytes: b,
+                payload_bytes: b,
+                pieces: 1,
             })
             .collect();
         let a = &mut self.agents[i];
@@ -675,12 +710,10 @@ impl Sim {
             },
         );
         self.stats.submitted += 1;
-        let sizes: Vec<u64> = chunks.iter().map(|c| c.packed_bytes).collect();
         self.note(|| format!("{i} Submit rid {rid} → {peer} chunks {sizes:?}"));
         self.agents[i]
             .inputs
             .push_back(Input::Submit { rid, peer, chunks });
-        Ok(())
     }
 
     /// A forged message from `rogue` to agent `i`: plausible-looking random
