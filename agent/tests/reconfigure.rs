@@ -141,6 +141,11 @@ fn arena_rebuilt_in_process_generations_isolate_and_bounce_resumes() {
     }
     assert_eq!(rx.config_generation(), 1);
     assert_eq!(rx.bounce_config(), next);
+    assert_eq!(
+        rx.handshake().unwrap().endpoint,
+        endpoint,
+        "the rollback keeps the control endpoint too"
+    );
     rx.set_config_generation(2);
     tx.load_peer(&rx.local_descriptor().unwrap()).unwrap();
     rx.load_peer(&tx.local_descriptor().unwrap()).unwrap();

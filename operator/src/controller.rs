@@ -715,8 +715,27 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         .as_ref()
         .and_then(|b| b.validate().err())
         .map(|e| e.to_string());
-    // Unset: the agents' mounted configs rule; nothing rolls out.
-    let managed = fabric.spec.bounce.is_some();
+    // Unset: the agents' mounted configs rule; nothing rolls out. The
+    // previous CRD defaulted the whole object to the agent's defaults (bounce
+    // off) in every stored KvFabric: that exact value is not taken as a
+    // request to manage (it would switch bounce off fleet-wide on upgrade).
+    let stored_default = fabric
+        .spec
+        .bounce
+        .as_ref()
+        .is_some_and(|b| *b == kvfabric_core::config::BounceConfig::default());
+    let managed = fabric.spec.bounce.is_some() && !stored_default;
+    if stored_default {
+        publish_event(
+            &client,
+            &fabric,
+            EventType::Warning,
+            "BounceConfigNotManaged",
+            "Validate",
+            "spec.bounce equals the agent defaults with bounce disabled (what the previous CRD stored for an unset field): not rolled out; set enabled: true (or any key) to have the operator manage it, or remove spec.bounce".into(),
+        )
+        .await;
+    }
     if let Some(e) = &config_error {
         publish_event(
             &client,
@@ -759,6 +778,19 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
     let mut events = stream::select_all(streams);
 
     let store = connect_store(&client, &fabric, &metrics).await;
+    if !managed {
+        // Documents of an earlier managed spec would still win over the
+        // mounted configs when agents restart.
+        match store.delete_config_docs().await {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(fabric = %name, keys = n, "spec.bounce unset: rollout documents removed")
+            }
+            Err(e) => {
+                tracing::warn!(fabric = %name, error = %e, "removing rollout documents failed")
+            }
+        }
+    }
     // Agent reports, polled on a task of their own (a slow agent never
     // delays an invalidation); aborted with this task.
     let (report_tx, mut report_rx) = tokio::sync::mpsc::channel(1);
@@ -1040,7 +1072,8 @@ async fn rollout_step(
     let Some(bounce) = &fabric.spec.bounce else {
         return Ok(previous.clone());
     };
-    let desired = next_desired(read.desired.as_ref(), bounce);
+    let floor = crate::store::highest_running_generation(&read.records);
+    let desired = next_desired(read.desired.as_ref(), bounce, floor);
     if read.desired.as_ref() != Some(&desired) {
         store.put_desired(&desired).await?;
         tracing::info!(fabric = %fabric.name_any(), generation = desired.generation, fingerprint = %desired.fingerprint, "config rollout started");

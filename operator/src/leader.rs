@@ -416,12 +416,23 @@ mod tests {
             decide(Some(&l2), o2.at_ms, "a", 3_624_999),
             Step::Follow { .. }
         ));
-        // Unchanged for the lease duration on our clock (the holder's
-        // clock may be an hour ahead: its renewTime does not count): expired.
+        // Unchanged for the lease duration on our clock: expired.
         let o3 = observe(Some(&o2), &l2, 3_620_000);
         assert_eq!(o3.at_ms, 3_610_000, "same record keeps its first sighting");
         assert_eq!(
             decide(Some(&l2), o3.at_ms, "a", 3_625_000),
+            Step::Acquire { transitions: 4 }
+        );
+        // The holder's clock an hour ahead of ours: its renewTime (in our
+        // future) does not keep a dead holder's lease for an hour.
+        let ahead = held("b", 3_600_000 + 3_600_000);
+        let oa = observe(None, &ahead, 3_600_000);
+        assert!(matches!(
+            decide(Some(&ahead), oa.at_ms, "a", 3_614_999),
+            Step::Follow { .. }
+        ));
+        assert_eq!(
+            decide(Some(&ahead), oa.at_ms, "a", 3_615_000),
             Step::Acquire { transitions: 4 }
         );
     }

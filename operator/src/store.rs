@@ -80,18 +80,7 @@ pub fn rollout_inputs(
     documents: &[(String, Vec<u8>)],
     desired: u64,
 ) -> Vec<AgentRollout> {
-    let mut newest: std::collections::BTreeMap<String, RecordConfig> = Default::default();
-    for (_, v) in records {
-        let Ok(r) = serde_json::from_slice::<RecordConfig>(v) else {
-            continue;
-        };
-        match newest.get(&r.logical_id) {
-            Some(p) if p.started_at_ms > r.started_at_ms => {}
-            _ => {
-                newest.insert(r.logical_id.clone(), r);
-            }
-        }
-    }
+    let newest = newest_records(records);
     let assigned: std::collections::BTreeMap<&str, u64> = documents
         .iter()
         .filter_map(|(id, v)| {
@@ -123,19 +112,43 @@ pub struct RolloutRead {
     pub documents: Vec<(String, Vec<u8>)>,
 }
 
-/// `logical id: config_error` of the agent records (key, JSON value) that
+/// The newest incarnation's record per logical id (undecodable skipped).
+fn newest_records(
+    records: &[(String, Vec<u8>)],
+) -> std::collections::BTreeMap<String, RecordConfig> {
+    let mut newest: std::collections::BTreeMap<String, RecordConfig> = Default::default();
+    for (_, v) in records {
+        let Ok(r) = serde_json::from_slice::<RecordConfig>(v) else {
+            continue;
+        };
+        match newest.get(&r.logical_id) {
+            Some(p) if p.started_at_ms > r.started_at_ms => {}
+            _ => {
+                newest.insert(r.logical_id.clone(), r);
+            }
+        }
+    }
+    newest
+}
+
+/// `logical id: config_error` of the agents (newest incarnation each) that
 /// refused generation `desired` (pure; sorted).
 pub fn refusals(records: &[(String, Vec<u8>)], desired: u64) -> Vec<String> {
     let tag = format!("generation {desired}:");
-    let mut v: Vec<String> = records
-        .iter()
-        .filter_map(|(_, v)| serde_json::from_slice::<RecordConfig>(v).ok())
+    newest_records(records)
+        .into_values()
         .filter(|r| r.config_error.contains(&tag))
         .map(|r| format!("{}: {}", r.logical_id, r.config_error))
-        .collect();
-    v.sort();
-    v.dedup();
-    v
+        .collect()
+}
+
+/// The highest config generation any agent record says it runs (pure).
+pub fn highest_running_generation(records: &[(String, Vec<u8>)]) -> u64 {
+    newest_records(records)
+        .values()
+        .map(|r| r.config_generation)
+        .max()
+        .unwrap_or(0)
 }
 
 /// A tombstone's value.
@@ -458,6 +471,21 @@ impl FabricStore {
     pub async fn put_desired(&self, doc: &ConfigDoc) -> Result<(), StoreError> {
         let key = format!("{}{DESIRED_KEY}", fabric_prefix(&self.fabric));
         self.put_json(key, doc).await
+    }
+
+    /// Deletes every rollout document (`config/`): a fabric whose
+    /// `spec.bounce` is unset leaves the agents on their mounted configs,
+    /// also when they restart. Returns how many keys went.
+    pub async fn delete_config_docs(&self) -> Result<i64, StoreError> {
+        let mut kv = self.client.kv_client();
+        let prefix = format!("{}config/", fabric_prefix(&self.fabric));
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(resp.deleted())
     }
 
     /// Writes `logical_id`'s document (the agent applies it).

@@ -85,14 +85,23 @@ pub fn fingerprint(config: &BounceConfig) -> String {
 }
 
 /// The next desired document: `previous` when its fingerprint matches
-/// `bounce` (no new generation), else `bounce` at the next generation
-/// (1 when there is none).
-pub fn next_desired(previous: Option<&ConfigDoc>, bounce: &BounceConfig) -> ConfigDoc {
+/// `bounce` (no new generation), else `bounce` at a generation above both
+/// `previous`'s and `running_floor` — the highest generation any agent
+/// runs — so a fabric whose documents were lost (its `KvFabric` deleted
+/// and created again while agents kept running) still moves every agent
+/// (agents apply only newer generations).
+pub fn next_desired(
+    previous: Option<&ConfigDoc>,
+    bounce: &BounceConfig,
+    running_floor: u64,
+) -> ConfigDoc {
     let fp = fingerprint(bounce);
     match previous {
-        Some(p) if p.fingerprint == fp => p.clone(),
-        Some(p) => ConfigDoc::new(p.generation.saturating_add(1), bounce.clone()),
-        None => ConfigDoc::new(1, bounce.clone()),
+        Some(p) if p.fingerprint == fp && p.generation >= running_floor => p.clone(),
+        _ => {
+            let base = previous.map_or(0, |p| p.generation).max(running_floor);
+            ConfigDoc::new(base.saturating_add(1), bounce.clone())
+        }
     }
 }
 
@@ -203,13 +212,16 @@ mod tests {
     #[test]
     fn desired_generation_moves_only_with_the_config() {
         let a = BounceConfig::default();
-        let d1 = next_desired(None, &a);
+        let d1 = next_desired(None, &a, 0);
         assert_eq!(d1.generation, 1);
-        assert_eq!(next_desired(Some(&d1), &a), d1);
+        assert_eq!(next_desired(Some(&d1), &a, 1), d1);
         let mut b = a.clone();
         b.request_timeout_ms += 1;
-        let d2 = next_desired(Some(&d1), &b);
+        let d2 = next_desired(Some(&d1), &b, 1);
         assert_eq!(d2.generation, 2);
+        // Documents lost while agents run generation 7: the next is 8.
+        assert_eq!(next_desired(None, &a, 7).generation, 8);
+        assert_eq!(next_desired(Some(&d1), &a, 7).generation, 8);
         assert!(d2.check().is_ok());
         let mut bad = d2.clone();
         bad.bounce.request_timeout_ms += 1;

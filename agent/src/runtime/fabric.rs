@@ -96,6 +96,9 @@ pub enum Incompatibility {
     },
     /// The peer's control endpoint could not be registered.
     Endpoint(String),
+    /// This agent or the peer is draining for a reconfiguration (bounce
+    /// comes back with the next generation's handshake).
+    Draining,
     /// Config (rollout) generations differ (issue 14: bounce runs only
     /// between agents of the same generation; mixed pairs use the standard
     /// path while a rollout advances).
@@ -249,8 +252,12 @@ pub struct FabricAgent {
     /// The bounce side, replaced whole by [`FabricAgent::reconfigure`].
     bounce: RwLock<BounceSide>,
     /// Set while a reconfiguration drains: no new bounce submissions
-    /// ([`Incompatibility::LocalDraining`]).
+    /// ([`Incompatibility::Draining`] for bounce-only transfers).
     draining: AtomicBool,
+    /// Set while a reconfiguration has taken the old side out (its
+    /// transport stopping, the new one building): a withdrawn scatter range
+    /// is safe only once that ended.
+    rebuilding: AtomicBool,
     /// Whether the standard poller drives NIXL progress (true while no
     /// transport's IO thread does).
     std_progress: Arc<AtomicBool>,
@@ -283,11 +290,21 @@ pub struct FabricAgent {
 /// and handshake. A reconfiguration replaces it whole.
 struct BounceSide {
     config: EffectiveBounceConfig,
+    /// Config (rollout) generation in force, whether or not bounce runs
+    /// (the handshake carries it too when it does).
+    generation: u64,
     transport: Option<Arc<BounceTransport>>,
     arena: Option<ArenaMem>,
     handshake: Option<Handshake>,
     /// Why bounce is off, if it is.
     unavailable: Option<String>,
+}
+
+/// What a new transport starts with (see [`TransportSettings`]).
+struct TransportInit {
+    allowed: Vec<(u64, u64)>,
+    notice_sink: Option<Sender<(String, Notice)>>,
+    first_request_id: u64,
 }
 
 /// How a [`FabricAgent::reconfigure`] went.
@@ -360,12 +377,14 @@ impl FabricAgent {
             engine: engine.clone(),
             bounce: RwLock::new(BounceSide {
                 config: opts.config.clone(),
+                generation: 0,
                 transport: None,
                 arena: None,
                 handshake: None,
                 unavailable: None,
             }),
             draining: AtomicBool::new(false),
+            rebuilding: AtomicBool::new(false),
             std_progress: Arc::new(AtomicBool::new(true)),
             arena_choice: arena.clone(),
             bind: opts.bind.clone(),
@@ -389,7 +408,7 @@ impl FabricAgent {
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
         };
-        let side = agent.build_side(opts.config.clone(), 0, None);
+        let (side, _) = agent.build_side(opts.config.clone(), 0, None, 1, &[]);
         if let Some(why) = &side.unavailable {
             if opts.config.enabled() {
                 tracing::warn!(agent = %opts.name, reason = %why, "bounce initialisation failed; using the standard NIXL path");
@@ -465,22 +484,43 @@ impl FabricAgent {
     /// scatter destinations and the notice sink set. Never fails: a side
     /// that cannot be built says why in `unavailable` (a fallback counted).
     /// `reuse`: the previous transport's control channel, kept when its
-    /// kind is the new config's (the endpoint then stays the same).
+    /// kind is the new config's (the endpoint then stays the same); it
+    /// comes back when the build failed before using it (the arena could
+    /// not be had). `first_request_id`: where request ids continue.
     fn build_side(
         &self,
         config: EffectiveBounceConfig,
         generation: u64,
         reuse: Option<Box<dyn ControlChannel>>,
-    ) -> BounceSide {
+        first_request_id: u64,
+        engine_ranges: &[(u64, u64)],
+    ) -> (BounceSide, Option<Box<dyn ControlChannel>>) {
+        let off = |config, unavailable| BounceSide {
+            config,
+            generation,
+            transport: None,
+            arena: None,
+            handshake: None,
+            unavailable: Some(unavailable),
+        };
         if !config.enabled() {
-            return BounceSide {
-                config,
-                transport: None,
-                arena: None,
-                handshake: None,
-                unavailable: Some("bounce disabled by config".into()),
-            };
+            return (off(config, "bounce disabled by config".into()), reuse);
         }
+        let mut allowed: Vec<(u64, u64)> = self
+            .kv_regions
+            .iter()
+            .map(|(_, d)| (d.addr, d.len))
+            .collect();
+        allowed.extend_from_slice(engine_ranges);
+        let init = TransportInit {
+            allowed,
+            notice_sink: self
+                .notice_sink
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            first_request_id,
+        };
         match Self::init_bounce(
             &self.engine,
             &self.name,
@@ -489,45 +529,23 @@ impl FabricAgent {
             self.copy.clone(),
             &self.arena_choice,
             reuse,
+            init,
         ) {
             Ok((transport, arena, mut hs)) => {
                 hs.config_generation = generation;
-                for (_, d) in &self.kv_regions {
-                    transport.allow_scatter_range(d.addr, d.len);
-                }
-                for (addr, len) in self
-                    .scatter_ranges
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                {
-                    transport.allow_scatter_range(*addr, *len);
-                }
-                if let Some(tx) = self
-                    .notice_sink
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .as_ref()
-                {
-                    transport.set_notice_sink(tx.clone());
-                }
-                BounceSide {
+                let side = BounceSide {
                     config,
+                    generation,
                     transport: Some(Arc::new(transport)),
                     arena: Some(arena),
                     handshake: Some(hs),
                     unavailable: None,
-                }
+                };
+                (side, None)
             }
-            Err(why) => {
+            Err((why, back)) => {
                 self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
-                BounceSide {
-                    config,
-                    transport: None,
-                    arena: None,
-                    handshake: None,
-                    unavailable: Some(why),
-                }
+                (off(config, why), back)
             }
         }
     }
@@ -540,23 +558,37 @@ impl FabricAgent {
         copy: Option<Arc<dyn CopyEngine>>,
         choice: &ArenaChoice,
         reuse: Option<Box<dyn ControlChannel>>,
-    ) -> Result<(BounceTransport, ArenaMem, Handshake), String> {
-        let (arena, spec, default_copy) = Self::make_arena(engine, cfg, choice)?;
+        init: TransportInit,
+    ) -> Result<(BounceTransport, ArenaMem, Handshake), (String, Option<Box<dyn ControlChannel>>)>
+    {
+        let (arena, spec, default_copy) = match Self::make_arena(engine, cfg, choice) {
+            Ok(a) => a,
+            Err(e) => return Err((e, reuse)),
+        };
+        // Past this point a failure deregisters the arena before it is
+        // freed (dropped with the error).
+        let arena_base = spec.base;
+        let fail = |e: String| {
+            engine.deregister_region(arena_base);
+            Err((e, None))
+        };
         // NIXL notifications, else the `controlTransport` socket kind.
         let control_kind = cfg.control_kind();
         let channel: Box<dyn ControlChannel> = match (reuse, control_kind) {
             (Some(c), _) => c,
-            (None, kind) => match kind {
-                ControlKind::Zmq => Box::new(
-                    ZmqControlChannel::bind(name, bind.clone())
-                        .map_err(|e| format!("binding the ZMQ control channel: {e}"))?,
-                ),
-                ControlKind::Tcp => Box::new(
-                    crate::runtime::control::tcp::TcpControlChannel::bind(name, bind.clone())
-                        .map_err(|e| format!("binding the TCP control channel: {e}"))?,
-                ),
-                ControlKind::NixlNotif => Box::new(NixlNotifControlChannel::new(engine.clone())),
+            (None, ControlKind::Zmq) => match ZmqControlChannel::bind(name, bind.clone()) {
+                Ok(c) => Box::new(c),
+                Err(e) => return fail(format!("binding the ZMQ control channel: {e}")),
             },
+            (None, ControlKind::Tcp) => {
+                match crate::runtime::control::tcp::TcpControlChannel::bind(name, bind.clone()) {
+                    Ok(c) => Box::new(c),
+                    Err(e) => return fail(format!("binding the TCP control channel: {e}")),
+                }
+            }
+            (None, ControlKind::NixlNotif) => {
+                Box::new(NixlNotifControlChannel::new(engine.clone()))
+            }
         };
         let settings = TransportSettings {
             granularity_bytes: cfg.granularity_bytes(),
@@ -568,16 +600,15 @@ impl FabricAgent {
             eager_gather: cfg.config().enable_eager_gather,
             merge_runs: !cfg.config().disable_scatter_run_merging,
             busy_poll: cfg.busy_poll(host_cpus()),
+            allowed_scatter_ranges: init.allowed,
+            notice_sink: init.notice_sink,
+            first_request_id: init.first_request_id,
         };
         let copy = copy.unwrap_or(default_copy);
-        let arena_base = spec.base;
         let transport = match BounceTransport::start(engine.clone(), channel, copy, spec, settings)
         {
             Ok(t) => t,
-            Err(e) => {
-                engine.deregister_region(arena_base);
-                return Err(e);
-            }
+            Err(e) => return fail(e),
         };
         let hs = Handshake {
             wire_version: WIRE_VERSION,
@@ -621,13 +652,10 @@ impl FabricAgent {
         self.side().config.clone()
     }
 
-    /// Config (rollout) generation in force: the handshake's, 0 before any
-    /// rollout or without bounce.
+    /// Config (rollout) generation in force (0 before any rollout), with
+    /// or without bounce running.
     pub fn config_generation(&self) -> u64 {
-        self.side()
-            .handshake
-            .as_ref()
-            .map_or(0, |h| h.config_generation)
+        self.side().generation
     }
 
     /// Whether a reconfiguration is draining (no new bounce work).
@@ -648,9 +676,10 @@ impl FabricAgent {
     pub fn bounce_idle(&self) -> bool {
         match self.transport() {
             None => true,
+            // A snapshot that does not answer (busy IO thread) is not idle.
             Some(t) => t
                 .snapshot()
-                .is_none_or(|s| s.send_requests == 0 && s.flows == 0),
+                .is_some_and(|s| s.send_requests == 0 && s.flows == 0),
         }
     }
 
@@ -667,58 +696,88 @@ impl FabricAgent {
     /// cannot be built the previous config is rebuilt
     /// ([`Reconfigured::RolledBack`]). Ends the drain.
     pub fn reconfigure(&self, config: EffectiveBounceConfig, generation: u64) -> Reconfigured {
-        let result = {
+        // No new bounce work until the peers are re-evaluated against the
+        // new side (a fresh transport has no routes before that).
+        self.draining.store(true, Ordering::SeqCst);
+        let result = self.replace_side(config, generation);
+        self.reevaluate_peers();
+        self.draining.store(false, Ordering::SeqCst);
+        tracing::info!(agent = %self.name, generation = self.config_generation(), ?result, "bounce reconfigured");
+        result
+    }
+
+    /// [`FabricAgent::reconfigure`]'s work. The lock is held only to swap
+    /// sides: the old transport stops and the new arena is built outside
+    /// it, while readers see a placeholder (no transport: the standard
+    /// path; the old config and generation).
+    fn replace_side(&self, config: EffectiveBounceConfig, generation: u64) -> Reconfigured {
+        let mut old = {
             let mut side = self.bounce.write().unwrap_or_else(|p| p.into_inner());
             if side.config == config && (side.transport.is_some() || !config.enabled()) {
+                side.generation = generation;
                 if let Some(h) = &mut side.handshake {
                     h.config_generation = generation;
                 }
-                Reconfigured::Applied { rebuilt: false }
-            } else {
-                let previous = side.config.clone();
-                let previous_generation =
-                    side.handshake.as_ref().map_or(0, |h| h.config_generation);
-                let previous_kind = previous.control_kind();
-                let channel = self.retire_side(&mut side);
-                self.std_progress.store(true, Ordering::SeqCst);
-                // The control endpoint survives when the kind does: peers'
-                // routes (and notices in flight to us) stay valid.
-                let (reuse, mut spare) = if config.control_kind() == previous_kind {
-                    (channel, None)
-                } else {
-                    (None, channel)
-                };
-                let next = self.build_side(config.clone(), generation, reuse);
-                let result = match (&next.unavailable, config.enabled()) {
-                    (Some(why), true) => {
-                        tracing::error!(agent = %self.name, generation, reason = %why, "the new bounce config cannot be built; rebuilding the previous one");
-                        // A failed build dropped the reused channel with
-                        // its transport; the previous kind's spare (if
-                        // any) is the one to keep.
-                        let back = self.build_side(previous, previous_generation, spare.take());
-                        let r = match &back.unavailable {
-                            None => Reconfigured::RolledBack { why: why.clone() },
-                            Some(w2) => Reconfigured::BounceLost {
-                                why: format!("{why}; the previous config failed too: {w2}"),
-                            },
-                        };
-                        *side = back;
-                        r
-                    }
-                    _ => {
-                        *side = next;
-                        Reconfigured::Applied { rebuilt: true }
-                    }
-                };
-                drop(spare);
-                self.std_progress
-                    .store(side.transport.is_none(), Ordering::SeqCst);
-                result
+                return Reconfigured::Applied { rebuilt: false };
             }
+            let placeholder = BounceSide {
+                config: side.config.clone(),
+                generation: side.generation,
+                transport: None,
+                arena: None,
+                handshake: None,
+                unavailable: Some("reconfiguring".into()),
+            };
+            self.rebuilding.store(true, Ordering::SeqCst);
+            std::mem::replace(&mut *side, placeholder)
         };
-        self.draining.store(false, Ordering::SeqCst);
-        self.reevaluate_peers();
-        tracing::info!(agent = %self.name, generation = self.config_generation(), ?result, "bounce reconfigured");
+        let previous = old.config.clone();
+        let previous_generation = old.generation;
+        let previous_kind = previous.control_kind();
+        let first_rid = old.transport.as_ref().map_or(1, |t| t.next_request_id());
+        let channel = self.retire_side(&mut old);
+        // The control endpoint survives when the kind does: peers' routes
+        // (and what they send meanwhile) stay valid.
+        let (reuse, spare) = if config.control_kind() == previous_kind {
+            (channel, None)
+        } else {
+            (None, channel)
+        };
+        // Engines' pools allowed or withdrawn meanwhile wait for the swap:
+        // the new transport starts with exactly the ranges allowed now.
+        let ranges = self
+            .scatter_ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (next, back_channel) =
+            self.build_side(config.clone(), generation, reuse, first_rid, &ranges);
+        let (side, result) = match (&next.unavailable, config.enabled()) {
+            (Some(why), true) => {
+                tracing::error!(agent = %self.name, generation, reason = %why, "the new bounce config cannot be built; rebuilding the previous one");
+                // The channel comes back from a build that failed before
+                // using it (else the previous kind's spare, if any).
+                let (back, _) = self.build_side(
+                    previous,
+                    previous_generation,
+                    back_channel.or(spare),
+                    first_rid,
+                    &ranges,
+                );
+                let r = match &back.unavailable {
+                    None => Reconfigured::RolledBack { why: why.clone() },
+                    Some(w2) => Reconfigured::BounceLost {
+                        why: format!("{why}; the previous config failed too: {w2}"),
+                    },
+                };
+                (back, r)
+            }
+            _ => (next, Reconfigured::Applied { rebuilt: true }),
+        };
+        let no_transport = side.transport.is_none();
+        *self.bounce.write().unwrap_or_else(|p| p.into_inner()) = side;
+        self.rebuilding.store(false, Ordering::SeqCst);
+        drop(ranges);
+        self.std_progress.store(no_transport, Ordering::SeqCst);
         result
     }
 
@@ -743,7 +802,8 @@ impl FabricAgent {
     }
 
     /// Re-checks every loaded peer's stored handshake against ours (after
-    /// our generation or transport changed).
+    /// our generation or transport changed). A peer reloaded or forgotten
+    /// meanwhile keeps what that did.
     fn reevaluate_peers(&self) {
         let blobs: Vec<(String, Option<Vec<u8>>)> = self
             .peers
@@ -760,7 +820,9 @@ impl FabricAgent {
                 .unwrap_or_else(|p| p.into_inner())
                 .get_mut(&peer)
             {
-                p.bounce = bounce;
+                if p.handshake_blob == blob {
+                    p.bounce = bounce;
+                }
             }
         }
     }
@@ -784,7 +846,10 @@ impl FabricAgent {
     ) -> Result<Arc<BounceTransport>, Incompatibility> {
         let deadline = Instant::now() + within;
         loop {
-            let t = self.transport().ok_or(Incompatibility::LocalBounceOff)?;
+            let t = match (self.is_draining(), self.transport()) {
+                (false, None) => return Err(Incompatibility::LocalBounceOff),
+                (_, t) => t,
+            };
             let state = self
                 .peers
                 .lock()
@@ -797,16 +862,14 @@ impl FabricAgent {
                 (true, _) | (false, Some((Err(Incompatibility::NoHandshake), true))) => {}
                 (false, Some((Ok(_), _)))
                 | (false, Some((Err(Incompatibility::ConfigGeneration { .. }), _))) => {
-                    return Ok(t)
+                    if let Some(t) = t {
+                        return Ok(t);
+                    }
                 }
                 (false, Some((Err(e), _))) => return Err(e),
             }
             if Instant::now() >= deadline {
-                return Err(if self.is_draining() {
-                    Incompatibility::LocalBounceOff
-                } else {
-                    Incompatibility::NoHandshake
-                });
+                return Err(Incompatibility::Draining);
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -815,10 +878,13 @@ impl FabricAgent {
     /// Allows `[addr, addr + len)` (an engine's pool) as a scatter
     /// destination on this and every later transport.
     pub fn allow_scatter_range(&self, addr: u64, len: u64) {
-        self.scatter_ranges
+        // Held across the transport call: a rebuild swaps transports under
+        // this lock, so the range reaches the old or the new one.
+        let mut ranges = self
+            .scatter_ranges
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((addr, len));
+            .unwrap_or_else(|p| p.into_inner());
+        ranges.push((addr, len));
         if let Some(t) = self.transport() {
             t.allow_scatter_range(addr, len);
         }
@@ -828,12 +894,26 @@ impl FabricAgent {
     /// (see [`BounceTransport::disallow_scatter_range`]; true without a
     /// transport).
     pub fn disallow_scatter_range(&self, addr: u64, len: u64, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
         self.scatter_ranges
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|r| *r != (addr, len));
+        // A transport being retired may still scatter into the range, and
+        // the one being built may have been given it: wait for the swap.
+        while self.rebuilding.load(Ordering::SeqCst) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ranges = self
+            .scatter_ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let left = deadline.saturating_duration_since(Instant::now());
         self.transport()
-            .is_none_or(|t| t.disallow_scatter_range(addr, len, within))
+            .is_none_or(|t| t.disallow_scatter_range(addr, len, left))
     }
 
     /// Where NOTICEs from peers go, on this and every later transport.
@@ -890,13 +970,12 @@ impl FabricAgent {
     /// generation) without rebuilding anything; loaded peers are
     /// re-evaluated.
     pub fn set_config_generation(&self, generation: u64) {
-        if let Some(h) = &mut self
-            .bounce
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .handshake
         {
-            h.config_generation = generation;
+            let mut side = self.bounce.write().unwrap_or_else(|p| p.into_inner());
+            side.generation = generation;
+            if let Some(h) = &mut side.handshake {
+                h.config_generation = generation;
+            }
         }
         self.reevaluate_peers();
     }

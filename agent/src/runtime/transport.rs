@@ -73,6 +73,16 @@ pub struct TransportSettings {
     /// Takes a core while active. From the bounce config's `ioBusyPollUs`
     /// ([`kvfabric_core::config::BusyPoll`]).
     pub busy_poll: Duration,
+    /// Scatter destinations allowed from the start, `(addr, len)` bytes
+    /// (more with [`BounceTransport::allow_scatter_range`]).
+    pub allowed_scatter_ranges: Vec<(u64, u64)>,
+    /// Where NOTICEs go from the start (a rebuilt transport reads a kept
+    /// control channel's backlog at once: a later sink would miss them).
+    pub notice_sink: Option<Sender<(String, Notice)>>,
+    /// The first request id (≥ 1): a rebuilt transport continues its
+    /// predecessor's ids, so a cancel by id never hits another request and
+    /// receivers' flows keyed by request id never collide.
+    pub first_request_id: u64,
 }
 
 impl Default for TransportSettings {
@@ -87,6 +97,9 @@ impl Default for TransportSettings {
             eager_gather: true,
             merge_runs: true,
             busy_poll: Duration::ZERO,
+            allowed_scatter_ranges: Vec::new(),
+            notice_sink: None,
+            first_request_id: 1,
         }
     }
 }
@@ -641,6 +654,9 @@ impl BounceTransport {
         let busy_poll = settings.busy_poll;
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
         let max_inflight = settings.max_inflight_chunks.max(1);
+        let first_request_id = settings.first_request_id.max(1);
+        let initial_allowed = settings.allowed_scatter_ranges.clone();
+        let initial_sink = settings.notice_sink.clone();
         let closed = Arc::new(AtomicBool::new(false));
         let io_blocked = Arc::new(AtomicBool::new(false));
         let waker = Arc::new(Waker::new().map_err(|e| format!("IO thread waker (eventfd): {e}"))?);
@@ -688,9 +704,9 @@ impl BounceTransport {
             scatter_queue: VecDeque::new(),
             orphan_writes: Vec::new(),
             deferred_cancels: HashMap::new(),
-            allowed: Vec::new(),
+            allowed: initial_allowed,
             disallowed: Vec::new(),
-            notice_sink: None,
+            notice_sink: initial_sink,
             faults: FaultPlan::default(),
             parked: false,
             reserve_block,
@@ -709,7 +725,7 @@ impl BounceTransport {
             cmd: cmd_tx,
             waker,
             io: Mutex::new(Some(handle)),
-            next_rid: AtomicU64::new(1),
+            next_rid: AtomicU64::new(first_request_id),
             stats,
             busy_poll,
             max_chunk_size_bytes,
@@ -752,6 +768,12 @@ impl BounceTransport {
     /// Counters.
     pub fn stats(&self) -> &TransportStats {
         &self.stats
+    }
+
+    /// The id the next submitted request gets (what a rebuilt transport
+    /// starts from: [`TransportSettings::first_request_id`]).
+    pub fn next_request_id(&self) -> u64 {
+        self.next_rid.load(Ordering::Relaxed)
     }
 
     /// The counters, shared (they outlive a borrow of the transport, e.g.

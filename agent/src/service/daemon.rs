@@ -853,6 +853,11 @@ impl Node {
     /// config generation), applies `f` and publishes it; a publish the
     /// store did not confirm is retried in the background by the discovery.
     fn republish_with(&self, f: impl FnOnce(&mut AgentRecord)) {
+        if self.state.is_shutting_down() {
+            // The lease is (being) revoked: a put now would bring the
+            // record back under a new lease.
+            return;
+        }
         let mut rec = self.record.lock().unwrap_or_else(|p| p.into_inner());
         match self.agent.local_descriptor() {
             Ok(d) => {
@@ -1010,6 +1015,7 @@ pub fn run(
         tracing::error!("config: {w}");
     }
     let seed = cfg.bounce.validate().map_err(|e| format!("bounce: {e}"))?;
+    let mounted = seed.clone();
     limit_ucx_net_devices(&cfg.bind_addr()?);
     // Discovery first: etcd's rollout documents, when the operator wrote
     // them, win over the mounted config (which only seeds an agent that
@@ -1026,7 +1032,7 @@ pub fn run(
         Arc::new(EtcdDiscovery::start(o).map_err(|e| e.to_string())?)
     };
     let assigned = discovery.assigned_config();
-    let (eff, generation) = match &assigned {
+    let (eff, generation, chosen) = match &assigned {
         Some(rx) => {
             if !discovery.wait_first_read(STARTUP_CONFIG_WAIT) {
                 tracing::warn!(wait = ?STARTUP_CONFIG_WAIT, "etcd not read yet: starting with the mounted config; a rollout document is applied when it arrives");
@@ -1036,9 +1042,14 @@ pub fn run(
             let (eff, generation, from) =
                 super::rollout::initial(own.as_deref(), desired.as_deref(), seed);
             tracing::info!(generation, source = from, "bounce config chosen");
-            (eff, generation)
+            let chosen = match from {
+                "own rollout document" => own,
+                "desired document" => desired,
+                _ => None,
+            };
+            (eff, generation, chosen)
         }
-        None => (seed, 0),
+        None => (seed, 0, None),
     };
     for n in eff.notes() {
         tracing::info!("bounce config: {n}");
@@ -1081,8 +1092,17 @@ pub fn run(
     if let Some(why) = &agent.bounce_unavailable() {
         tracing::warn!(agent = %name, reason = %why, "bounce is not running; standard path only");
     }
+    // A document from etcd that cannot be built here (an arena this node
+    // cannot hold, say) falls back to the mounted config, and the refusal
+    // is published with the record (the operator halts on it).
+    let mut startup_refusal = None;
     if generation > 0 {
         agent.set_config_generation(generation);
+        if let (true, Some(why)) = (agent.bounce_config().enabled(), agent.bounce_unavailable()) {
+            tracing::error!(generation, reason = %why, "the rollout document's bounce config cannot be built here; starting with the mounted config");
+            agent.reconfigure(mounted, 0);
+            startup_refusal = Some(format!("generation {generation}: {why}"));
+        }
     }
     // Bind the HTTP listener before publishing, so the record carries the
     // API's address (clients such as the distributed bench find it there).
@@ -1126,9 +1146,13 @@ pub fn run(
         },
     )?);
     drop(agent);
+    if let Some(e) = &startup_refusal {
+        node.republish_config(&super::rollout::running_fingerprint(node.agent()), e);
+    }
+    let refused_at_start = startup_refusal.is_some().then_some(chosen).flatten();
     let _rollout = match assigned {
         Some(rx) => Some(
-            super::rollout::follow(Arc::downgrade(&node), rx)
+            super::rollout::follow(Arc::downgrade(&node), rx, refused_at_start)
                 .map_err(|e| format!("spawning the rollout thread: {e}"))?,
         ),
         None => None,

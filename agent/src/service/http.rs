@@ -286,6 +286,9 @@ pub fn describe_incompatibility(why: &Incompatibility) -> String {
             format!("max chunk size differs (local {local} B, peer {peer} B)")
         }
         Incompatibility::Endpoint(e) => format!("peer control endpoint unusable: {e}"),
+        Incompatibility::Draining => {
+            "a config rollout step is draining this agent or the peer".into()
+        }
         Incompatibility::ConfigGeneration { local, peer } => format!(
             "config generation differs (local {local}, peer {peer}): a rollout is advancing; standard path until both run the same generation"
         ),

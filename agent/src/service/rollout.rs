@@ -63,10 +63,18 @@ pub struct Accepted {
 /// fingerprint that does not match, generation 0, or a bounce config that
 /// breaks a rule.
 pub fn check(value: &[u8], running_generation: u64) -> Result<Option<Accepted>, String> {
-    let doc: ConfigDoc = serde_json::from_slice(value)
-        .map_err(|e| format!("rollout document is not valid JSON of the document schema: {e}"))?;
+    let doc: ConfigDoc = serde_json::from_slice(value).map_err(|e| {
+        // Tagged with the generation when it can be read at all, so the
+        // operator sees the refusal of that generation.
+        let tag = serde_json::from_slice::<serde_json::Value>(value)
+            .ok()
+            .and_then(|v| v.get("generation").and_then(serde_json::Value::as_u64))
+            .map(|g| format!("generation {g}: "))
+            .unwrap_or_default();
+        format!("{tag}rollout document is not valid JSON of the document schema: {e}")
+    })?;
     doc.check()
-        .map_err(|e| format!("rollout document generation {}: {e}", doc.generation))?;
+        .map_err(|e| format!("generation {}: rollout document: {e}", doc.generation))?;
     if doc.generation <= running_generation {
         return Ok(None);
     }
@@ -127,11 +135,16 @@ pub fn running_fingerprint(agent: &FabricAgent) -> String {
 
 /// Applies one checked document to `node` (steps 2–5 of the module docs).
 /// Blocking; bounded by `requestTimeoutMs` + [`DRAIN_SLACK`] + the rebuild.
-pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
+/// `None` when a graceful shutdown began meanwhile (nothing is rebuilt or
+/// republished then: the agent is leaving).
+pub fn apply(node: &Node, doc: &Accepted) -> Option<Reconfigured> {
     let agent = node.agent();
     // Same config (only the generation moves), or no bounce running (no
     // bounce work can be in flight): no drain needed.
     if agent.bounce_config() == doc.config || agent.transport().is_none() {
+        if node.state().is_shutting_down() {
+            return None;
+        }
         let r = agent.reconfigure(doc.config.clone(), doc.generation);
         let error = match &r {
             Reconfigured::Applied { .. } => String::new(),
@@ -140,7 +153,7 @@ pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
             }
         };
         node.republish_config(&running_fingerprint(agent), &error);
-        return r;
+        return Some(r);
     }
     let t0 = Instant::now();
     agent.begin_drain();
@@ -161,7 +174,13 @@ pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
             tracing::warn!(agent = %agent.name(), ?bound, "in-flight bounce work did not drain before the rebuild; it resolves FAILURE");
             break;
         }
+        if node.state().is_shutting_down() {
+            return None;
+        }
         std::thread::sleep(Duration::from_millis(10));
+    }
+    if node.state().is_shutting_down() {
+        return None;
     }
     let drained = t0.elapsed();
     let r = agent.reconfigure(doc.config.clone(), doc.generation);
@@ -173,20 +192,27 @@ pub fn apply(node: &Node, doc: &Accepted) -> Reconfigured {
     };
     node.republish_config(&running_fingerprint(agent), &error);
     tracing::info!(agent = %agent.name(), generation = doc.generation, drained_ms = drained.as_millis() as u64, result = ?r, "config rollout step applied");
-    r
+    Some(r)
 }
 
 /// Follows this agent's rollout document on a thread of its own: each
 /// value newer than the generation in force is checked and applied; a
 /// refused one is published as `config_error`. Ends when `rx` closes
 /// (discovery stopped) or `node` is dropped.
+///
+/// `refused`: a document value refused already (at start-up); it is not
+/// tried again.
 pub fn follow(
     node: std::sync::Weak<Node>,
     rx: Receiver<Vec<u8>>,
+    refused: Option<Vec<u8>>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("kvfabric-rollout".into())
         .spawn(move || {
+            // A document refused once is not tried again when the store
+            // resends it (every etcd resync does): its exact value is kept.
+            let mut refused = refused;
             while let Ok(mut value) = rx.recv() {
                 // Only the latest value matters.
                 while let Ok(v) = rx.try_recv() {
@@ -196,15 +222,20 @@ pub fn follow(
                 if node.state().is_shutting_down() {
                     return;
                 }
+                if refused.as_deref() == Some(value.as_slice()) {
+                    continue;
+                }
                 let running = node.agent().config_generation();
                 match check(&value, running) {
                     Ok(None) => {}
-                    Ok(Some(doc)) => {
-                        apply(&node, &doc);
-                    }
+                    Ok(Some(doc)) => match apply(&node, &doc) {
+                        Some(Reconfigured::Applied { .. }) | None => {}
+                        Some(_) => refused = Some(value),
+                    },
                     Err(e) => {
                         tracing::error!(agent = %node.agent().name(), error = %e, "rollout document refused; the running config stays");
                         node.republish_config(&running_fingerprint(node.agent()), &e);
+                        refused = Some(value);
                     }
                 }
             }
@@ -231,10 +262,17 @@ mod tests {
         assert!(check(&doc(2, |_| {}), 2).unwrap().is_none(), "not newer");
         let e = check(b"{", 0).unwrap_err();
         assert!(e.contains("not valid JSON"), "{e}");
+        // Unreadable as a document but with a generation: tagged with it
+        // (the operator matches `generation N:`).
+        let e = check(br#"{"generation": 7, "bounce": {"noSuchKey": 1}}"#, 0).unwrap_err();
+        assert!(e.starts_with("generation 7: "), "{e}");
         let mut tampered: serde_json::Value = serde_json::from_slice(&doc(3, |_| {})).unwrap();
         tampered["bounce"]["requestTimeoutMs"] = serde_json::json!(1234);
         let e = check(&serde_json::to_vec(&tampered).unwrap(), 0).unwrap_err();
-        assert!(e.contains("fingerprint"), "{e}");
+        assert!(
+            e.contains("fingerprint") && e.starts_with("generation 3: "),
+            "{e}"
+        );
         let e = check(&doc(4, |b| b.request_timeout_ms = 0), 0).unwrap_err();
         assert!(e.starts_with("generation 4: bounce:"), "{e}");
     }
