@@ -300,6 +300,10 @@ struct BounceSide {
     unavailable: Option<String>,
 }
 
+/// Why a bounce side could not be built, and the kept control channel
+/// when the build failed before using it.
+type BuildFailure = (String, Option<Box<dyn ControlChannel>>);
+
 /// What a new transport starts with (see [`TransportSettings`]).
 struct TransportInit {
     allowed: Vec<(u64, u64)>,
@@ -559,8 +563,7 @@ impl FabricAgent {
         choice: &ArenaChoice,
         reuse: Option<Box<dyn ControlChannel>>,
         init: TransportInit,
-    ) -> Result<(BounceTransport, ArenaMem, Handshake), (String, Option<Box<dyn ControlChannel>>)>
-    {
+    ) -> Result<(BounceTransport, ArenaMem, Handshake), BuildFailure> {
         let (arena, spec, default_copy) = match Self::make_arena(engine, cfg, choice) {
             Ok(a) => a,
             Err(e) => return Err((e, reuse)),
