@@ -525,16 +525,7 @@ impl FabricAgent {
                 .clone(),
             first_request_id,
         };
-        match Self::init_bounce(
-            &self.engine,
-            &self.name,
-            &config,
-            &self.bind,
-            self.copy.clone(),
-            &self.arena_choice,
-            reuse,
-            init,
-        ) {
+        match self.init_bounce(&config, reuse, init) {
             Ok((transport, arena, mut hs)) => {
                 hs.config_generation = generation;
                 let side = BounceSide {
@@ -555,15 +546,13 @@ impl FabricAgent {
     }
 
     fn init_bounce(
-        engine: &Arc<dyn TransferEngine>,
-        name: &str,
+        &self,
         cfg: &EffectiveBounceConfig,
-        bind: &BindAddr,
-        copy: Option<Arc<dyn CopyEngine>>,
-        choice: &ArenaChoice,
         reuse: Option<Box<dyn ControlChannel>>,
         init: TransportInit,
     ) -> Result<(BounceTransport, ArenaMem, Handshake), BuildFailure> {
+        let (engine, name, bind) = (&self.engine, self.name.as_str(), &self.bind);
+        let (copy, choice) = (self.copy.clone(), &self.arena_choice);
         let (arena, spec, default_copy) = match Self::make_arena(engine, cfg, choice) {
             Ok(a) => a,
             Err(e) => return Err((e, reuse)),
