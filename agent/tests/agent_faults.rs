@@ -157,16 +157,20 @@ fn standard_path_to_a_stopped_peer_fails_within_the_request_timeout() {
     };
     let fabric = format!("sigstop-{}", std::process::id());
     let env = [("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "1500")];
-    let mut prefill = Agent::spawn_with(&etcd.endpoint(), &fabric, "prefill", "prefill", &[], &env);
     let mut decode = Agent::spawn_with(&etcd.endpoint(), &fabric, "decode", "decode", &[], &env);
-    let Some(p_addr) = started(&mut prefill) else {
+    let Some(d_addr) = started(&mut decode) else {
         return;
     };
-    let d_addr = started(&mut decode).expect("decode starts");
     let d_name = get_json(d_addr, "/v1/config")["agent"]
         .as_str()
         .unwrap()
         .to_string();
+    // Stopped before the prefill agent exists: no UCX endpoint to it can
+    // have been wired up (with one wired up, a cma write into a stopped
+    // process succeeds — correctly — and the failure path goes untested).
+    signal(&decode, libc::SIGSTOP);
+    let mut prefill = Agent::spawn_with(&etcd.endpoint(), &fabric, "prefill", "prefill", &[], &env);
+    let p_addr = started(&mut prefill).expect("prefill starts");
     wait_until("prefill loads decode", Duration::from_secs(15), || {
         peer_names(p_addr).contains(&d_name)
     });
@@ -186,7 +190,6 @@ fn standard_path_to_a_stopped_peer_fails_within_the_request_timeout() {
         json!({"peer": "decode", "path": "standard", "seed": 5, "descriptors": descs}).to_string()
     };
 
-    signal(&decode, libc::SIGSTOP);
     let t0 = Instant::now();
     let (code, text) = http(p_addr, "POST", "/v1/debug/transfer", body(0).as_bytes());
     let took = t0.elapsed();
