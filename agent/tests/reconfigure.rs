@@ -96,11 +96,19 @@ fn arena_rebuilt_in_process_generations_isolate_and_bounce_resumes() {
         PathKind::Standard
     );
 
-    // tx follows; bounce resumes through the new arenas.
+    // tx follows; bounce resumes through the new arenas; its counters
+    // continue (exported `_total` counters never go backwards).
+    let submitted = get(&tstats(&tx).submitted);
+    assert!(submitted >= 1);
     tx.begin_drain();
     assert_eq!(
         tx.reconfigure(next.clone(), 1),
         Reconfigured::Applied { rebuilt: true }
+    );
+    assert_eq!(
+        get(&tstats(&tx).submitted),
+        submitted,
+        "counters carried over"
     );
     rx.load_peer(&tx.local_descriptor().unwrap()).unwrap();
     assert!(tx.has_peer_handshake(rx.name()));
@@ -111,6 +119,7 @@ fn arena_rebuilt_in_process_generations_isolate_and_bounce_resumes() {
             PathKind::Bounce
         );
     }
+    assert_eq!(get(&tstats(&tx).submitted), submitted + 3);
     assert_quiesced(&tx, Duration::from_secs(5));
     assert_quiesced(&rx, Duration::from_secs(5));
 

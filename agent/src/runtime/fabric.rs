@@ -309,6 +309,7 @@ struct TransportInit {
     allowed: Vec<(u64, u64)>,
     notice_sink: Option<Sender<(String, Notice)>>,
     first_request_id: u64,
+    stats: Option<Arc<super::transport::TransportStats>>,
 }
 
 /// How a [`FabricAgent::reconfigure`] went.
@@ -412,7 +413,7 @@ impl FabricAgent {
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
         };
-        let (side, _) = agent.build_side(opts.config.clone(), 0, None, 1, &[]);
+        let (side, _) = agent.build_side(opts.config.clone(), 0, None, None, &[]);
         if let Some(why) = &side.unavailable {
             if opts.config.enabled() {
                 tracing::warn!(agent = %opts.name, reason = %why, "bounce initialisation failed; using the standard NIXL path");
@@ -490,13 +491,14 @@ impl FabricAgent {
     /// `reuse`: the previous transport's control channel, kept when its
     /// kind is the new config's (the endpoint then stays the same); it
     /// comes back when the build failed before using it (the arena could
-    /// not be had). `first_request_id`: where request ids continue.
+    /// not be had). `carried`: the predecessor's next request id and
+    /// counters, continued.
     fn build_side(
         &self,
         config: EffectiveBounceConfig,
         generation: u64,
         reuse: Option<Box<dyn ControlChannel>>,
-        first_request_id: u64,
+        carried: Option<(u64, Arc<super::transport::TransportStats>)>,
         engine_ranges: &[(u64, u64)],
     ) -> (BounceSide, Option<Box<dyn ControlChannel>>) {
         let off = |config, unavailable| BounceSide {
@@ -523,7 +525,8 @@ impl FabricAgent {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
-            first_request_id,
+            first_request_id: carried.as_ref().map_or(1, |c| c.0),
+            stats: carried.map(|c| c.1),
         };
         match self.init_bounce(&config, reuse, init) {
             Ok((transport, arena, mut hs)) => {
@@ -595,6 +598,7 @@ impl FabricAgent {
             allowed_scatter_ranges: init.allowed,
             notice_sink: init.notice_sink,
             first_request_id: init.first_request_id,
+            stats: init.stats,
         };
         let copy = copy.unwrap_or(default_copy);
         let transport = match BounceTransport::start(engine.clone(), channel, copy, spec, settings)
@@ -726,7 +730,11 @@ impl FabricAgent {
         let previous = old.config.clone();
         let previous_generation = old.generation;
         let previous_kind = previous.control_kind();
-        let first_rid = old.transport.as_ref().map_or(1, |t| t.next_request_id());
+        // Request ids and counters continue on the next transport.
+        let carried = old
+            .transport
+            .as_ref()
+            .map(|t| (t.next_request_id(), t.shared_stats()));
         let channel = self.retire_side(&mut old);
         // The control endpoint survives when the kind does: peers' routes
         // (and what they send meanwhile) stay valid.
@@ -742,7 +750,7 @@ impl FabricAgent {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let (next, back_channel) =
-            self.build_side(config.clone(), generation, reuse, first_rid, &ranges);
+            self.build_side(config.clone(), generation, reuse, carried.clone(), &ranges);
         let (side, result) = match (&next.unavailable, config.enabled()) {
             (Some(why), true) => {
                 tracing::error!(agent = %self.name, generation, reason = %why, "the new bounce config cannot be built; rebuilding the previous one");
@@ -752,7 +760,7 @@ impl FabricAgent {
                     previous,
                     previous_generation,
                     back_channel.or(spare),
-                    first_rid,
+                    carried,
                     &ranges,
                 );
                 let r = match &back.unavailable {

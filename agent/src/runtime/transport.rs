@@ -83,6 +83,10 @@ pub struct TransportSettings {
     /// predecessor's ids, so a cancel by id never hits another request and
     /// receivers' flows keyed by request id never collide.
     pub first_request_id: u64,
+    /// Counters to continue (a rebuilt transport keeps its predecessor's,
+    /// so exported `_total` counters never go backwards); `None`: fresh.
+    /// The in-doubt flag is cleared: it described the old arena.
+    pub stats: Option<Arc<TransportStats>>,
 }
 
 impl Default for TransportSettings {
@@ -100,6 +104,7 @@ impl Default for TransportSettings {
             allowed_scatter_ranges: Vec::new(),
             notice_sink: None,
             first_request_id: 1,
+            stats: None,
         }
     }
 }
@@ -673,7 +678,13 @@ impl BounceTransport {
         )
         .map_err(|e| format!("spawning copy workers: {e}"))?;
         let primer = workers.primer();
-        let stats = Arc::new(TransportStats::default());
+        let stats = match &settings.stats {
+            Some(s) => {
+                s.arena_in_doubt.store(false, Ordering::SeqCst);
+                s.clone()
+            }
+            None => Arc::new(TransportStats::default()),
+        };
         let heard = Arc::new(Mutex::new(HashMap::new()));
         let mut io = Io {
             heard: heard.clone(),
