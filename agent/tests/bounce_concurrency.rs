@@ -1,6 +1,8 @@
 //! Bounce under concurrency over real NIXL (UCX loopback), host memory:
 //! bidirectional traffic from many threads through one shared arena per
-//! agent, many senders into one receiver (fairness), and the handshake
+//! agent, the same over arenas of two max-size chunks (eager staging must
+//! leave a grantable block), many senders into one receiver (fairness),
+//! and the handshake
 //! mismatch that must keep a peer on the standard path. Every transfer is
 //! verified byte-exact with a pattern distinct per transfer, and every
 //! agent is checked quiesced (arena all free, no flows, no orphans,
@@ -350,4 +352,60 @@ fn handshake_control_kind_mismatch_uses_standard_path_and_sends_no_want() {
     mismatch_uses_standard_path(&[("KVFABRIC_BOUNCE_USE_NIXL_NOTIFICATIONS", "1")], |w| {
         matches!(w, Incompatibility::ControlKind { .. })
     });
+}
+
+/// Blocks per pool of the small-arena test.
+const SMALL_SLOTS: usize = 1024;
+
+/// Two agents sending to each other over arenas of a few max-size chunks,
+/// eager staging on: each side's eager gathers must leave a grantable
+/// block beside the reserve, or both hold all but the reserve and grant
+/// nothing until the request timeout (the protocol simulator's bug 3,
+/// docs/protocol.md, ported to the runtime).
+#[test]
+fn small_arenas_both_ways_never_wait_for_the_timeout() {
+    let cfg = config_with(
+        "2MiB",
+        "1MiB",
+        4,
+        &[("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "60000")],
+    );
+    let mut a_pool = Pool::new(SMALL_SLOTS * BLOCK);
+    let mut b_pool = Pool::new(SMALL_SLOTS * BLOCK);
+    let Some(a) = agent("small-a", &cfg, &[&a_pool]) else {
+        return;
+    };
+    let Some(b) = agent("small-b", &cfg, &[&b_pool]) else {
+        return;
+    };
+    connect(&a, &b);
+    // A deadlock would hold both requests until their 60 s timeout: each
+    // must resolve within 30 s.
+    for round in 0..5u64 {
+        // 4 MiB each way at once: 4 chunks per request into arenas of two
+        // max-size blocks (with the old rule both sides stage one chunk
+        // eagerly, keep the other block as the reserve and grant nothing).
+        let half = SMALL_SLOTS / 2;
+        let slots_ab: Vec<usize> = permutation(half, round + 10)
+            .into_iter()
+            .map(|s| s + half)
+            .collect();
+        let slots_ba: Vec<usize> = permutation(half, round + 20)
+            .into_iter()
+            .map(|s| s + half)
+            .collect();
+        let d_ab = block_descs(&a_pool, 0, &b_pool, &slots_ab, BLOCK);
+        let d_ba = block_descs(&b_pool, 0, &a_pool, &slots_ba, BLOCK);
+        fill(&mut a_pool, &d_ab, round + 100);
+        fill(&mut b_pool, &d_ba, round + 200);
+        let (pa, ha) = a.submit_write(b.name(), d_ab.clone());
+        let (pb, hb) = b.submit_write(a.name(), d_ba.clone());
+        assert_eq!((pa, pb), (PathKind::Bounce, PathKind::Bounce));
+        assert_eq!(ha.wait(TRANSFER_BOUND), Some(TransferOutcome::Success));
+        assert_eq!(hb.wait(TRANSFER_BOUND), Some(TransferOutcome::Success));
+        verify(&b_pool, &d_ab, round + 100).unwrap();
+        verify(&a_pool, &d_ba, round + 200).unwrap();
+    }
+    assert_quiesced(&a, Duration::from_secs(5));
+    assert_quiesced(&b, Duration::from_secs(5));
 }

@@ -1637,14 +1637,25 @@ impl Io {
                 parked = credited;
                 break;
             };
-            if !credited
-                && self
-                    .reserve_block
-                    .is_some_and(|b| self.scheduler.arena().largest_free_block() < b)
-            {
-                // Eager staging never takes the block kept for credited chunks.
-                let _ = self.scheduler.release_local(local);
-                break;
+            if let (false, Some(b)) = (credited, self.reserve_block) {
+                // Eager staging never takes the block kept for credited
+                // chunks, nor the last block a peer's flow could be granted
+                // beside it: two agents sending to each other over small
+                // arenas would otherwise each hold all but the reserve and
+                // grant nothing until the timeout (the protocol
+                // simulator's bug 3, docs/protocol.md).
+                let room = match self.scheduler.acquire_local(b, false) {
+                    Some(hold) => {
+                        let ok = self.scheduler.arena().largest_free_block() >= b;
+                        let _ = self.scheduler.release_local(hold);
+                        ok
+                    }
+                    None => false,
+                };
+                if !room {
+                    let _ = self.scheduler.release_local(local);
+                    break;
+                }
             }
             let Some(()) = self.exec.try_acquire() else {
                 let _ = self.scheduler.release_local(local);
@@ -2210,6 +2221,13 @@ impl Io {
             // silence timeout, it was never granted to the sender.
             if self.send(&flow.peer, &msg) {
                 self.stats.grants.fetch_add(n, Ordering::Relaxed);
+                // A GRANT restarts the sender's no-progress clock, so it
+                // restarts the flow's silence clock too: a flow granted
+                // late under backpressure is not reclaimed while its
+                // sender writes into it (the simulator's bug 4).
+                if let Some(t) = self.flow_seen.get_mut(&flow) {
+                    *t = Instant::now();
+                }
             }
         }
     }
@@ -2401,6 +2419,12 @@ impl Io {
                                 region_handle: offset,
                             });
                             self.send(&flow.peer, &ack);
+                            // Our ACK restarts the sender's no-progress
+                            // clock: the flow is not silent (the protocol
+                            // simulator's bug 4, docs/protocol.md).
+                            if let Some(t) = self.flow_seen.get_mut(&flow) {
+                                *t = Instant::now();
+                            }
                         }
                         (true, Err(e)) => {
                             // Never report landed on a failed scatter (seed §9).
