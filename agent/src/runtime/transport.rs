@@ -1108,7 +1108,10 @@ struct SendRequest {
     /// The chunks from the sizing pass (no runs).
     chunks: Vec<ChunkBound>,
     state: Vec<SendChunk>,
-    credits: VecDeque<Credit>,
+    /// Credits received and not yet attached, by chunk index (a credit
+    /// names its chunk: a duplicated or replayed GRANT cannot hand chunk
+    /// i's region to chunk i+1 — the protocol simulator's bug 1).
+    credits: std::collections::BTreeMap<u32, Credit>,
     next_attach: usize,
     next_stage: usize,
     acked: usize,
@@ -1169,6 +1172,9 @@ struct OrphanWrite {
 struct RecvRegion {
     flow: FlowKey,
     len: u64,
+    /// The chunk the region was granted for (DATA must name it — the
+    /// protocol simulator's bug 2).
+    chunk: u32,
 }
 
 struct PendingScatter {
@@ -1587,7 +1593,7 @@ impl Io {
                 descs: Arc::new(descs),
                 chunks,
                 state,
-                credits: VecDeque::new(),
+                credits: std::collections::BTreeMap::new(),
                 next_attach: 0,
                 next_stage: 0,
                 acked: 0,
@@ -1611,7 +1617,7 @@ impl Io {
         };
         // 1. Attach credits (strict chunk order).
         while req.next_attach < req.chunks.len() {
-            let Some(credit) = req.credits.pop_front() else {
+            let Some(credit) = req.credits.remove(&(req.next_attach as u32)) else {
                 break;
             };
             let c = &mut req.state[req.next_attach];
@@ -1841,7 +1847,18 @@ impl Io {
             );
         }
         req.last_progress = Instant::now();
-        req.credits.extend(g.credits);
+        for c in g.credits {
+            let i = c.chunk_index as usize;
+            // A chunk already credited, or past the request: dropped.
+            if i < req.next_attach
+                || i >= req.chunks.len()
+                || req.credits.contains_key(&c.chunk_index)
+            {
+                tracing::warn!(agent = %self.name, peer, rid = g.request_id, chunk = c.chunk_index, "duplicate or out-of-range credit; dropped");
+                continue;
+            }
+            req.credits.insert(c.chunk_index, c);
+        }
         self.pump(g.request_id);
     }
 
@@ -2203,6 +2220,7 @@ impl Io {
                 RecvRegion {
                     flow: g.flow.clone(),
                     len: g.len,
+                    chunk: credit.chunk_index,
                 },
             );
             match batches.iter_mut().find(|(f, _)| *f == g.flow) {
@@ -2283,11 +2301,18 @@ impl Io {
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let len = self
+        let (len, chunk) = self
             .regions
             .get(&d.region_handle)
-            .map(|r| r.len)
-            .unwrap_or(0);
+            .map_or((0, None), |r| (r.len, Some(r.chunk)));
+        if chunk != Some(d.chunk_index) {
+            // A replayed DATA of an earlier chunk whose region was granted
+            // again to this flow: scattering it would race the write that
+            // fills the region now.
+            tracing::warn!(agent = %self.name, peer, rid = d.request_id, chunk = d.chunk_index, granted_for = ?chunk, "DATA names another chunk than its region was granted for; dropped");
+            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if let Err(why) = self.validate_runs(len, &d.runs) {
             tracing::warn!(agent = %self.name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
