@@ -480,20 +480,7 @@ fn run_embedded(
     use kvfabric_agent::runtime::engine::{MemDesc, MemKind};
     use kvfabric_agent::runtime::fabric::{FabricAgent, FabricOptions};
 
-    let mut config = match &a.config {
-        Some(p) => {
-            let y =
-                std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
-            BounceConfig::from_yaml_str(&y).map_err(|e| format!("--config {}: {e}", p.display()))?
-        }
-        None => BounceConfig {
-            enabled: true,
-            ..BounceConfig::default()
-        },
-    };
-    for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| is_config_env(k))) {
-        eprintln!("warning: {w}");
-    }
+    let mut config = bounce_config_arg(a.config.as_deref())?;
     config.enabled = true;
     let eff = config.validate().map_err(|e| e.to_string())?;
     let (pool_blocks, how) = slice_pool(a, &layout, demand)?;
@@ -739,8 +726,11 @@ fn run_dataplane(a: DataplaneArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn run_config_doc(a: ConfigDocArgs) -> Result<(), String> {
-    let mut config = match &a.config {
+/// The bounce config of `--config` (BounceConfig keys; default: the
+/// defaults with bounce enabled) with KVFABRIC_BOUNCE_* env applied (its
+/// warnings printed).
+fn bounce_config_arg(path: Option<&std::path::Path>) -> Result<BounceConfig, String> {
+    let mut config = match path {
         Some(p) => {
             let y =
                 std::fs::read_to_string(p).map_err(|e| format!("--config {}: {e}", p.display()))?;
@@ -754,6 +744,11 @@ fn run_config_doc(a: ConfigDocArgs) -> Result<(), String> {
     for w in config.apply_env_vars(std::env::vars().filter(|(k, _)| is_config_env(k))) {
         eprintln!("warning: {w}");
     }
+    Ok(config)
+}
+
+fn run_config_doc(a: ConfigDocArgs) -> Result<(), String> {
+    let config = bounce_config_arg(a.config.as_deref())?;
     println!(
         "{}",
         kvfabric_agent::service::rollout::document(a.generation, config)?

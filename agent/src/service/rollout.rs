@@ -146,13 +146,7 @@ pub fn apply(node: &Node, doc: &Accepted) -> Option<Reconfigured> {
             return None;
         }
         let r = agent.reconfigure(doc.config.clone(), doc.generation);
-        let error = match &r {
-            Reconfigured::Applied { .. } => String::new(),
-            Reconfigured::RolledBack { why } | Reconfigured::BounceLost { why } => {
-                format!("generation {}: {why}", doc.generation)
-            }
-        };
-        node.republish_config(&running_fingerprint(agent), &error);
+        publish_outcome(node, doc.generation, &r);
         return Some(r);
     }
     let t0 = Instant::now();
@@ -184,15 +178,22 @@ pub fn apply(node: &Node, doc: &Accepted) -> Option<Reconfigured> {
     }
     let drained = t0.elapsed();
     let r = agent.reconfigure(doc.config.clone(), doc.generation);
-    let error = match &r {
-        Reconfigured::Applied { .. } => String::new(),
-        Reconfigured::RolledBack { why } | Reconfigured::BounceLost { why } => {
-            format!("generation {}: {why}", doc.generation)
-        }
-    };
-    node.republish_config(&running_fingerprint(agent), &error);
+    publish_outcome(node, doc.generation, &r);
     tracing::info!(agent = %agent.name(), generation = doc.generation, drained_ms = drained.as_millis() as u64, result = ?r, "config rollout step applied");
     Some(r)
+}
+
+/// Republishes the record after a reconfiguration to `generation`: the
+/// running fingerprint, and `config_error` naming the generation when it
+/// was refused (rolled back, or bounce lost).
+fn publish_outcome(node: &Node, generation: u64, r: &Reconfigured) {
+    let error = match r {
+        Reconfigured::Applied { .. } => String::new(),
+        Reconfigured::RolledBack { why } | Reconfigured::BounceLost { why } => {
+            format!("generation {generation}: {why}")
+        }
+    };
+    node.republish_config(&running_fingerprint(node.agent()), &error);
 }
 
 /// Follows this agent's rollout document on a thread of its own: each
