@@ -2237,8 +2237,12 @@ impl Io {
             // Count only credits that left: a GRANT dropped on a full queue
             // (or to a vanished route) is reclaimed with its flow by the
             // silence timeout, it was never granted to the sender.
-            if self.send(&flow.peer, &msg) {
-                self.stats.grants.fetch_add(n, Ordering::Relaxed);
+            // Counted before it leaves (taken back if it does not): the
+            // peer may act on it before this thread runs again.
+            self.stats.grants.fetch_add(n, Ordering::Relaxed);
+            if !self.send(&flow.peer, &msg) {
+                self.stats.grants.fetch_sub(n, Ordering::Relaxed);
+            } else {
                 // A GRANT restarts the sender's no-progress clock, so it
                 // restarts the flow's silence clock too: a flow granted
                 // late under backpressure is not reclaimed while its
