@@ -658,6 +658,21 @@ impl LeaseTask {
     /// re-grants once if etcd no longer knows the lease. On failure the
     /// retry is scheduled with backoff.
     async fn publish_now(&mut self) -> Result<(), Failure> {
+        // A republish queued before the operator tombstoned this agent's
+        // pod (a watch DELETE, then a resync) must not resurrect the
+        // record: checked here, when the put would happen.
+        let uid = self
+            .shared
+            .own_pod_uid
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if self.shared.hub.is_tombstoned(&uid) {
+            if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
+                tracing::error!(pod_uid = %LogSafe(&uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
+            }
+            return Ok(());
+        }
         let mut last = Failure::Other("not attempted".into());
         for _ in 0..2 {
             match self.try_publish().await {
