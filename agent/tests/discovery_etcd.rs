@@ -562,10 +562,11 @@ fn tombstoned_pod_uid_is_never_loaded_again() {
     let key = da.key_of("prefill-p-1");
     let k2 = key.clone();
     etcd.with_client(|c| Box::pin(async move { c.delete(k2, None).await }));
-    wait_true("republished", Duration::from_secs(5), || {
-        db.peers().iter().any(|r| r.name == "prefill-p-1")
-    });
-    let _: Vec<PeerEvent> = rb.try_iter().collect();
+    // The peer sees the removal, then the republish (checking its peer
+    // list instead would pass before either arrived, and leave both
+    // events in the channel for the assertions below).
+    wait_event(&rb, Duration::from_secs(5), is_removed("prefill-p-1"));
+    wait_event(&rb, Duration::from_secs(5), is_upsert("prefill-p-1"));
     // The operator's invalidation: tombstone + delete, in one transaction.
     let tomb = format!("/kvfabric/{fab}/tombstones/uid-1234");
     let k3 = key.clone();
@@ -597,10 +598,12 @@ fn tombstoned_pod_uid_is_never_loaded_again() {
         !db.peers().iter().any(|r| r.name == "prefill-p-1"),
         "a tombstoned pod's record was loaded again"
     );
+    let after: Vec<PeerEvent> = rb.try_iter().collect();
     assert!(
-        !rb.try_iter()
-            .any(|e| matches!(&e, PeerEvent::Upsert(r) if r.name == "prefill-p-1")),
-        "an Upsert of the tombstoned record reached the peer"
+        !after
+            .iter()
+            .any(|e| matches!(e, PeerEvent::Upsert(r) if r.name == "prefill-p-1")),
+        "an Upsert of the tombstoned record reached the peer: {after:?}"
     );
     // A second agent reading the store afresh skips it too.
     let dc = EtcdDiscovery::start(opts(&etcd, &fab, 10)).unwrap();

@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions,
 };
 use kvfabric_core::text::LogSafe;
 use tokio::sync::{mpsc, watch};
@@ -263,6 +263,7 @@ impl EtcdDiscovery {
         let lease = LeaseTask {
             opts: opts.clone(),
             prefix: prefix.clone(),
+            tomb_prefix: format!("/kvfabric/{}/tombstones/", opts.fabric),
             shared: shared.clone(),
             client: None,
             desired: None,
@@ -558,6 +559,9 @@ fn is_lease_gone(e: &etcd_client::Error) -> bool {
 struct LeaseTask {
     opts: EtcdOptions,
     prefix: String,
+    /// `/kvfabric/<fabric>/tombstones/` (a put is conditional on the own
+    /// pod's tombstone being absent).
+    tomb_prefix: String,
     shared: Arc<Shared>,
     client: Option<Client>,
     desired: Option<AgentRecord>,
@@ -720,6 +724,7 @@ impl LeaseTask {
         rec.published_at_ms = now_ms();
         let key = format!("{}{}", self.prefix, rec.name);
         let value = rec.encode();
+        let pod_uid = rec.pod_uid.clone();
         let mut client = self.client().await?;
         let rt = self.opts.request_timeout;
         let id = match self.lease {
@@ -741,13 +746,28 @@ impl LeaseTask {
                 id
             }
         };
-        let put = bounded(
-            rt,
-            "put",
-            client.put(key, value, Some(PutOptions::new().with_lease(id))),
-        )
-        .await?;
-        let rev = put.header().map(|h| h.revision()).unwrap_or(0);
+        let opts = Some(PutOptions::new().with_lease(id));
+        let rev = if pod_uid.is_empty() {
+            let put = bounded(rt, "put", client.put(key, value, opts)).await?;
+            put.header().map(|h| h.revision()).unwrap_or(0)
+        } else {
+            // Put only while the pod has no tombstone, atomically: a
+            // republish racing the operator's invalidation (queued before
+            // this agent's watch saw the tombstone) cannot bring a dead
+            // pod's record back.
+            let tomb = format!("{}{}", self.tomb_prefix, pod_uid);
+            let txn = Txn::new()
+                .when([Compare::version(tomb, CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(key, value, opts)]);
+            let resp = bounded(rt, "put", client.txn(txn)).await?;
+            if !resp.succeeded() {
+                if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
+                    tracing::error!(pod_uid = %LogSafe(&pod_uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
+                }
+                return Ok(());
+            }
+            resp.header().map(|h| h.revision()).unwrap_or(0)
+        };
         self.shared.published_rev.store(rev, Ordering::SeqCst);
         Ok(())
     }
