@@ -321,6 +321,29 @@ impl FabricStore {
         })
     }
 
+    /// Every key under `prefix` (one bounded read).
+    async fn get_prefix(&self, prefix: &str) -> Result<etcd_client::GetResponse, StoreError> {
+        let mut kv = self.client.kv_client();
+        Ok(tokio::time::timeout(
+            self.timeout,
+            kv.get(prefix, Some(GetOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??)
+    }
+
+    /// Deletes every key under `prefix` (bounded); how many went.
+    async fn delete_prefix(&self, prefix: &str) -> Result<i64, StoreError> {
+        let mut kv = self.client.kv_client();
+        let resp = tokio::time::timeout(
+            self.timeout,
+            kv.delete(prefix, Some(DeleteOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(resp.deleted())
+    }
+
     /// `(agent name, HTTP base URL)` of every agent record of the fabric
     /// that publishes one (records that do not decode are skipped).
     pub async fn agent_http_urls(&self) -> Result<Vec<(String, String)>, StoreError> {
@@ -330,14 +353,8 @@ impl FabricStore {
             #[serde(default)]
             http: String,
         }
-        let mut kv = self.client.kv_client();
         let prefix = agents_prefix(&self.fabric);
-        let resp = tokio::time::timeout(
-            self.timeout,
-            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let resp = self.get_prefix(&prefix).await?;
         Ok(resp
             .kvs()
             .iter()
@@ -350,15 +367,8 @@ impl FabricStore {
     /// Deletes every key under [`fabric_prefix`] (the finalizer's cleanup).
     /// Returns how many keys were deleted.
     pub async fn delete_fabric(&self) -> Result<i64, StoreError> {
-        let mut kv = self.client.kv_client();
         let prefix = fabric_prefix(&self.fabric);
-        let resp = tokio::time::timeout(
-            self.timeout,
-            kv.delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
-        Ok(resp.deleted())
+        self.delete_prefix(&prefix).await
     }
 
     /// Removes `inv`'s agent records and, for a terminal reason, writes its
@@ -366,12 +376,7 @@ impl FabricStore {
     pub async fn invalidate(&self, inv: &Invalidation) -> Result<Vec<String>, StoreError> {
         let mut kv = self.client.kv_client();
         let prefix = agents_prefix(&self.fabric);
-        let resp = tokio::time::timeout(
-            self.timeout,
-            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let resp = self.get_prefix(&prefix).await?;
         let records: Vec<(String, Vec<u8>)> = resp
             .kvs()
             .iter()
@@ -442,14 +447,8 @@ impl FabricStore {
     /// Reads what a rollout step needs: the desired document, the agent
     /// records and the per-agent documents (one prefix read).
     pub async fn read_rollout(&self) -> Result<RolloutRead, StoreError> {
-        let mut kv = self.client.kv_client();
         let prefix = fabric_prefix(&self.fabric);
-        let resp = tokio::time::timeout(
-            self.timeout,
-            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let resp = self.get_prefix(&prefix).await?;
         let agents = agents_prefix(&self.fabric);
         let docs = format!("{prefix}{AGENTS_KEY_PREFIX}");
         let desired_key = format!("{prefix}{DESIRED_KEY}");
@@ -477,15 +476,8 @@ impl FabricStore {
     /// `spec.bounce` is unset leaves the agents on their mounted configs,
     /// also when they restart. Returns how many keys went.
     pub async fn delete_config_docs(&self) -> Result<i64, StoreError> {
-        let mut kv = self.client.kv_client();
         let prefix = format!("{}config/", fabric_prefix(&self.fabric));
-        let resp = tokio::time::timeout(
-            self.timeout,
-            kv.delete(prefix.as_str(), Some(DeleteOptions::new().with_prefix())),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
-        Ok(resp.deleted())
+        self.delete_prefix(&prefix).await
     }
 
     /// Writes `logical_id`'s document (the agent applies it).

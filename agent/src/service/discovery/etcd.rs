@@ -203,6 +203,29 @@ impl Shared {
             tracing::info!(from = %prev, to = %s, "etcd lease state");
         }
     }
+    /// Records (and logs once) that the operator invalidated this agent's
+    /// pod: its record is not put back any more.
+    fn mark_invalidated(&self, uid: &str) {
+        if !self.invalidated.swap(true, Ordering::SeqCst) {
+            tracing::error!(pod_uid = %LogSafe(uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
+        }
+    }
+
+    /// Whether this agent's pod UID is tombstoned (marked invalidated
+    /// then).
+    fn own_pod_tombstoned(&self) -> bool {
+        let uid = self
+            .own_pod_uid
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let dead = self.hub.is_tombstoned(&uid);
+        if dead {
+            self.mark_invalidated(&uid);
+        }
+        dead
+    }
+
     fn own_name(&self) -> Option<String> {
         self.own_name
             .lock()
@@ -665,16 +688,7 @@ impl LeaseTask {
         // A republish queued before the operator tombstoned this agent's
         // pod (a watch DELETE, then a resync) must not resurrect the
         // record: checked here, when the put would happen.
-        let uid = self
-            .shared
-            .own_pod_uid
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if self.shared.hub.is_tombstoned(&uid) {
-            if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
-                tracing::error!(pod_uid = %LogSafe(&uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
-            }
+        if self.shared.own_pod_tombstoned() {
             return Ok(());
         }
         let mut last = Failure::Other("not attempted".into());
@@ -761,9 +775,7 @@ impl LeaseTask {
                 .and_then([TxnOp::put(key, value, opts)]);
             let resp = bounded(rt, "put", client.txn(txn)).await?;
             if !resp.succeeded() {
-                if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
-                    tracing::error!(pod_uid = %LogSafe(&pod_uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
-                }
+                self.shared.mark_invalidated(&pod_uid);
                 return Ok(());
             }
             resp.header().map(|h| h.revision()).unwrap_or(0)
@@ -971,18 +983,9 @@ impl WatchTask {
     fn own_key_gone(&self, name: &str, rev: i64) {
         let published = self.shared.published_rev.load(Ordering::SeqCst);
         if self.shared.own_name().as_deref() == Some(name) && published > 0 && rev >= published {
-            let uid = self
-                .shared
-                .own_pod_uid
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
-            if self.shared.hub.is_tombstoned(&uid) {
+            if self.shared.own_pod_tombstoned() {
                 // The operator invalidated this agent's pod: putting the
                 // record back would resurrect a dead peer.
-                if !self.shared.invalidated.swap(true, Ordering::SeqCst) {
-                    tracing::error!(pod_uid = %LogSafe(&uid), "this agent's pod was invalidated by the operator (tombstone); its record stays withdrawn");
-                }
                 return;
             }
             let _ = self.cmd_tx.send(Cmd::Republish);
