@@ -432,6 +432,7 @@ fn malformed_want_endpoint_is_rejected_and_cancel_still_honoured() {
         rx.name(),
         Message::Want(Want {
             request_id: 999,
+            scope: 0,
             chunk_bytes: vec![65536],
             endpoint: bad.clone(),
         })
@@ -477,6 +478,7 @@ fn malformed_want_endpoint_is_rejected_and_cancel_still_honoured() {
         rx.name(),
         Message::Want(Want {
             request_id: 1000,
+            scope: 0,
             chunk_bytes: vec![65536, 65536],
             endpoint: t.local_endpoint().to_vec(),
         })
@@ -503,7 +505,7 @@ fn malformed_want_endpoint_is_rejected_and_cancel_still_honoured() {
 // --------------------------------------------------------------------------
 
 #[test]
-fn scatter_outside_registered_memory_is_refused_and_sender_times_out() {
+fn scatter_outside_registered_memory_is_refused_and_sender_fails_at_once() {
     let cfg = config_with(
         "4MiB",
         "256KiB",
@@ -537,12 +539,17 @@ fn scatter_outside_registered_memory_is_refused_and_sender_times_out() {
     );
     assert!(get(&rs.data_rejected) > 0, "DATA was refused");
     assert_eq!(get(&rs.chunks_scattered), 0, "no scatter, hence no ACK");
-    assert_eq!(
-        get(&ts.timeouts),
-        1,
-        "the sender times out for want of ACKs"
-    );
-    assert!(elapsed < Duration::from_secs(4), "took {elapsed:?}");
+    // The receiver REJECTs the request (wire version 2): it fails at once,
+    // not at its 1 s timeout, naming why.
+    assert_eq!(get(&ts.timeouts), 0, "failed by REJECT, not by timeout");
+    assert_eq!(get(&ts.rejects_received), 1);
+    match &outcome {
+        Some(TransferOutcome::Failure(why)) => {
+            assert!(why.contains("outside the destination"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(elapsed < Duration::from_millis(900), "took {elapsed:?}");
     assert!(all_bytes(&foreign, 0), "unregistered memory was written");
     assert!(all_bytes(&kv, 0));
     assert_quiesced(&tx, Duration::from_secs(5));
@@ -560,6 +567,7 @@ fn grant_one_region(tx: &FabricAgent, rx: &FabricAgent, rid: u64) {
         rx.name(),
         Message::Want(Want {
             request_id: rid,
+            scope: 0,
             chunk_bytes: vec![65536],
             endpoint: t.local_endpoint().to_vec(),
         })
@@ -760,6 +768,7 @@ fn silent_flow_of_a_vanished_sender_is_reclaimed() {
         rx.name(),
         Message::Want(Want {
             request_id: 4242,
+            scope: 0,
             chunk_bytes: vec![65536, 65536],
             endpoint: t.local_endpoint().to_vec(),
         })

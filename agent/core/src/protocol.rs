@@ -130,7 +130,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
 use crate::scheduler::CreditScheduler;
-use crate::wire::{Ack, Credit, Data, Grant, Message, Want};
+use crate::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
 use crate::{FlowKey, ScatterRun};
 
 /// Virtual or real time in nanoseconds from an origin the caller picks.
@@ -242,6 +242,10 @@ pub enum Input {
         rid: u64,
         /// Receiver peer name.
         peer: String,
+        /// Destination scope carried in the WANT: the receiver-local id of
+        /// the engine session written into, 0 for the receiver's own pool
+        /// (issue 12, engine-scoped flows).
+        scope: u64,
         /// The chunks, in order.
         chunks: Vec<ChunkBound>,
     },
@@ -301,6 +305,24 @@ pub enum Input {
         addr: u64,
         /// Length (bytes).
         len: u64,
+    },
+    /// Open engine scope `scope` (≥ 1) with its pool `[addr, addr + len)`:
+    /// WANTs naming it are served and their DATA scatters only there.
+    AllowScope {
+        /// Scope id (an engine session of this agent).
+        scope: u64,
+        /// Start address.
+        addr: u64,
+        /// Length (bytes).
+        len: u64,
+    },
+    /// Close engine scope `scope` (its engine detached): its flows' DATA
+    /// no longer scatters and their senders get a REJECT
+    /// ([`crate::wire::RejectReason::ScopeDetached`]); the regions are
+    /// freed by the sender's cancel. Later WANTs naming it are REJECTed.
+    ForgetScope {
+        /// Scope id.
+        scope: u64,
     },
     /// Take `[addr, addr + len)` out of the allowed ranges; [`Action::Quiesced`]
     /// with `id` once no queued or running scatter writes into it.
@@ -462,6 +484,10 @@ pub struct Counters {
     pub overdue_orphans: u64,
     /// WANTs dropped as replays (flow live or recently ended).
     pub wants_stale: u64,
+    /// REJECTs received for our requests.
+    pub rejects_received: u64,
+    /// REJECTs sent (unknown or detached scope, refused WANT).
+    pub rejects_sent: u64,
 }
 
 /// A snapshot of the state sizes (for gauges, tests and the simulator's
@@ -518,6 +544,8 @@ struct SendChunk {
 #[derive(Debug)]
 struct SendRequest {
     peer: String,
+    /// Destination scope named in the WANT.
+    scope: u64,
     chunks: Vec<ChunkBound>,
     state: Vec<SendChunk>,
     /// Credits received and not attached: chunk index → credit (keyed), or
@@ -612,6 +640,10 @@ pub struct Machine {
     scatter_queue: VecDeque<PendingScatter>,
     deferred_cancels: BTreeMap<u64, (String, usize)>,
     allowed: Vec<(u64, u64)>,
+    /// Engine scopes: scope → ranges its flows may scatter into.
+    scopes: BTreeMap<u64, Vec<(u64, u64)>>,
+    /// Destination scope of each live receiver flow (from its WANT).
+    flow_scope: BTreeMap<FlowKey, u64>,
     quiesce: Vec<(u64, u64, u64)>,
     parked: bool,
     shut_down: bool,
@@ -687,6 +719,8 @@ impl Machine {
             scatter_queue: VecDeque::new(),
             deferred_cancels: BTreeMap::new(),
             allowed: Vec::new(),
+            scopes: BTreeMap::new(),
+            flow_scope: BTreeMap::new(),
             quiesce: Vec::new(),
             parked: false,
             shut_down: false,
@@ -700,7 +734,12 @@ impl Machine {
     pub fn handle(&mut self, now: Nanos, input: Input) {
         self.now = self.now.max(now);
         match input {
-            Input::Submit { rid, peer, chunks } => self.on_submit(rid, peer, chunks),
+            Input::Submit {
+                rid,
+                peer,
+                scope,
+                chunks,
+            } => self.on_submit(rid, peer, scope, chunks),
             Input::Message { from, msg, route } => {
                 if !self.shut_down {
                     self.on_message(&from, msg, route);
@@ -715,10 +754,21 @@ impl Machine {
             }
             Input::PeerForgotten { peer } => self.forget_peer(&peer),
             Input::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Input::AllowScope { scope, addr, len } => {
+                if scope == 0 {
+                    self.allowed.push((addr, len));
+                } else {
+                    self.scopes.entry(scope).or_default().push((addr, len));
+                }
+            }
+            Input::ForgetScope { scope } => self.forget_scope(scope),
             Input::DisallowScatter { id, addr, len } => {
                 let end = addr.saturating_add(len);
-                self.allowed
-                    .retain(|&(a, l)| a.saturating_add(l) <= addr || a >= end);
+                let apart = |&(a, l): &(u64, u64)| a.saturating_add(l) <= addr || a >= end;
+                self.allowed.retain(apart);
+                for ranges in self.scopes.values_mut() {
+                    ranges.retain(apart);
+                }
                 self.quiesce.push((id, addr, end));
             }
             Input::QuiesceScatter { id, addr, len } => {
@@ -860,7 +910,7 @@ impl Machine {
 
     // ---------------------------------------------------------- sender role
 
-    fn on_submit(&mut self, rid: u64, peer: String, chunks: Vec<ChunkBound>) {
+    fn on_submit(&mut self, rid: u64, peer: String, scope: u64, chunks: Vec<ChunkBound>) {
         if self.shut_down || self.requests.contains_key(&rid) {
             let why = if self.shut_down {
                 "transport shut down".to_string()
@@ -883,6 +933,7 @@ impl Machine {
         let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
         let want = Message::Want(Want {
             request_id: rid,
+            scope,
             chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
             endpoint: self.cfg.endpoint.clone(),
         });
@@ -902,6 +953,7 @@ impl Machine {
             rid,
             SendRequest {
                 peer,
+                scope,
                 chunks,
                 state,
                 credits: BTreeMap::new(),
@@ -1258,6 +1310,7 @@ impl Machine {
     fn send_cancel(&mut self, peer: &str, rid: u64) {
         let cancel = Message::Want(Want {
             request_id: rid,
+            scope: 0,
             chunk_bytes: Vec::new(),
             endpoint: self.cfg.endpoint.clone(),
         });
@@ -1364,6 +1417,7 @@ impl Machine {
         // Receiver side: drop records of finished flows, reclaim silent ones.
         let sched = &self.scheduler;
         self.flow_seen.retain(|f, _| sched.contains_flow(f));
+        self.flow_scope.retain(|f, _| sched.contains_flow(f));
         let silent: Vec<FlowKey> = self
             .flow_seen
             .iter()
@@ -1397,6 +1451,7 @@ impl Machine {
             Message::Grant(g) => self.on_grant(from, g),
             Message::Data(d) => self.on_data(from, d),
             Message::Ack(a) => self.on_ack(from, a),
+            Message::Reject(r) => self.on_reject(from, r),
             // Handshakes never travel here; notices are the reactor's.
             Message::Handshake(_) | Message::Notice(_) => {}
         }
@@ -1423,12 +1478,78 @@ impl Machine {
                 return;
             }
         }
-        self.flow_seen.insert(flow.clone(), self.now);
-        if self.scheduler.on_want(flow, &w.chunk_bytes).is_err() {
+        if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
+            // The destination engine is not attached: refuse at once.
             self.counters.wants_rejected += 1;
+            self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
             return;
         }
+        let live = self.scheduler.contains_flow(&flow);
+        if self
+            .scheduler
+            .on_want(flow.clone(), &w.chunk_bytes)
+            .is_err()
+        {
+            self.counters.wants_rejected += 1;
+            if !live {
+                self.send_reject(peer, w.request_id, RejectReason::Refused);
+            }
+            return;
+        }
+        self.flow_seen.insert(flow.clone(), self.now);
+        self.flow_scope.insert(flow, w.scope);
         self.schedule_and_send();
+    }
+
+    fn send_reject(&mut self, peer: &str, rid: u64, reason: RejectReason) {
+        self.counters.rejects_sent += 1;
+        self.send(
+            peer,
+            Message::Reject(Reject {
+                request_id: rid,
+                reason,
+            }),
+        );
+    }
+
+    /// Closes `scope`: its flows' DATA stops scattering, their senders get
+    /// a REJECT (the regions go with the sender's cancel).
+    fn forget_scope(&mut self, scope: u64) {
+        self.scopes.remove(&scope);
+        let flows: Vec<FlowKey> = self
+            .flow_scope
+            .iter()
+            .filter(|(f, s)| **s == scope && self.scheduler.contains_flow(f))
+            .map(|(f, _)| f.clone())
+            .collect();
+        // Not reclaimed here: the sender may still write into the granted
+        // regions; its cancel (sent once its writes are terminal) frees
+        // them, or the silence timeout does. DATA no longer scatters.
+        for flow in flows {
+            self.send_reject(&flow.peer, flow.rid, RejectReason::ScopeDetached);
+        }
+    }
+
+    /// The receiver refused our request `r.request_id`: fail it now (only
+    /// a request of ours to `peer`).
+    fn on_reject(&mut self, peer: &str, r: Reject) {
+        let Some(scope) = self
+            .requests
+            .get(&r.request_id)
+            .filter(|q| q.peer == peer)
+            .map(|q| q.scope)
+        else {
+            return;
+        };
+        self.counters.rejects_received += 1;
+        self.fail_request(
+            r.request_id,
+            format!(
+                "receiver {peer:?} refused the request (destination scope {scope}): {}",
+                r.reason
+            ),
+            false,
+        );
     }
 
     /// Remembers that `flow` ended (see `ended`).
@@ -1455,6 +1576,7 @@ impl Machine {
     }
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.flow_scope.remove(flow);
         self.tombstone(flow.clone());
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
@@ -1540,7 +1662,17 @@ impl Machine {
         }
     }
 
-    fn validate_runs(&self, region_len: u64, runs: &[ScatterRun]) -> Result<(), String> {
+    fn validate_runs(
+        &self,
+        scope: u64,
+        region_len: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), String> {
+        let allowed: &[(u64, u64)] = if scope == 0 {
+            &self.allowed
+        } else {
+            self.scopes.get(&scope).map_or(&[], Vec::as_slice)
+        };
         let mut total: u64 = 0;
         for (k, r) in runs.iter().enumerate() {
             if r.segment_len == 0 || r.count == 0 {
@@ -1555,8 +1687,7 @@ impl Machine {
                 .and_then(|x| x.checked_add(r.addr))
                 .and_then(|x| x.checked_add(r.segment_len))
                 .ok_or_else(|| format!("run {k} destination overflows"))?;
-            let inside = self
-                .allowed
+            let inside = allowed
                 .iter()
                 .any(|&(a, l)| r.addr >= a && dst_end <= a.saturating_add(l));
             if !inside {
@@ -1588,8 +1719,14 @@ impl Machine {
             return;
         }
         let len = if held { len } else { u64::MAX };
-        if self.validate_runs(len, &d.runs).is_err() {
+        let scope = self.flow_scope.get(&flow).copied().unwrap_or(0);
+        if self.validate_runs(scope, len, &d.runs).is_err() {
             self.counters.data_rejected += 1;
+            if held {
+                // The sender fails the request now; its cancel frees the
+                // flow's regions once its writes are terminal.
+                self.send_reject(peer, d.request_id, RejectReason::InvalidRuns);
+            }
             return;
         }
         if held
@@ -1878,6 +2015,162 @@ mod tests {
         }
     }
 
+    fn quiet(m: &Machine) {
+        let s = m.snapshot();
+        assert_eq!(
+            (s.free_bytes, s.flows, s.requests, s.jobs),
+            (s.capacity, 0, 0, 0),
+            "{s:?}"
+        );
+        m.scheduler().check_conservation().unwrap();
+    }
+
+    #[test]
+    fn a_want_for_a_scope_not_attached_fails_at_once_by_reject() {
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 7,
+                chunks: chunks(&[1024, 512]),
+            },
+        );
+        let out = settle(&mut a, &mut b, 1);
+        assert_eq!(out.len(), 1);
+        match &out[0] {
+            (1, Outcome::Failure(why)) => assert!(
+                why.contains("destination scope 7") && why.contains("not attached"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(b.counters().rejects_sent, 1);
+        assert_eq!(b.counters().grants, 0);
+        assert_eq!(a.counters().rejects_received, 1);
+        quiet(&a);
+        quiet(&b);
+    }
+
+    #[test]
+    fn scoped_data_scatters_only_into_its_engines_pool() {
+        // Scope 3's pool is elsewhere: the runs (into 0x1000, the agent's
+        // own range and once perhaps another engine's pool) are refused.
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        b.handle(
+            0,
+            Input::AllowScope {
+                scope: 3,
+                addr: 0x40_0000,
+                len: 1 << 20,
+            },
+        );
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 3,
+                chunks: chunks(&[1024]),
+            },
+        );
+        let out = settle(&mut a, &mut b, 1);
+        match out.as_slice() {
+            [(1, Outcome::Failure(why))] => assert!(why.contains("outside"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(b.counters().data_rejected, 1);
+        assert_eq!(b.counters().chunks_scattered, 0);
+        quiet(&a);
+        quiet(&b);
+    }
+
+    #[test]
+    fn forgetting_a_scope_fails_only_its_flows_at_once() {
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        for scope in [3, 4] {
+            b.handle(
+                0,
+                Input::AllowScope {
+                    scope,
+                    addr: 0x1000,
+                    len: 1 << 20,
+                },
+            );
+        }
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        for (rid, scope) in [(1, 3), (2, 4)] {
+            a.handle(
+                0,
+                Input::Submit {
+                    rid,
+                    peer: "b".into(),
+                    scope,
+                    chunks: chunks(&[1024, 1024, 512]),
+                },
+            );
+        }
+        // The WANTs reach b and it grants; a's gathers stay pending.
+        let mut held = Vec::new();
+        for act in drain(&mut a) {
+            match act {
+                Action::Send { msg, .. } => b.handle(
+                    1,
+                    Input::Message {
+                        from: "a".into(),
+                        msg,
+                        route: Route::Usable,
+                    },
+                ),
+                other => held.push(other),
+            }
+        }
+        assert_eq!(b.snapshot().flows, 2);
+        b.handle(2, Input::ForgetScope { scope: 3 });
+        // Both flows live on until the sender's cancel (its writes may be
+        // in flight); only scope 3's sender was told.
+        assert_eq!(b.snapshot().flows, 2);
+        assert_eq!(b.counters().rejects_sent, 1);
+        for act in held {
+            if let Action::StartGather { job, bound, .. } = act {
+                a.handle(
+                    2,
+                    Input::GatherDone {
+                        job,
+                        result: Ok(run(bound.packed_bytes)),
+                    },
+                );
+            }
+        }
+        let mut out = settle(&mut a, &mut b, 2);
+        out.sort_by_key(|(rid, _)| *rid);
+        assert_eq!(out.len(), 2, "{out:?}");
+        match &out[0] {
+            (1, Outcome::Failure(why)) => assert!(why.contains("detached"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(out[1], (2, Outcome::Success));
+        // Scope 3 stays closed.
+        a.handle(
+            3,
+            Input::Submit {
+                rid: 3,
+                peer: "b".into(),
+                scope: 3,
+                chunks: chunks(&[100]),
+            },
+        );
+        assert!(matches!(
+            settle(&mut a, &mut b, 3).as_slice(),
+            [(3, Outcome::Failure(_))]
+        ));
+        quiet(&a);
+        quiet(&b);
+    }
+
     #[test]
     fn a_request_completes_and_everything_is_freed() {
         let (mut a, mut b) = (machine("a"), machine("b"));
@@ -1887,6 +2180,7 @@ mod tests {
             Input::Submit {
                 rid: 1,
                 peer: "b".into(),
+                scope: 0,
                 chunks: chunks(&[1024, 512, 100]),
             },
         );
@@ -1912,6 +2206,7 @@ mod tests {
             Input::Submit {
                 rid: 1,
                 peer: "b".into(),
+                scope: 0,
                 chunks: chunks(&[512]),
             },
         );
@@ -1991,6 +2286,7 @@ mod tests {
         let mut b = machine("b");
         let want = Message::Want(Want {
             request_id: 7,
+            scope: 0,
             chunk_bytes: vec![512],
             endpoint: b"a".to_vec(),
         });
@@ -2014,6 +2310,7 @@ mod tests {
             .unwrap();
         let cancel = Message::Want(Want {
             request_id: 7,
+            scope: 0,
             chunk_bytes: vec![],
             endpoint: b"a".to_vec(),
         });
@@ -2089,6 +2386,7 @@ mod tests {
             });
             let want = Message::Want(Want {
                 request_id: 1,
+                scope: 0,
                 chunk_bytes: vec![512],
                 endpoint: b"a".to_vec(),
             });
@@ -2127,6 +2425,7 @@ mod tests {
                 Input::Submit {
                     rid: 1,
                     peer: "b".into(),
+                    scope: 0,
                     chunks: chunks(&[512, 512]),
                 },
             );
@@ -2193,6 +2492,7 @@ mod tests {
             let want = |rid, chunk_bytes: Vec<u64>| {
                 Message::Want(Want {
                     request_id: rid,
+                    scope: 0,
                     chunk_bytes,
                     endpoint: b"a".to_vec(),
                 })
@@ -2226,6 +2526,7 @@ mod tests {
             Input::Submit {
                 rid: 1,
                 peer: "b".into(),
+                scope: 0,
                 chunks: chunks(&[256]),
             },
         );

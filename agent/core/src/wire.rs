@@ -7,7 +7,7 @@
 //! offset size field
 //!      0    4 magic        = b"KVFB"
 //!      4    2 version      = WIRE_VERSION
-//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE)
+//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE, 7 REJECT)
 //!      7    1 reserved     = 0
 //!      8    4 entry count  (number of fixed-size entries)
 //!     12    4 trailer len  (bytes of the variable trailer, e.g. the endpoint)
@@ -18,12 +18,20 @@
 //!
 //! | type | fixed fields (F bytes) | entry (E bytes) | trailer |
 //! |---|---|---|---|
-//! | WANT | request_id u64 (8) | chunk bytes u64 (8) | sender's control endpoint |
+//! | WANT | request_id u64, scope u64 (16) | chunk bytes u64 (8) | sender's control endpoint |
 //! | GRANT | request_id u64 (8) | chunk_index u32, device_id i32, region_handle u64, addr u64, len u64 (32) | none |
 //! | DATA | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | region_offset u64, addr u64, segment_len u64, region_stride u64, addr_stride u64, count u32, reserved u32 (48) | none |
 //! | ACK | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | none (count 0) | none |
 //! | HANDSHAKE | wire_version u16, control_kind u8, reserved u8, reserved u32, arena_usable_capacity_bytes u64, max_chunk_size_bytes u64, config_generation u64 (32) | none (count 0) | endpoint |
 //! | NOTICE | topic u64 (8) | none (count 0) | payload (≤ [`MAX_ENDPOINT_LEN`]) |
+//! | REJECT | request_id u64, reason u32, reserved u32 (16) | none (count 0) | none |
+//!
+//! Version 2 (issue 12, engine-scoped flows) added the WANT's `scope` — the
+//! receiver-local id of the destination engine session the request writes
+//! into, 0 for the agent's own pool — and REJECT, the receiver's answer to
+//! a WANT it will not serve (or to a flow whose destination engine
+//! detached), so the sender fails the request at once instead of waiting
+//! for its timeout. Neither is in the seed.
 //!
 //! NOTICE is kvfabric's own (not in the seed): an opaque, bounded payload
 //! the service layer sends between agents on the control channel, e.g. "the
@@ -58,7 +66,7 @@ pub const MAGIC: [u8; 4] = *b"KVFB";
 
 /// Wire format version carried in every header (and advertised in the
 /// handshake's `wire_version`). Frames of another version are rejected.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 
 /// Size of the common header in bytes.
 pub const HEADER_LEN: usize = 16;
@@ -96,6 +104,9 @@ pub enum MessageType {
     Handshake,
     /// Service-layer notice between agents (kvfabric's own).
     Notice,
+    /// Receiver → sender: the request is refused / its flow was dropped
+    /// (kvfabric's own, wire version 2).
+    Reject,
 }
 
 impl MessageType {
@@ -108,6 +119,7 @@ impl MessageType {
             MessageType::Ack => 4,
             MessageType::Handshake => 5,
             MessageType::Notice => 6,
+            MessageType::Reject => 7,
         }
     }
 
@@ -120,6 +132,7 @@ impl MessageType {
             4 => Some(MessageType::Ack),
             5 => Some(MessageType::Handshake),
             6 => Some(MessageType::Notice),
+            7 => Some(MessageType::Reject),
             _ => None,
         }
     }
@@ -127,7 +140,8 @@ impl MessageType {
     /// Size in bytes of the type's fixed fields (after the header).
     pub const fn fixed_len(self) -> usize {
         match self {
-            MessageType::Want | MessageType::Grant | MessageType::Notice => 8,
+            MessageType::Grant | MessageType::Notice => 8,
+            MessageType::Want | MessageType::Reject => 16,
             MessageType::Data | MessageType::Ack => 24,
             MessageType::Handshake => 32,
         }
@@ -139,7 +153,10 @@ impl MessageType {
             MessageType::Want => WANT_ENTRY_LEN,
             MessageType::Grant => GRANT_ENTRY_LEN,
             MessageType::Data => DATA_ENTRY_LEN,
-            MessageType::Ack | MessageType::Handshake | MessageType::Notice => 0,
+            MessageType::Ack
+            | MessageType::Handshake
+            | MessageType::Notice
+            | MessageType::Reject => 0,
         }
     }
 
@@ -162,6 +179,7 @@ impl fmt::Display for MessageType {
             MessageType::Ack => "ACK",
             MessageType::Handshake => "HANDSHAKE",
             MessageType::Notice => "NOTICE",
+            MessageType::Reject => "REJECT",
         })
     }
 }
@@ -259,6 +277,12 @@ pub enum WireError {
         /// The byte found.
         code: u8,
     },
+    /// A REJECT's reason code is unknown.
+    #[error("unknown reject reason code {code}")]
+    UnknownRejectReason {
+        /// The code found.
+        code: u32,
+    },
 }
 
 /// WANT (sender → receiver, seed §5): the per-chunk packed byte sizes of
@@ -269,6 +293,13 @@ pub enum WireError {
 pub struct Want {
     /// The sender's request id (monotonic per sender incarnation).
     pub request_id: u64,
+    /// The destination scope: the receiver-local id of the engine session
+    /// whose pool the request writes into (published in the receiver's
+    /// engine record), or 0 for the receiver agent's own pool. The receiver
+    /// serves the flow only while that session is attached and scatters
+    /// only into that session's pool (issue 12, "engine-scoped flows").
+    /// Cancels carry 0.
+    pub scope: u64,
     /// Packed bytes of each chunk, in chunk order
     /// ([`crate::plan::TransferPlan::chunk_bytes`]); empty = cancel.
     pub chunk_bytes: Vec<u64>,
@@ -362,6 +393,71 @@ pub struct Handshake {
     pub config_generation: u64,
 }
 
+/// Why a receiver refused a request ([`Reject`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// The WANT named a destination scope (engine session) that is not
+    /// attached to the receiver: detached, never attached, or the receiver
+    /// restarted.
+    UnknownScope,
+    /// The destination engine detached while the flow was in progress; its
+    /// regions were reclaimed.
+    ScopeDetached,
+    /// The WANT itself was refused (its chunk sizes cannot be served by
+    /// this receiver's arena).
+    Refused,
+    /// A DATA of the request named scatter destinations outside the
+    /// destination engine's pool (or the agent's registered memory): none
+    /// of it was scattered.
+    InvalidRuns,
+}
+
+impl RejectReason {
+    /// The wire code.
+    pub const fn code(self) -> u32 {
+        match self {
+            RejectReason::UnknownScope => 1,
+            RejectReason::ScopeDetached => 2,
+            RejectReason::Refused => 3,
+            RejectReason::InvalidRuns => 4,
+        }
+    }
+
+    /// Inverse of [`RejectReason::code`]; `None` for an unknown code.
+    pub const fn from_code(code: u32) -> Option<Self> {
+        match code {
+            1 => Some(RejectReason::UnknownScope),
+            2 => Some(RejectReason::ScopeDetached),
+            3 => Some(RejectReason::Refused),
+            4 => Some(RejectReason::InvalidRuns),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RejectReason::UnknownScope => "the destination engine is not attached to the receiver",
+            RejectReason::ScopeDetached => "the destination engine detached from the receiver",
+            RejectReason::Refused => "the receiver refused the request",
+            RejectReason::InvalidRuns => {
+                "a DATA named scatter destinations outside the destination's memory; nothing of it was scattered"
+            }
+        })
+    }
+}
+
+/// REJECT (receiver → sender, kvfabric's own, wire version 2): request
+/// `request_id` will not be served; the sender fails it with `reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Reject {
+    /// The sender's request id.
+    pub request_id: u64,
+    /// Why.
+    pub reason: RejectReason,
+}
+
 /// Topic of an arrival notice: the payload says which engine's request
 /// landed (the service layer's JSON; see `service::engines`).
 pub const NOTICE_TOPIC_ARRIVAL: u64 = 1;
@@ -392,6 +488,8 @@ pub enum Message {
     Handshake(Handshake),
     /// See [`Notice`].
     Notice(Notice),
+    /// See [`Reject`].
+    Reject(Reject),
 }
 
 // ---------------------------------------------------------------- encoding
@@ -469,6 +567,7 @@ impl Message {
             Message::Ack(_) => MessageType::Ack,
             Message::Handshake(_) => MessageType::Handshake,
             Message::Notice(_) => MessageType::Notice,
+            Message::Reject(_) => MessageType::Reject,
         }
     }
 
@@ -477,7 +576,7 @@ impl Message {
             Message::Want(w) => (w.chunk_bytes.len(), w.endpoint.len()),
             Message::Grant(g) => (g.credits.len(), 0),
             Message::Data(d) => (d.runs.len(), 0),
-            Message::Ack(_) => (0, 0),
+            Message::Ack(_) | Message::Reject(_) => (0, 0),
             Message::Handshake(h) => (0, h.endpoint.len()),
             Message::Notice(n) => (0, n.payload.len()),
         }
@@ -555,6 +654,7 @@ impl Message {
         match self {
             Message::Want(w) => {
                 put_u64(out, w.request_id);
+                put_u64(out, w.scope);
                 for &b in &w.chunk_bytes {
                     put_u64(out, b);
                 }
@@ -590,6 +690,11 @@ impl Message {
                 put_u64(out, n.topic);
                 out.extend_from_slice(&n.payload);
             }
+            Message::Reject(r) => {
+                put_u64(out, r.request_id);
+                put_u32(out, r.reason.code());
+                put_u32(out, 0);
+            }
         }
     }
 
@@ -607,6 +712,7 @@ impl Message {
             MessageType::Ack => frame.ack().map(Message::Ack),
             MessageType::Handshake => frame.handshake().map(Message::Handshake),
             MessageType::Notice => frame.notice().map(Message::Notice),
+            MessageType::Reject => frame.reject().map(Message::Reject),
         }
     }
 }
@@ -636,6 +742,12 @@ impl From<Handshake> for Message {
         Message::Handshake(m)
     }
 }
+impl From<Reject> for Message {
+    fn from(m: Reject) -> Self {
+        Message::Reject(m)
+    }
+}
+
 impl From<Notice> for Message {
     fn from(m: Notice) -> Self {
         Message::Notice(m)
@@ -664,6 +776,7 @@ fn check_run(index: usize, r: &ScatterRun) -> Result<(), WireError> {
 pub fn encode_cancel(request_id: u64, endpoint: &[u8]) -> Vec<u8> {
     Message::Want(Want {
         request_id,
+        scope: 0,
         chunk_bytes: Vec::new(),
         endpoint: endpoint.to_vec(),
     })
@@ -916,12 +1029,14 @@ impl<'a> Frame<'a> {
 
     fn want(mut self) -> Result<Want, WireError> {
         let request_id = self.body.u64()?;
+        let scope = self.body.u64()?;
         let mut chunk_bytes = Vec::with_capacity(self.count);
         for _ in 0..self.count {
             chunk_bytes.push(self.body.u64()?);
         }
         Ok(Want {
             request_id,
+            scope,
             chunk_bytes,
             endpoint: self.body.rest().to_vec(),
         })
@@ -982,6 +1097,15 @@ impl<'a> Frame<'a> {
         })
     }
 
+    fn reject(mut self) -> Result<Reject, WireError> {
+        let request_id = self.body.u64()?;
+        let code = self.body.u32()?;
+        let reason =
+            RejectReason::from_code(code).ok_or(WireError::UnknownRejectReason { code })?;
+        reserved_zero("reject.reserved", u64::from(self.body.u32()?))?;
+        Ok(Reject { request_id, reason })
+    }
+
     fn notice(mut self) -> Result<Notice, WireError> {
         let topic = self.body.u64()?;
         Ok(Notice {
@@ -1022,13 +1146,19 @@ mod tests {
                 payload: br#"{"request_id":7}"#.to_vec(),
             }),
             Message::Notice(Notice::default()),
+            Message::Reject(Reject {
+                request_id: u64::MAX,
+                reason: RejectReason::UnknownScope,
+            }),
             Message::Want(Want {
                 request_id: 7,
+                scope: 0,
                 chunk_bytes: vec![4096, 1 << 25, 33],
                 endpoint: b"tcp://10.0.0.1:5555".to_vec(),
             }),
             Message::Want(Want {
                 request_id: u64::MAX,
+                scope: 0,
                 chunk_bytes: vec![],
                 endpoint: vec![],
             }),
@@ -1134,6 +1264,7 @@ mod tests {
         assert_eq!(w.endpoint_str(), Some("tcp://h:1"));
         let not = Message::Want(Want {
             request_id: 11,
+            scope: 0,
             chunk_bytes: vec![1],
             endpoint: vec![],
         })

@@ -5,13 +5,15 @@ use kvfabric_core::plan::TransferPlan;
 use kvfabric_core::wire::{
     decode_ack, decode_data, decode_grant, decode_handshake, decode_want, encode_cancel,
     encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, Grant, Handshake, Message,
-    MessageType, Want, WireError, HEADER_LEN, MAGIC, MAX_ENDPOINT_LEN, MAX_ENTRIES, WIRE_VERSION,
+    MessageType, Reject, RejectReason, Want, WireError, HEADER_LEN, MAGIC, MAX_ENDPOINT_LEN,
+    MAX_ENTRIES, WIRE_VERSION,
 };
 use kvfabric_core::{ControlKind, Descriptor, ScatterRun};
 
 fn want() -> Want {
     Want {
         request_id: 0x0102_0304_0506_0708,
+        scope: 0,
         chunk_bytes: vec![32 << 20, 32 << 20, 4097],
         endpoint: b"tcp://192.168.1.20:41234".to_vec(),
     }
@@ -71,6 +73,11 @@ fn all() -> Vec<Message> {
         data().into(),
         ack().into(),
         handshake().into(),
+        Reject {
+            request_id: 77,
+            reason: RejectReason::ScopeDetached,
+        }
+        .into(),
     ]
 }
 
@@ -166,7 +173,7 @@ fn rejects_wrong_version() {
 
 #[test]
 fn rejects_unknown_type() {
-    for code in [0u8, 7, 0xff] {
+    for code in [0u8, 8, 0xff] {
         let mut b = Message::from(ack()).encode();
         b[6] = code;
         assert_eq!(Message::decode(&b), Err(WireError::UnknownType { code }));
@@ -289,6 +296,54 @@ fn rejects_nonzero_reserved() {
     assert!(matches!(
         decode_handshake(&b),
         Err(WireError::NonZeroReserved { .. })
+    ));
+}
+
+#[test]
+fn want_carries_its_scope_and_reject_its_reason() {
+    let w = Want {
+        scope: 0xdead_beef_0042,
+        ..want()
+    };
+    let b = Message::from(w.clone()).encode();
+    // The scope is the second fixed field, right after the request id.
+    assert_eq!(
+        &b[HEADER_LEN + 8..HEADER_LEN + 16],
+        &0xdead_beef_0042u64.to_le_bytes()
+    );
+    assert_eq!(Message::decode(&b), Ok(Message::Want(w)));
+    for reason in [
+        RejectReason::UnknownScope,
+        RejectReason::ScopeDetached,
+        RejectReason::Refused,
+        RejectReason::InvalidRuns,
+    ] {
+        let r = Reject {
+            request_id: 5,
+            reason,
+        };
+        let b = Message::from(r).encode();
+        assert_eq!(b.len(), HEADER_LEN + 16);
+        assert_eq!(Message::decode(&b), Ok(Message::Reject(r)));
+    }
+    let mut b = Message::from(Reject {
+        request_id: 5,
+        reason: RejectReason::Refused,
+    })
+    .encode();
+    b[HEADER_LEN + 8] = 9;
+    assert_eq!(
+        Message::decode(&b),
+        Err(WireError::UnknownRejectReason { code: 9 })
+    );
+    b[HEADER_LEN + 8] = 3;
+    b[HEADER_LEN + 12] = 1;
+    assert!(matches!(
+        Message::decode(&b),
+        Err(WireError::NonZeroReserved {
+            field: "reject.reserved",
+            ..
+        })
     ));
 }
 

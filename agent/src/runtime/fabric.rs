@@ -266,8 +266,9 @@ pub struct FabricAgent {
     copy: Option<Arc<dyn CopyEngine>>,
     kv_regions: Vec<(MemKind, MemDesc)>,
     /// Scatter destinations allowed beyond the KV regions (engine pools),
-    /// `(addr, len)` bytes; re-allowed on every rebuilt transport.
-    scatter_ranges: Mutex<Vec<(u64, u64)>>,
+    /// `(scope, addr, len)` (scope 0: unscoped, else the engine session's
+    /// scope); re-allowed on every rebuilt transport.
+    scatter_ranges: Mutex<Vec<(u64, u64, u64)>>,
     /// Where NOTICEs go; set on every rebuilt transport.
     notice_sink: Mutex<Option<Sender<(String, Notice)>>>,
     arena_kind: MemKind,
@@ -307,6 +308,7 @@ type BuildFailure = (String, Option<Box<dyn ControlChannel>>);
 /// What a new transport starts with (see [`TransportSettings`]).
 struct TransportInit {
     allowed: Vec<(u64, u64)>,
+    scoped: Vec<(u64, u64, u64)>,
     notice_sink: Option<Sender<(String, Notice)>>,
     first_request_id: u64,
     stats: Option<Arc<super::transport::TransportStats>>,
@@ -499,7 +501,7 @@ impl FabricAgent {
         generation: u64,
         reuse: Option<Box<dyn ControlChannel>>,
         carried: Option<(u64, Arc<super::transport::TransportStats>)>,
-        engine_ranges: &[(u64, u64)],
+        engine_ranges: &[(u64, u64, u64)],
     ) -> (BounceSide, Option<Box<dyn ControlChannel>>) {
         let off = |config, unavailable| BounceSide {
             config,
@@ -517,9 +519,15 @@ impl FabricAgent {
             .iter()
             .map(|(_, d)| (d.addr, d.len))
             .collect();
-        allowed.extend_from_slice(engine_ranges);
+        allowed.extend(
+            engine_ranges
+                .iter()
+                .filter(|r| r.0 == 0)
+                .map(|&(_, a, l)| (a, l)),
+        );
         let init = TransportInit {
             allowed,
+            scoped: engine_ranges.iter().filter(|r| r.0 != 0).copied().collect(),
             notice_sink: self
                 .notice_sink
                 .lock()
@@ -596,6 +604,7 @@ impl FabricAgent {
             merge_runs: !cfg.config().disable_scatter_run_merging,
             busy_poll: cfg.busy_poll(host_cpus()),
             allowed_scatter_ranges: init.allowed,
+            scoped_ranges: init.scoped,
             notice_sink: init.notice_sink,
             first_request_id: init.first_request_id,
             stats: init.stats,
@@ -875,19 +884,44 @@ impl FabricAgent {
         }
     }
 
-    /// Allows `[addr, addr + len)` (an engine's pool) as a scatter
-    /// destination on this and every later transport.
+    /// Allows `[addr, addr + len)` as an unscoped scatter destination
+    /// (WANTs with scope 0) on this and every later transport.
     pub fn allow_scatter_range(&self, addr: u64, len: u64) {
+        self.allow_scope(0, addr, len);
+    }
+
+    /// Opens engine scope `scope` with its pool `[addr, addr + len)` on
+    /// this and every later transport (see [`BounceTransport::allow_scope`];
+    /// scope 0 = [`allow_scatter_range`](Self::allow_scatter_range)).
+    pub fn allow_scope(&self, scope: u64, addr: u64, len: u64) {
         // Held across the transport call: a rebuild swaps transports under
         // this lock, so the range reaches the old or the new one.
         let mut ranges = self
             .scatter_ranges
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        ranges.push((addr, len));
+        ranges.push((scope, addr, len));
         if let Some(t) = self.transport() {
-            t.allow_scatter_range(addr, len);
+            t.allow_scope(scope, addr, len);
         }
+    }
+
+    /// Closes engine scope `scope` (≥ 1) on this and every later transport:
+    /// its receiver flows are reclaimed and their senders REJECTed at once
+    /// (see [`BounceTransport::forget_scope`]). Returns the flows reclaimed.
+    /// Running scatters still finish: wait with
+    /// [`disallow_scatter_range`](Self::disallow_scatter_range) before
+    /// unmapping the pool.
+    pub fn forget_scope(&self, scope: u64) -> usize {
+        if scope == 0 {
+            return 0;
+        }
+        let mut ranges = self
+            .scatter_ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ranges.retain(|r| r.0 != scope);
+        self.transport().map_or(0, |t| t.forget_scope(scope))
     }
 
     /// Withdraws a range given to [`FabricAgent::allow_scatter_range`]
@@ -898,7 +932,7 @@ impl FabricAgent {
         self.scatter_ranges
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|r| *r != (addr, len));
+            .retain(|r| (r.1, r.2) != (addr, len));
         // A transport being retired may still scatter into the range, and
         // the one being built may have been given it: wait for the swap.
         while self.rebuilding.load(Ordering::SeqCst) {
@@ -1224,16 +1258,31 @@ impl FabricAgent {
         dst_kind: MemKind,
         traced: bool,
     ) -> (PathKind, TransferHandle) {
+        self.submit_write_scoped(peer, descs, src_kind, dst_kind, 0, traced)
+    }
+
+    /// [`submit_write_kinds_traced`](Self::submit_write_kinds_traced) into
+    /// destination engine scope `scope` on `peer` (from the destination
+    /// engine's record; 0 = the peer's own pool). A bounce request to a
+    /// scope the peer no longer has fails at once (REJECT); the standard
+    /// path writes without a receiver's say and ignores it.
+    pub fn submit_write_scoped(
+        &self,
+        peer: &str,
+        descs: Vec<Descriptor>,
+        src_kind: MemKind,
+        dst_kind: MemKind,
+        scope: u64,
+        traced: bool,
+    ) -> (PathKind, TransferHandle) {
         let bytes: u64 = descs.iter().map(|d| d.len).sum();
         if let Some(t) = self.bounce_route(peer, &descs, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
-            let h = if traced {
-                t.submit_traced(peer, descs)
-            } else {
-                t.submit(peer, descs)
-            };
-            (PathKind::Bounce, h)
+            (
+                PathKind::Bounce,
+                t.submit_scoped(peer, descs, scope, traced),
+            )
         } else {
             (PathKind::Standard, self.submit_standard(peer, descs))
         }

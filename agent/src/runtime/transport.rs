@@ -31,7 +31,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::scheduler::CreditScheduler;
-use kvfabric_core::wire::{self, Ack, Credit, Data, Grant, Message, Notice, Want};
+use kvfabric_core::wire::{
+    self, Ack, Credit, Data, Grant, Message, Notice, Reject, RejectReason, Want,
+};
 use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
 
 use super::control::{ControlChannel, ControlError};
@@ -76,6 +78,11 @@ pub struct TransportSettings {
     /// Scatter destinations allowed from the start, `(addr, len)` bytes
     /// (more with [`BounceTransport::allow_scatter_range`]).
     pub allowed_scatter_ranges: Vec<(u64, u64)>,
+    /// Engine scopes allowed from the start, `(scope, addr, len)`: the
+    /// pool of the engine session `scope` (more with
+    /// [`BounceTransport::allow_scope`]). A rebuilt transport gets the
+    /// scopes attached now.
+    pub scoped_ranges: Vec<(u64, u64, u64)>,
     /// Where NOTICEs go from the start (a rebuilt transport reads a kept
     /// control channel's backlog at once: a later sink would miss them).
     pub notice_sink: Option<Sender<(String, Notice)>>,
@@ -102,6 +109,7 @@ impl Default for TransportSettings {
             merge_runs: true,
             busy_poll: Duration::ZERO,
             allowed_scatter_ranges: Vec::new(),
+            scoped_ranges: Vec::new(),
             notice_sink: None,
             first_request_id: 1,
             stats: None,
@@ -382,6 +390,9 @@ pub struct TransportStats {
     pub wants_rejected: AtomicU64,
     /// Cancels (empty WANT) received.
     pub cancels_received: AtomicU64,
+    /// REJECTs received for our requests (the receiver refused them, or
+    /// their destination engine detached).
+    pub rejects_received: AtomicU64,
     /// Control messages dropped on a full queue.
     pub control_dropped: AtomicU64,
     /// Sum of credit wait (submit → first GRANT), microseconds.
@@ -500,6 +511,8 @@ enum Command {
     Submit {
         rid: u64,
         peer: String,
+        /// The destination scope carried in the WANT (0: the peer's own pool).
+        scope: u64,
         descs: Vec<Descriptor>,
         /// From `TransferPlan::chunk_bounds`, run by the submitting thread.
         chunks: Vec<ChunkBound>,
@@ -518,6 +531,15 @@ enum Command {
     AllowScatter {
         addr: u64,
         len: u64,
+    },
+    AllowScope {
+        scope: u64,
+        addr: u64,
+        len: u64,
+    },
+    ForgetScope {
+        scope: u64,
+        reply: Sender<usize>,
     },
     DisallowScatter {
         addr: u64,
@@ -661,6 +683,10 @@ impl BounceTransport {
         let max_inflight = settings.max_inflight_chunks.max(1);
         let first_request_id = settings.first_request_id.max(1);
         let initial_allowed = settings.allowed_scatter_ranges.clone();
+        let mut initial_scopes: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        for &(scope, addr, len) in &settings.scoped_ranges {
+            initial_scopes.entry(scope).or_default().push((addr, len));
+        }
         let initial_sink = settings.notice_sink.clone();
         let closed = Arc::new(AtomicBool::new(false));
         let io_blocked = Arc::new(AtomicBool::new(false));
@@ -716,6 +742,8 @@ impl BounceTransport {
             orphan_writes: Vec::new(),
             deferred_cancels: HashMap::new(),
             allowed: initial_allowed,
+            scopes: initial_scopes,
+            flow_scope: HashMap::new(),
             disallowed: Vec::new(),
             notice_sink: initial_sink,
             faults: FaultPlan::default(),
@@ -847,6 +875,41 @@ impl BounceTransport {
         let _ = self.send_cmd(Command::AllowScatter { addr, len });
     }
 
+    /// Opens engine scope `scope` (≥ 1, unique per agent incarnation; an
+    /// attached engine session) with its pool `[addr, addr + len)`: WANTs
+    /// naming `scope` are served, and their DATA may scatter only into this
+    /// range — not into another engine's pool, even one mapped where this
+    /// engine's used to be (issue 12, engine-scoped flows). `scope` 0 is
+    /// the agent's own memory ([`allow_scatter_range`](Self::allow_scatter_range)).
+    pub fn allow_scope(&self, scope: u64, addr: u64, len: u64) {
+        if scope == 0 {
+            return self.allow_scatter_range(addr, len);
+        }
+        let _ = self.send_cmd(Command::AllowScope { scope, addr, len });
+    }
+
+    /// Closes engine scope `scope` (its engine detached): DATA of its
+    /// flows no longer scatters, and each flow's sender gets a REJECT, so
+    /// the request fails now rather than at its timeout; later WANTs naming
+    /// `scope` are rejected. The flows' regions are freed by the sender's
+    /// cancel, which it sends once its writes are terminal (seed §9: a
+    /// region freed under a live write could be re-granted and
+    /// overwritten), or by the silence timeout. Scatters already queued or
+    /// running finish (wait for them with
+    /// [`disallow_scatter_range`](Self::disallow_scatter_range) before
+    /// unmapping). Returns the number of flows told; 0 when the IO thread
+    /// did not answer within 5 s.
+    pub fn forget_scope(&self, scope: u64) -> usize {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .send_cmd(Command::ForgetScope { scope, reply: tx })
+            .is_err()
+        {
+            return 0;
+        }
+        rx.recv_timeout(SYNC_TIMEOUT).unwrap_or(0)
+    }
+
     /// Takes `[addr, addr + len)` out of the allowed scatter destinations
     /// (an engine's pool going away) and waits at most `within` until no
     /// queued or running scatter writes into it any more. Returns `true`
@@ -939,17 +1002,29 @@ impl BounceTransport {
     /// many chunks) resolve the handle FAILURE at once, with a message
     /// naming the descriptor.
     pub fn submit(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
-        self.submit_with(peer, descs, false)
+        self.submit_scoped(peer, descs, 0, false)
     }
 
     /// [`submit`](Self::submit) for a traced request: the IO thread records
     /// each chunk's [`Stage`]s (read with [`TransferHandle::take_timeline`])
     /// from instants it takes anyway.
     pub fn submit_traced(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
-        self.submit_with(peer, descs, true)
+        self.submit_scoped(peer, descs, 0, true)
     }
 
-    fn submit_with(&self, peer: &str, descs: Vec<Descriptor>, traced: bool) -> TransferHandle {
+    /// [`submit`](Self::submit) into destination scope `scope` on `peer`:
+    /// the engine session whose pool the descriptors' destinations lie in
+    /// (from the peer's engine record; 0 = the peer agent's own pool). The
+    /// receiver refuses a scope that is not attached, or that detaches
+    /// mid-flow, with a REJECT: the handle resolves FAILURE at once, naming
+    /// the reason. `traced` as in [`submit_traced`](Self::submit_traced).
+    pub fn submit_scoped(
+        &self,
+        peer: &str,
+        descs: Vec<Descriptor>,
+        scope: u64,
+        traced: bool,
+    ) -> TransferHandle {
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
         let mut completion = Completion::with_spin(self.busy_poll);
         if traced {
@@ -994,6 +1069,7 @@ impl BounceTransport {
             .send_cmd(Command::Submit {
                 rid,
                 peer: peer.to_string(),
+                scope,
                 descs,
                 chunks,
                 completion,
@@ -1101,6 +1177,8 @@ struct WriteProbe {
 
 struct SendRequest {
     peer: String,
+    /// Destination scope named in the WANT (see [`BounceTransport::submit_scoped`]).
+    scope: u64,
     remote_kind: MemKind,
     /// The request's descriptors, shared with its chunks' gather jobs
     /// (each plans its chunk on the worker).
@@ -1233,8 +1311,12 @@ struct Io {
     /// Cancels held back until the failed request's writes are terminal:
     /// rid → (peer, orphan writes outstanding).
     deferred_cancels: HashMap<u64, (String, usize)>,
-    /// Ranges scatters may write to.
+    /// Ranges scatters of scope-0 flows (the agent's own memory) may write to.
     allowed: Vec<(u64, u64)>,
+    /// Engine scopes: scope → the ranges its flows may scatter into.
+    scopes: HashMap<u64, Vec<(u64, u64)>>,
+    /// Receiver side: the destination scope of each live flow (from its WANT).
+    flow_scope: HashMap<FlowKey, u64>,
     /// Ranges taken out of `allowed`, each answered once no queued or
     /// running scatter writes into it (then its memory may be unmapped).
     disallowed: Vec<(u64, u64, Sender<()>)>,
@@ -1411,10 +1493,11 @@ impl Io {
             Command::Submit {
                 rid,
                 peer,
+                scope,
                 descs,
                 chunks,
                 completion,
-            } => self.on_submit(rid, peer, descs, chunks, completion),
+            } => self.on_submit(rid, peer, scope, descs, chunks, completion),
             Command::AddPeer {
                 peer,
                 endpoint,
@@ -1441,10 +1524,20 @@ impl Io {
                 let _ = reply.send(());
             }
             Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Command::AllowScope { scope, addr, len } => {
+                self.scopes.entry(scope).or_default().push((addr, len));
+            }
+            Command::ForgetScope { scope, reply } => {
+                let n = self.forget_scope(scope);
+                let _ = reply.send(n);
+            }
             Command::DisallowScatter { addr, len, reply } => {
                 let end = addr.saturating_add(len);
-                self.allowed
-                    .retain(|&(a, l)| a.saturating_add(l) <= addr || a >= end);
+                let apart = |&(a, l): &(u64, u64)| a.saturating_add(l) <= addr || a >= end;
+                self.allowed.retain(apart);
+                for ranges in self.scopes.values_mut() {
+                    ranges.retain(apart);
+                }
                 self.disallowed.push((addr, end, reply));
                 self.answer_disallowed();
             }
@@ -1531,11 +1624,12 @@ impl Io {
         &mut self,
         rid: u64,
         peer: String,
+        scope: u64,
         descs: Vec<Descriptor>,
         chunks: Vec<ChunkBound>,
         completion: Arc<Completion>,
     ) {
-        tracing::trace!(rid, descriptors = descs.len(), "submit");
+        tracing::trace!(rid, scope, descriptors = descs.len(), "submit");
         let fail = |c: &Arc<Completion>, stats: &TransportStats, why: String| {
             stats.failed.fetch_add(1, Ordering::Relaxed);
             c.resolve(TransferOutcome::Failure(why));
@@ -1560,6 +1654,7 @@ impl Io {
         let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
         let want = Message::Want(Want {
             request_id: rid,
+            scope,
             chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
             endpoint: self.endpoint.clone(),
         });
@@ -1589,6 +1684,7 @@ impl Io {
             rid,
             SendRequest {
                 peer: peer.clone(),
+                scope,
                 remote_kind,
                 descs: Arc::new(descs),
                 chunks,
@@ -2104,6 +2200,7 @@ impl Io {
         // Receiver side: drop records of finished flows, reclaim silent ones.
         let sched = &self.scheduler;
         self.flow_seen.retain(|f, _| sched.contains_flow(f));
+        self.flow_scope.retain(|f, _| sched.contains_flow(f));
         let silent: Vec<FlowKey> = self
             .flow_seen
             .iter()
@@ -2143,12 +2240,32 @@ impl Io {
             self.reclaim_flow(&flow);
             return;
         }
-        self.flow_seen.insert(flow.clone(), Instant::now());
-        if let Err(e) = self.scheduler.on_want(flow, &w.chunk_bytes) {
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
+        if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
+            // The destination engine is not attached (detached, never
+            // attached here, or this agent restarted): refuse at once.
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, scope = w.scope, "WANT for an engine scope that is not attached; rejected");
+            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+            self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
+            return;
+        }
+        if self.scheduler.contains_flow(&flow) && self.flow_scope.get(&flow) != Some(&w.scope) {
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, "WANT names another scope than its live flow; rejected");
             self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        let live = self.scheduler.contains_flow(&flow);
+        if let Err(e) = self.scheduler.on_want(flow.clone(), &w.chunk_bytes) {
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
+            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+            if !live {
+                // Fail the sender now, not at its timeout (a replayed WANT
+                // of a live flow is only dropped).
+                self.send_reject(peer, w.request_id, RejectReason::Refused);
+            }
+            return;
+        }
+        self.flow_seen.insert(flow.clone(), Instant::now());
+        self.flow_scope.insert(flow, w.scope);
         self.schedule_and_send();
         // DATA for this flow follows within a control round trip: wake as
         // many idle scatter workers as it can use now (after the GRANT went
@@ -2159,10 +2276,45 @@ impl Io {
     }
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.flow_scope.remove(flow);
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
         self.grant_index.remove(flow);
         self.schedule_and_send();
+    }
+
+    /// Closes engine scope `scope`: its flows' DATA stops scattering, their
+    /// senders get a REJECT (see [`BounceTransport::forget_scope`]).
+    /// Returns the number of flows.
+    fn forget_scope(&mut self, scope: u64) -> usize {
+        self.scopes.remove(&scope);
+        let flows: Vec<FlowKey> = self
+            .flow_scope
+            .iter()
+            .filter(|(f, s)| **s == scope && self.scheduler.contains_flow(f))
+            .map(|(f, _)| f.clone())
+            .collect();
+        // The flows are not reclaimed here: their senders may still have
+        // writes in flight into the granted regions, so a region freed now
+        // could be re-granted and overwritten by a late write. The scope's
+        // ranges are gone, so their DATA no longer scatters; the sender,
+        // told by the REJECT, fails the request and cancels once its
+        // writes are terminal (seed §9), which frees the regions — or the
+        // silence timeout does.
+        for flow in &flows {
+            tracing::info!(agent = %self.name, flow = %flow, scope, "destination engine detached; sender told");
+            self.send_reject(&flow.peer, flow.rid, RejectReason::ScopeDetached);
+        }
+        flows.len()
+    }
+
+    /// Tells `peer` its request `rid` will not be served (best effort).
+    fn send_reject(&mut self, peer: &str, rid: u64, reason: RejectReason) {
+        let msg = Message::Reject(Reject {
+            request_id: rid,
+            reason,
+        });
+        self.send(peer, &msg);
     }
 
     /// Drops region records whose flow matches and which are no longer held
@@ -2254,7 +2406,17 @@ impl Io {
         }
     }
 
-    fn validate_runs(&self, region_len: u64, runs: &[ScatterRun]) -> Result<(), String> {
+    fn validate_runs(
+        &self,
+        scope: u64,
+        region_len: u64,
+        runs: &[ScatterRun],
+    ) -> Result<(), String> {
+        let allowed: &[(u64, u64)] = if scope == 0 {
+            &self.allowed
+        } else {
+            self.scopes.get(&scope).map_or(&[], Vec::as_slice)
+        };
         let mut total: u64 = 0;
         for (k, r) in runs.iter().enumerate() {
             if r.segment_len == 0 || r.count == 0 {
@@ -2271,15 +2433,21 @@ impl Io {
                 .and_then(|x| x.checked_add(r.addr))
                 .and_then(|x| x.checked_add(r.segment_len))
                 .ok_or_else(|| format!("run {k} destination overflows"))?;
-            let inside = self
-                .allowed
+            let inside = allowed
                 .iter()
                 .any(|&(a, l)| r.addr >= a && dst_end <= a + l);
             if !inside {
-                return Err(format!(
-                    "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
-                    r.addr
-                ));
+                return Err(if scope == 0 {
+                    format!(
+                        "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
+                        r.addr
+                    )
+                } else {
+                    format!(
+                        "run {k} destination [{:#x}, {dst_end:#x}) is outside the pool of destination engine scope {scope}",
+                        r.addr
+                    )
+                });
             }
             total = total.saturating_add(r.total_bytes());
         }
@@ -2317,9 +2485,13 @@ impl Io {
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        if let Err(why) = self.validate_runs(len, &d.runs) {
+        let scope = self.flow_scope.get(&flow).copied().unwrap_or(0);
+        if let Err(why) = self.validate_runs(scope, len, &d.runs) {
             tracing::warn!(agent = %self.name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            // The sender fails the request now (its cancel, sent once its
+            // writes are terminal, frees the flow's regions).
+            self.send_reject(peer, d.request_id, RejectReason::InvalidRuns);
             return;
         }
         if let Err(e) = self.scheduler.begin_scatter(&flow, d.region_handle) {
@@ -2498,6 +2670,7 @@ impl Io {
             Ok(Message::Grant(g)) => self.on_grant(peer, g),
             Ok(Message::Data(d)) => self.on_data(peer, d),
             Ok(Message::Ack(a)) => self.on_ack(peer, a),
+            Ok(Message::Reject(r)) => self.on_reject(peer, r),
             Ok(Message::Handshake(_)) => {
                 tracing::warn!(agent = %self.name, peer, "handshake on the control channel; ignored")
             }
@@ -2513,6 +2686,28 @@ impl Io {
                 tracing::warn!(agent = %self.name, peer, error = %e, "undecodable control message; dropped")
             }
         }
+    }
+
+    /// The receiver refused request `r.request_id`: fail it now (only if
+    /// it is ours to `peer` — a REJECT names no other peer's request).
+    fn on_reject(&mut self, peer: &str, r: Reject) {
+        let ours = self
+            .requests
+            .get(&r.request_id)
+            .is_some_and(|q| q.peer == peer);
+        if !ours {
+            tracing::debug!(agent = %self.name, peer, rid = r.request_id, "REJECT for no request of ours to that peer; ignored");
+            return;
+        }
+        self.stats.rejects_received.fetch_add(1, Ordering::Relaxed);
+        let scope = self.requests.get(&r.request_id).map_or(0, |q| q.scope);
+        self.fail_request(
+            r.request_id,
+            format!(
+                "receiver {peer:?} refused the request (destination scope {scope}): {}",
+                r.reason
+            ),
+        );
     }
 
     // ---------------- lifecycle ----------------

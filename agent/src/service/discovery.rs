@@ -152,6 +152,12 @@ pub struct EngineRecord {
     pub pool_len: u64,
     /// Pool memory kind: `dram` or `vram`.
     pub pool_kind: String,
+    /// The engine session's scope on the publishing agent (≥ 1): bounce
+    /// WANTs into this engine carry it, and the agent serves them only
+    /// while this session is attached (wire version 2). 0 in records of
+    /// older agents.
+    #[serde(default)]
+    pub scope: u64,
 }
 
 /// What one agent publishes (serialized as JSON; byte blobs in base64).

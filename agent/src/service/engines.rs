@@ -224,6 +224,11 @@ struct InFlight {
 /// One attached engine.
 struct Session {
     id: String,
+    /// This session's engine scope on the agent's transport (≥ 1, unique
+    /// per agent incarnation): WANTs into its pool carry it, and the
+    /// receiver serves them only while this session is attached (issue 12,
+    /// engine-scoped flows).
+    scope: u64,
     engine_id: String,
     pod_uid: String,
     role: String,
@@ -443,6 +448,7 @@ impl EngineHub {
                     pool_addr: pool.as_ref().map_or(0, |p| p.addr),
                     pool_len: pool.as_ref().map_or(0, |p| p.len),
                     pool_kind: if s.layout.device >= 0 { "vram" } else { "dram" }.into(),
+                    scope: s.scope,
                 }
             })
             .collect();
@@ -555,13 +561,14 @@ impl EngineHub {
                     LogSafe(id)
                 )));
             }
+            let scope = self.next_session.fetch_add(1, Ordering::Relaxed).max(1);
             let sid = format!(
-                "{}-{}",
-                self.next_session.fetch_add(1, Ordering::Relaxed),
+                "{scope}-{}",
                 crate::service::discovery::Incarnation::generate()
             );
             let s = Arc::new(Session {
                 id: sid.clone(),
+                scope,
                 engine_id: id.to_string(),
                 pod_uid: req.pod_uid.clone(),
                 role: role.to_string(),
@@ -679,6 +686,13 @@ impl EngineHub {
             }
         }
         self.republish();
+        // Flows into its pool end now, their senders told (REJECT): a
+        // hand-off to a detached engine fails at once, and no later DATA
+        // can land in memory another engine may map here next.
+        let reclaimed = self.agent.forget_scope(s.scope);
+        if reclaimed > 0 {
+            tracing::info!(engine = %LogSafe(&s.engine_id), flows = reclaimed, "incoming flows of the detached engine reclaimed");
+        }
         let pool = s.pool.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(pool) = pool {
             // Drain scatters into the pool before letting it go (a reaper
@@ -815,7 +829,7 @@ impl EngineHub {
                 "a pool is registered already (one pool per session)",
             ));
         }
-        self.agent.allow_scatter_range(pool.addr, pool.len);
+        self.agent.allow_scope(s.scope, pool.addr, pool.len);
         *slot = Some(pool);
         Ok(())
     }
@@ -1418,11 +1432,7 @@ impl EngineHub {
             let st = self.agent.stats();
             st.submit_bounce.fetch_add(1, Ordering::Relaxed);
             st.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
-            if traced {
-                t.submit_traced(agent, descs)
-            } else {
-                t.submit(agent, descs)
-            }
+            t.submit_scoped(agent, descs, record.scope, traced)
         };
         let mut fallback = None;
         // Handed to the path from here (a traced bounce request's WANT can
@@ -1452,9 +1462,14 @@ impl EngineHub {
                 }
             }
             pb::Path::Auto => {
-                let r = self
-                    .agent
-                    .submit_write_kinds_traced(agent, descs, src_kind, dst_kind, traced);
+                let r = self.agent.submit_write_scoped(
+                    agent,
+                    descs,
+                    src_kind,
+                    dst_kind,
+                    record.scope,
+                    traced,
+                );
                 if r.0 == PathKind::Standard && self.agent.transport().is_some() {
                     fallback = Some(if self.agent.has_peer_handshake(agent) {
                         "routing_gate"

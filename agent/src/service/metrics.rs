@@ -30,6 +30,7 @@
 //! | `kvfabric_chunks_scattered_total` | counter | | chunks scattered and ACKed |
 //! | `kvfabric_data_rejected_total` | counter | | DATA messages dropped |
 //! | `kvfabric_wants_rejected_total` | counter | | WANT messages rejected |
+//! | `kvfabric_rejects_received_total` | counter | | REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA runs outside the destination's memory) |
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
 //! | `kvfabric_peers_loaded_total` | counter | | peers loaded |
@@ -342,6 +343,12 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "WANT messages rejected (bad endpoint or chunk sizes)",
         |t| &t.wants_rejected,
+    ),
+    (
+        "kvfabric.rejects.received",
+        None,
+        "REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA outside the destination's memory)",
+        |t| &t.rejects_received,
     ),
     (
         "kvfabric.control.dropped",

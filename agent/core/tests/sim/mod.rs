@@ -711,9 +711,12 @@ impl Sim {
         );
         self.stats.submitted += 1;
         self.note(|| format!("{i} Submit rid {rid} → {peer} chunks {sizes:?}"));
-        self.agents[i]
-            .inputs
-            .push_back(Input::Submit { rid, peer, chunks });
+        self.agents[i].inputs.push_back(Input::Submit {
+            rid,
+            peer,
+            scope: 0,
+            chunks,
+        });
     }
 
     /// A forged message from `rogue` to agent `i`: plausible-looking random
@@ -726,6 +729,7 @@ impl Sim {
         let msg = match r.below(4) {
             0 => Message::Want(Want {
                 request_id: rid,
+                scope: 0,
                 chunk_bytes: (0..r.below(4))
                     .map(|_| pick(r, &[0, 32, 256, 1000, MAX_CHUNK, 8 * MAX_CHUNK, u64::MAX]))
                     .collect(),
