@@ -504,3 +504,121 @@ async fn tombstoned_engine_pod_is_detached_and_refused() {
     drop(keep);
     drop(a);
 }
+
+/// Environment of the re-executed "foreign engine" (see
+/// `engines_are_bound_to_their_uid`): the socket, a session and an shm
+/// object of another uid.
+const FOREIGN_ENV: &str = "KVF_TEST_FOREIGN_ENGINE";
+/// The uid the foreign engine runs as (`nobody`).
+const FOREIGN_UID: u32 = 65534;
+
+/// Not a test on its own: the body of a process that
+/// `engines_are_bound_to_their_uid` starts as uid 65534 (gid 0, the
+/// socket's group). Does nothing unless [`FOREIGN_ENV`] is set.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "run by engines_are_bound_to_their_uid as another uid"]
+async fn foreign_engine_process() {
+    let Ok(v) = std::env::var(FOREIGN_ENV) else {
+        return;
+    };
+    let [socket, session, shm, len]: [&str; 4] = v
+        .split('|')
+        .collect::<Vec<_>>()
+        .try_into()
+        .expect("socket|session|shm|len");
+    let len: u64 = len.parse().unwrap();
+    // SAFETY: getuid has no preconditions.
+    assert_eq!(unsafe { libc::getuid() }, FOREIGN_UID);
+    let client = Client::connect(socket).await.expect("connect as uid 65534");
+    // Another uid's session is not ours to use, even by its id.
+    let e = client
+        .status_of(session)
+        .await
+        .expect_err("foreign session");
+    assert_eq!(e.code(), Some(tonic::Code::PermissionDenied), "{e}");
+    println!("FOREIGN: session of uid 0 refused: {e}");
+    let l = layout(0, 1, 8);
+    let s = client
+        .attach("foreign-0", "uid-foreign", pb::Role::Prefill, l.clone())
+        .await
+        .expect("attach");
+    // Another uid's shm object (the root engine's pool) is refused ...
+    let e = s
+        .register_shm_name(shm, len)
+        .await
+        .expect_err("foreign shm");
+    assert_eq!(e.code(), Some(tonic::Code::PermissionDenied), "{e}");
+    println!("FOREIGN: shm object of uid 0 refused: {e}");
+    // ... its own is taken.
+    let own = ShmPool::create(
+        &format!("/kvf-test-foreign-{}", std::process::id()),
+        kvfabric_client::pool_bytes(&l),
+    )
+    .expect("own shm pool");
+    s.register_shm(&own).await.expect("own pool registered");
+    println!("FOREIGN: own pool registered");
+    s.detach().await.expect("detach");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn engines_are_bound_to_their_uid() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        common::skip("needs root to start an engine process as another uid");
+        return;
+    }
+    let Some(etcd) = Etcd::start("engines-uid") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-uid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("enguid-{}", std::process::id());
+    let Some(mut a) = spawn_agent(&etcd, &fabric, "node-a", "prefill", &dir) else {
+        return;
+    };
+    // The socket's directory must be traversable by the other uid.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (owner, pool) = attach(&a, "owner-0", pb::Role::Prefill, layout(0, 1, 8)).await;
+    let spec = format!(
+        "{}|{}|{}|{}",
+        a.socket.display(),
+        owner.id(),
+        pool.name(),
+        pool.len()
+    );
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "foreign_engine_process",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(FOREIGN_ENV, &spec)
+        .current_dir("/")
+        .uid(FOREIGN_UID)
+        .gid(0)
+        .output()
+        .expect("start the foreign engine");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "foreign engine failed:\n{text}");
+    for line in [
+        "FOREIGN: session of uid 0 refused",
+        "FOREIGN: shm object of uid 0 refused",
+        "FOREIGN: own pool registered",
+    ] {
+        assert!(text.contains(line), "missing {line:?}:\n{text}");
+    }
+    // The owner's session is untouched and the agent serves on.
+    let st = owner.status().await.expect("owner's session");
+    assert_eq!(st.engine_id, "owner-0");
+    owner.detach().await.unwrap();
+    a.agent.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}

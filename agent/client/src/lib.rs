@@ -333,9 +333,20 @@ impl Session {
     /// `InvalidArgument` when it is smaller than the layout or cannot be
     /// mapped; `FailedPrecondition` when a pool is registered already.
     pub async fn register_shm(&self, pool: &ShmPool) -> Result<u64, ClientError> {
+        self.register_shm_name(pool.name(), pool.len() as u64).await
+    }
+
+    /// Registers the POSIX shm object `name` (`len` bytes, created and
+    /// mapped by the engine itself, e.g. by its own allocator) as this
+    /// engine's KV pool. The object must be owned by the engine's uid.
+    ///
+    /// # Errors
+    /// As [`Session::register_shm`]; `PermissionDenied` when the object is
+    /// owned by another uid.
+    pub async fn register_shm_name(&self, name: &str, len: u64) -> Result<u64, ClientError> {
         self.register(pb::register_pool_request::Memory::Shm(pb::ShmPool {
-            name: pool.name().to_string(),
-            len: pool.len() as u64,
+            name: name.to_string(),
+            len,
         }))
         .await
     }

@@ -161,7 +161,37 @@ impl Drop for MappedPool {
 }
 
 /// Maps shm object `name` (read-write, `len` bytes from offset 0).
-fn map_shm(name: &str, len: u64) -> Result<u64, String> {
+/// The process on the other end of an engine API call, from the Unix
+/// socket's SO_PEERCRED (kernel-provided, not claimed by the client).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// Effective user id.
+    pub uid: u32,
+    /// Effective group id.
+    pub gid: u32,
+    /// Process id in the agent's pid namespace (`None` when the kernel
+    /// did not report one, e.g. a pid namespace the agent cannot see).
+    pub pid: Option<i32>,
+}
+
+/// The caller of `req` (`None` when the call did not come over a Unix
+/// socket with credentials, e.g. an in-process test transport).
+fn caller_of<T>(req: &Request<T>) -> Option<Caller> {
+    req.extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|i| i.peer_cred)
+        .map(|c| Caller {
+            uid: c.uid(),
+            gid: c.gid(),
+            pid: c.pid().filter(|&p| p > 0),
+        })
+}
+
+/// Maps the POSIX shm object `name` (`len` bytes) read-write. When `owner`
+/// is given (the calling engine's uid, not root), the object must be a
+/// regular file owned by that uid: an engine registers only memory it owns,
+/// never another engine's pool by name.
+fn map_shm(name: &str, len: u64, owner: Option<u32>) -> Result<u64, String> {
     if !name.starts_with('/') || name.len() < 2 || name.len() > 251 || name[1..].contains('/') {
         return Err(format!(
             "shm name {:?}: want \"/name\" (1-250 characters, no other '/')",
@@ -182,7 +212,26 @@ fn map_shm(name: &str, len: u64) -> Result<u64, String> {
     // SAFETY: `st` is plain old data filled by fstat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fd is valid; st is writable.
-    let size_ok = unsafe { libc::fstat(fd, &mut st) } == 0 && (st.st_size as u64) >= len;
+    let stat_ok = unsafe { libc::fstat(fd, &mut st) } == 0;
+    let foreign = owner.filter(|&uid| uid != 0 && (!stat_ok || st.st_uid != uid));
+    if let Some(uid) = foreign {
+        // SAFETY: closing our own fd.
+        unsafe { libc::close(fd) };
+        return Err(format!(
+            "shm object {} is owned by uid {}, not by the calling engine's uid {uid}: an engine registers only memory it owns",
+            LogSafe(name),
+            st.st_uid
+        ));
+    }
+    if stat_ok && (st.st_mode & libc::S_IFMT) != libc::S_IFREG {
+        // SAFETY: closing our own fd.
+        unsafe { libc::close(fd) };
+        return Err(format!(
+            "shm object {} is not a regular file",
+            LogSafe(name)
+        ));
+    }
+    let size_ok = stat_ok && (st.st_size as u64) >= len;
     if !size_ok {
         // SAFETY: closing our own fd.
         unsafe { libc::close(fd) };
@@ -229,6 +278,9 @@ struct Session {
     /// receiver serves them only while this session is attached (issue 12,
     /// engine-scoped flows).
     scope: u64,
+    /// The attaching process (SO_PEERCRED); later calls on the session
+    /// must come from the same uid.
+    caller: Option<Caller>,
     engine_id: String,
     pod_uid: String,
     role: String,
@@ -422,10 +474,27 @@ impl EngineHub {
     fn session(&self, id: &str) -> Result<Arc<Session>, Status> {
         self.lock_sessions().get(id).cloned().ok_or_else(|| {
             Status::not_found(format!(
-                "no session {:?} (detached or never attached)",
+                "no session {} (detached or never attached)",
                 LogSafe(id)
             ))
         })
+    }
+
+    /// Session `id`, for a call by `caller`: a session is used only by a
+    /// process of the uid that attached it (PermissionDenied otherwise).
+    fn session_for(&self, id: &str, caller: Option<Caller>) -> Result<Arc<Session>, Status> {
+        let s = self.session(id)?;
+        if let (Some(owner), Some(c)) = (s.caller, caller) {
+            if owner.uid != c.uid && c.uid != 0 {
+                return Err(Status::permission_denied(format!(
+                    "session {} was attached by uid {}; this call came from uid {}",
+                    LogSafe(id),
+                    owner.uid,
+                    c.uid
+                )));
+            }
+        }
+        Ok(s)
     }
 
     /// The engine records this agent publishes.
@@ -497,7 +566,11 @@ impl EngineHub {
     }
 
     /// Attaches an engine.
-    fn attach(&self, req: &pb::AttachRequest) -> Result<Arc<Session>, Status> {
+    fn attach(
+        &self,
+        req: &pb::AttachRequest,
+        caller: Option<Caller>,
+    ) -> Result<Arc<Session>, Status> {
         if self.closing.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the agent is shutting down"));
         }
@@ -569,6 +642,7 @@ impl EngineHub {
             let s = Arc::new(Session {
                 id: sid.clone(),
                 scope,
+                caller,
                 engine_id: id.to_string(),
                 pod_uid: req.pod_uid.clone(),
                 role: role.to_string(),
@@ -600,7 +674,7 @@ impl EngineHub {
                 LogSafe(&s.pod_uid)
             )));
         }
-        tracing::info!(agent = %self.agent.name(), engine = %LogSafe(id), session = %s.id, role, layout = %s.layout, "engine attached");
+        tracing::info!(agent = %self.agent.name(), engine = %LogSafe(id), session = %s.id, role, layout = %s.layout, uid = ?s.caller.map(|c| c.uid), pid = ?s.caller.and_then(|c| c.pid), "engine attached");
 
         self.republish();
         Ok(s)
@@ -855,7 +929,14 @@ impl EngineHub {
         // registration can take a while); installed only if the session is
         // still attached and still has no pool — else dropped (unregistered,
         // unmapped) before anything could use it.
-        let addr = map_shm(name, need).map_err(Status::invalid_argument)?;
+        let owner = s.caller.map(|c| c.uid);
+        let addr = map_shm(name, need, owner).map_err(|e| {
+            if e.contains("owned by uid") {
+                Status::permission_denied(e)
+            } else {
+                Status::invalid_argument(e)
+            }
+        })?;
         let pool = Arc::new(MappedPool::new(
             addr,
             need,
@@ -1627,10 +1708,11 @@ impl EngineApi for EngineService {
         req: Request<pb::AttachRequest>,
     ) -> Result<Response<Self::AttachStream>, Status> {
         let hub = self.hub.clone();
+        let caller = caller_of(&req);
         let req = req.into_inner();
         // attach() republishes the agent's record (a bounded, blocking
         // store call): off the async threads.
-        let s = tokio::task::spawn_blocking(move || hub.attach(&req))
+        let s = tokio::task::spawn_blocking(move || hub.attach(&req, caller))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
         let (tx, rx) = mpsc::channel::<Result<pb::SessionEvent, Status>>(4);
@@ -1681,8 +1763,9 @@ impl EngineApi for EngineService {
         &self,
         req: Request<pb::RegisterPoolRequest>,
     ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
+        let caller = caller_of(&req);
         let req = req.into_inner();
-        let s = self.hub.session(&req.session)?;
+        let s = self.hub.session_for(&req.session, caller)?;
         match req.memory {
             Some(pb::register_pool_request::Memory::Shm(shm)) => {
                 let hub = self.hub.clone();
@@ -1715,8 +1798,9 @@ impl EngineApi for EngineService {
         req: Request<pb::TransferRequest>,
     ) -> Result<Response<pb::TransferResponse>, Status> {
         let received = Instant::now();
+        let caller = caller_of(&req);
         let req = req.into_inner();
-        let s = self.hub.session(&req.session)?;
+        let s = self.hub.session_for(&req.session, caller)?;
         // Untraced agents: one empty OnceLock checked.
         let trace = self.hub.traces.get().and_then(|t| {
             t.begin_transfer(&req.traceparent, received, || {
@@ -1743,8 +1827,9 @@ impl EngineApi for EngineService {
         &self,
         req: Request<pb::AwaitArrivalRequest>,
     ) -> Result<Response<pb::AwaitArrivalResponse>, Status> {
+        let caller = caller_of(&req);
         let req = req.into_inner();
-        let s = self.hub.session(&req.session)?;
+        let s = self.hub.session_for(&req.session, caller)?;
         let timeout = if req.timeout_ms == 0 {
             self.hub.request_timeout
         } else {
@@ -1771,7 +1856,7 @@ impl EngineApi for EngineService {
                     bytes: a.bytes,
                 }));
             }
-            if self.hub.session(&req.session).is_err() {
+            if self.hub.session_for(&req.session, caller).is_err() {
                 return Err(Status::not_found("session detached while waiting"));
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -1792,8 +1877,9 @@ impl EngineApi for EngineService {
         &self,
         req: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::CancelResponse>, Status> {
+        let caller = caller_of(&req);
         let req = req.into_inner();
-        let s = self.hub.session(&req.session)?;
+        let s = self.hub.session_for(&req.session, caller)?;
         let h = s
             .in_flight
             .lock()
@@ -1824,7 +1910,9 @@ impl EngineApi for EngineService {
         &self,
         req: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        let s = self.hub.session(&req.get_ref().session)?;
+        let s = self
+            .hub
+            .session_for(&req.get_ref().session, caller_of(&req))?;
         let in_flight = s
             .in_flight
             .lock()
@@ -1853,8 +1941,9 @@ impl EngineApi for EngineService {
         &self,
         req: Request<pb::DetachRequest>,
     ) -> Result<Response<pb::DetachResponse>, Status> {
+        let caller = caller_of(&req);
         let id = req.into_inner().session;
-        self.hub.session(&id)?;
+        self.hub.session_for(&id, caller)?;
         let hub = self.hub.clone();
         let _ = tokio::task::spawn_blocking(move || hub.detach(&id, "Detach")).await;
         Ok(Response::new(pb::DetachResponse {}))
