@@ -622,3 +622,115 @@ async fn engines_are_bound_to_their_uid() {
     a.agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Shrinks shm object `name` to `len` bytes, as a misbehaving engine
+/// would after registering it.
+fn truncate_shm(name: &str, len: i64) {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: plain FFI on an object this test created.
+    unsafe {
+        let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+        assert!(fd >= 0, "shm_open {name}");
+        assert_eq!(libc::ftruncate(fd, len), 0, "ftruncate {name}");
+        libc::close(fd);
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_engine_truncating_its_pool_is_detached_and_the_agent_lives() {
+    let Some(etcd) = Etcd::start("engines-trunc") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-trunc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("engtrunc-{}", std::process::id());
+    let Some(mut a) = spawn_agent(&etcd, &fabric, "node-a", "prefill", &dir) else {
+        return;
+    };
+    let mut b = spawn_agent(&etcd, &fabric, "node-b", "decode", &dir).expect("agent b");
+    let l = layout(0, 1, 32);
+    let (bad, mut bad_pool) = attach(&a, "prefill-bad", pb::Role::Prefill, l.clone()).await;
+    let (good, mut good_pool) = attach(&a, "prefill-good", pb::Role::Prefill, l.clone()).await;
+    let (decode, dpool) = attach(&b, "decode-0", pb::Role::Decode, l.clone()).await;
+    for p in [&mut bad_pool, &mut good_pool] {
+        for (i, x) in p.as_mut_slice().iter_mut().enumerate() {
+            *x = pattern(i);
+        }
+    }
+    // The bad engine shrinks its registered pool to one page; it must not
+    // touch the pool any more (nor may this test).
+    truncate_shm(bad_pool.name(), 4096);
+    let (src, dst) = ([3u32, 17], [5u32, 6]);
+    let r = until_found(|| bad.transfer_blocks(1, "decode-0", &src, &dst))
+        .await
+        .expect("transfer answered");
+    println!("truncated source: {r:?}");
+    assert_eq!(r.outcome(), pb::Outcome::Failure, "{r:?}");
+    assert!(r.reason.contains("truncated"), "{}", r.reason);
+    // The decode side is told it failed, never handed zeros as its KV.
+    let arr = decode
+        .await_arrival(1, "prefill-bad", Duration::from_secs(10))
+        .await
+        .expect("await");
+    assert_ne!(arr.outcome(), pb::Outcome::Success, "{arr:?}");
+    // The bad engine is detached within a second; the agent serves on.
+    let client = Client::connect(&a.socket).await.unwrap();
+    let t0 = Instant::now();
+    loop {
+        match client.status_of(bad.id()).await {
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => break,
+            _ if t0.elapsed() > Duration::from_secs(1) => panic!("bad engine still attached"),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert!(scrape(&a).contains("kvfabric_engines"), "agent a answers");
+    let r = good
+        .transfer_blocks(2, "decode-0", &src, &dst)
+        .await
+        .expect("good transfer");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+    let arr = decode
+        .await_arrival(2, "prefill-good", Duration::from_secs(10))
+        .await
+        .expect("await");
+    assert_eq!(arr.outcome(), pb::Outcome::Success, "{arr:?}");
+    let bb = l.block_bytes as usize;
+    for layer in 0..3 {
+        for plane in 0..2 {
+            for (k, &d) in dst.iter().enumerate() {
+                let so = block_offset(&l, layer, plane, src[k]);
+                let doff = block_offset(&l, layer, plane, d);
+                assert!(
+                    dpool.as_slice()[doff..doff + bb] == good_pool.as_slice()[so..so + bb],
+                    "layer {layer} plane {plane} block {d}"
+                );
+            }
+        }
+    }
+
+    // The receiving side: the decode engine truncates its pool; a hand-off
+    // into it scatters into zero pages and its arrival is a failure.
+    truncate_shm(dpool.name(), 4096);
+    let r = good
+        .transfer_blocks(3, "decode-0", &src, &[9, 10])
+        .await
+        .expect("transfer answered");
+    println!("truncated destination, sender's view: {r:?}");
+    let arr = decode
+        .await_arrival(3, "prefill-good", Duration::from_secs(10))
+        .await;
+    println!("truncated destination, decode's view: {arr:?}");
+    assert!(
+        !matches!(&arr, Ok(a) if a.outcome() == pb::Outcome::Success),
+        "{arr:?}"
+    );
+    assert!(scrape(&b).contains("kvfabric_engines"), "agent b answers");
+    drop((bad_pool, dpool));
+    good.detach().await.unwrap();
+    // Close every connection first (the agents' drain waits on open ones).
+    drop((client, bad, decode));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.agent.terminate();
+    b.agent.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -99,6 +99,9 @@ struct MappedPool {
     /// shm mapping registered with NIXL.
     #[cfg(feature = "cuda")]
     ipc: Option<crate::runtime::cuda::IpcMapping>,
+    /// SIGBUS guard of a shm mapping (see [`crate::service::shm_guard`]):
+    /// reports an engine truncating its object under the agent.
+    guard: Option<Arc<crate::service::shm_guard::Guard>>,
 }
 
 impl MappedPool {
@@ -116,7 +119,14 @@ impl MappedPool {
             agent,
             #[cfg(feature = "cuda")]
             ipc,
+            guard: None,
         }
+    }
+
+    /// Whether the engine truncated its shm object under the mapping
+    /// (bytes copied from or into the pool since are not the engine's).
+    fn truncated(&self) -> bool {
+        self.guard.as_ref().is_some_and(|g| g.truncated())
     }
 
     fn kind(&self) -> MemKind {
@@ -152,6 +162,8 @@ impl Drop for MappedPool {
         unsafe {
             libc::munmap(self.addr as *mut libc::c_void, self.len as usize);
         }
+        // Unguarded only once unmapped (a fault before that is still ours).
+        drop(self.guard.take());
         tracing::info!(
             addr = self.addr,
             bytes = self.len,
@@ -292,6 +304,9 @@ struct Session {
     failed: AtomicU64,
     bytes_sent: AtomicU64,
     arrivals: AtomicU64,
+    /// Set once the engine's shm pool was found truncated (its detach is
+    /// under way).
+    truncated: std::sync::atomic::AtomicBool,
     /// Closed by Detach or the hub's shutdown (ends the Attach stream).
     close: Notify,
     /// Why it was closed (sent in the stream's `closing` event).
@@ -654,6 +669,7 @@ impl EngineHub {
                 failed: AtomicU64::new(0),
                 bytes_sent: AtomicU64::new(0),
                 arrivals: AtomicU64::new(0),
+                truncated: std::sync::atomic::AtomicBool::new(false),
                 close: Notify::new(),
                 close_reason: Mutex::new(String::new()),
             });
@@ -937,13 +953,15 @@ impl EngineHub {
                 Status::invalid_argument(e)
             }
         })?;
-        let pool = Arc::new(MappedPool::new(
+        let mut pool = MappedPool::new(
             addr,
             need,
             Arc::downgrade(&self.agent),
             #[cfg(feature = "cuda")]
             None,
-        ));
+        );
+        pool.guard = crate::service::shm_guard::guard(addr, need);
+        let pool = Arc::new(pool);
         self.agent
             .engine()
             .register_region(MemKind::Dram, MemDesc::host(addr, need))
@@ -1048,6 +1066,32 @@ impl EngineHub {
         self.me.get().cloned().unwrap_or_default()
     }
 
+    /// `Some(reason)` when `s`'s shm pool was truncated by the engine after
+    /// it was registered (the agent survived the SIGBUS by mapping zero
+    /// pages, see [`crate::service::shm_guard`]); the session is detached
+    /// then (once, off this thread).
+    fn pool_truncated(&self, s: &Arc<Session>) -> Option<String> {
+        if !s.pool().is_some_and(|p| p.truncated()) {
+            return None;
+        }
+        let why = format!(
+            "engine {}'s shm pool was truncated after it was registered: its bytes are gone; the session is detached",
+            LogSafe(&s.engine_id)
+        );
+        if !s.truncated.swap(true, Ordering::SeqCst) {
+            tracing::error!(engine = %LogSafe(&s.engine_id), "shm pool truncated under the agent; detaching the engine");
+            let (hub, id, reason) = (self.weak_self(), s.id.clone(), why.clone());
+            let _ = std::thread::Builder::new()
+                .name("kvfabric-truncated".into())
+                .spawn(move || {
+                    if let Some(h) = hub.upgrade() {
+                        h.detach(&id, &reason);
+                    }
+                });
+        }
+        Some(why)
+    }
+
     /// Drops every pending arrival to `engine`.
     fn purge_arrivals_to(&self, engine: &str) {
         self.arrivals
@@ -1057,7 +1101,18 @@ impl EngineHub {
             .retain(|(d, _, _), _| d != engine);
     }
 
-    fn record_arrival(&self, a: ArrivalNotice) {
+    fn record_arrival(&self, mut a: ArrivalNotice) {
+        if a.outcome == "success" {
+            let dst = self
+                .lock_sessions()
+                .values()
+                .find(|s| s.engine_id == a.dst_engine)
+                .cloned();
+            if let Some(why) = dst.and_then(|d| self.pool_truncated(&d)) {
+                a.outcome = "failure".into();
+                a.reason = why;
+            }
+        }
         self.arrived_total.fetch_add(1, Ordering::Relaxed);
         let mut g = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
@@ -1120,7 +1175,15 @@ impl EngineHub {
         received: Instant,
         mut trace: Option<TransferTrace>,
     ) -> Result<pb::TransferResponse, Status> {
-        let r = self.transfer_inner(s, req, received, &mut trace);
+        let mut r = self.transfer_inner(s, req, received, &mut trace);
+        if let Ok(resp) = &mut r {
+            if resp.outcome() == pb::Outcome::Success {
+                if let Some(why) = self.pool_truncated(s) {
+                    resp.outcome = pb::Outcome::Failure as i32;
+                    resp.reason = why;
+                }
+            }
+        }
         if let Some(t) = trace {
             let end = Instant::now();
             match &r {
@@ -1607,6 +1670,12 @@ impl EngineHub {
                     format!("not resolved within {timeout:?}"),
                 )
             }
+        };
+        // The source pool truncated under the gather: what left was zeros,
+        // not the engine's KV — a failure, on both sides.
+        let (outcome, reason) = match (outcome, self.pool_truncated(s)) {
+            (pb::Outcome::Success, Some(why)) => (pb::Outcome::Failure, why),
+            (o, _) => (o, reason),
         };
         let resolved = Instant::now();
         let transfer_us = resolved.duration_since(t0).as_micros() as u64;

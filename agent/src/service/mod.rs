@@ -7,4 +7,5 @@ pub mod engines;
 pub mod http;
 pub mod metrics;
 pub mod rollout;
+pub mod shm_guard;
 pub mod traces;
