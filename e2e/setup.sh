@@ -7,7 +7,9 @@
 #     (vendored libzmq), python3-pip (the NIXL wheel download), python3-venv
 #     (agent/python/run-tests.sh's venv), prometheus (promtool: `promtool
 #     check metrics` on a live /metrics), openssl/curl/iproute2
-#     (e2e/kube/up.sh). Go (for e2e/kube/install.sh) comes with the machine.
+#     (e2e/kube/up.sh), and with --tests nftables (the chaos suite's
+#     partition and control-loss faults). Go (for e2e/kube/install.sh)
+#     comes with the machine.
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 #   - with --tests (README's test command): also the Kubernetes control
 #     plane the operator, chart and chaos suites start (kube-apiserver,
@@ -50,6 +52,11 @@ python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 # agent/python/run-tests.sh makes a venv; Debian ships ensurepip (which
 # `python3 -m venv` needs) in python3-venv.
 python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# --tests: the chaos suite's network faults (partition-agent, control-loss)
+# put nftables rules in (nft; the kernel's nf_tables).
+if [ "$tests" = 1 ]; then
+  command -v nft >/dev/null 2>&1 || need+=(nftables)
+fi
 if [ "${#need[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   sudo_cmd=""

@@ -12,6 +12,7 @@
 //! then the invariants at quiesce; the [`report`] says what held.
 
 pub mod engine;
+pub mod nft;
 pub mod report;
 pub mod suite;
 pub mod topo;

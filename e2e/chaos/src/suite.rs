@@ -59,15 +59,26 @@ pub enum FaultKind {
     /// after it answers, while the others load it and handshake with it;
     /// its pod is then deleted.
     JoinerDies,
-    /// Opt-in (not in [`FaultKind::ALL`]; fails today): the fake node's
-    /// Ready condition goes Unknown for 2 s (a kubelet heartbeat blip),
-    /// then True again; every pair must still carry traffic.
+    /// The fake node's Ready condition goes Unknown for 2 s (a kubelet
+    /// heartbeat blip), then True again; every pair must still carry
+    /// traffic.
     NodeNotReadyBlip,
+    /// Cut an agent's control connections (the bounce control channel:
+    /// its own port, and its connections to the peers' ports) both ways
+    /// with nftables for requestTimeout + 1 s, then heal. etcd and HTTP
+    /// traffic keep flowing (the agent stays in discovery). On one host
+    /// UCX moves data over cma (process_vm_writev), which no network rule
+    /// cuts: the partition cuts the control path.
+    PartitionAgent,
+    /// Drop a random share (`Options::loss_percent`) of every agent's
+    /// control packets (nftables `numgen random`) for 3 s under load,
+    /// then remove the rule.
+    ControlLoss,
 }
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [FaultKind; 13] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::DeletePrefillPod,
         FaultKind::KillPrefillEngine,
         FaultKind::KillPrefillAgent,
@@ -81,6 +92,8 @@ impl FaultKind {
         FaultKind::ReplaceDecodePod,
         FaultKind::JoinerDies,
         FaultKind::NodeNotReadyBlip,
+        FaultKind::PartitionAgent,
+        FaultKind::ControlLoss,
     ];
 
     /// Its name in reports and on the command line.
@@ -99,7 +112,14 @@ impl FaultKind {
             FaultKind::ReplaceDecodePod => "replace-decode-pod",
             FaultKind::JoinerDies => "joiner-dies",
             FaultKind::NodeNotReadyBlip => "node-not-ready-blip",
+            FaultKind::PartitionAgent => "partition-agent",
+            FaultKind::ControlLoss => "control-loss",
         }
+    }
+
+    /// Whether it needs nftables.
+    pub fn needs_nft(self) -> bool {
+        matches!(self, FaultKind::PartitionAgent | FaultKind::ControlLoss)
     }
 
     /// The kind named `s` (the opt-in kinds included).
@@ -117,10 +137,7 @@ impl FaultKind {
 
 /// Fault kinds of issue 16 this version does not inject, and why.
 pub const MISSING: &[&str] = &[
-    "partition an agent (nftables drop) and heal: not in this first version (root nftables rules on a shared machine)",
-    "random loss on control traffic: not in this first version",
-        "a peer dying in the middle of the handshake: approximated by joiner-dies (a new agent SIGKILLed 0-300 ms after it answers, while its peers load it), not timed to a handshake message",
-
+    "a peer dying in the middle of the handshake: approximated by joiner-dies (a new agent SIGKILLed 0-300 ms after it answers, while its peers load it), not timed to a handshake message",
 ];
 
 /// Suite options.
@@ -162,6 +179,8 @@ pub struct Options {
     pub geometry: Geometry,
     /// Print progress to stderr.
     pub verbose: bool,
+    /// `control-loss`: % of control packets dropped (each direction).
+    pub loss_percent: u32,
 }
 
 impl Options {
@@ -186,6 +205,7 @@ impl Options {
             faults: FaultKind::ALL.to_vec(),
             geometry: Geometry::default(),
             verbose: true,
+            loss_percent: 10,
         }
     }
 }
@@ -450,6 +470,24 @@ struct FaultResult {
     forget_path: Option<String>,
     rejoin_ms: Option<f64>,
     warnings: Vec<String>,
+    partition: Option<crate::report::PartitionStats>,
+    loss: Option<crate::report::LossStats>,
+    /// The fault's window [start, end) and the victim agent slot, filled
+    /// into `partition` / `loss` once the round's load has resolved.
+    window: Option<(Instant, Instant, Option<usize>)>,
+}
+
+/// One resolved hand-off of the load (hangs are not sampled).
+#[derive(Clone, Debug)]
+struct Sample {
+    submitted: Instant,
+    /// Submit → both sides resolved.
+    ms: f64,
+    /// Submit → the prefill side (the engine's transfer) resolved.
+    tx_ms: f64,
+    success: bool,
+    prefill: String,
+    decode: String,
 }
 
 struct Suite {
@@ -475,6 +513,8 @@ struct Suite {
     round_notes: Mutex<Vec<String>>,
     /// UIDs of the decode engine pods (never replaced).
     decode_uids: Vec<String>,
+    /// Resolved hand-offs of the current round.
+    samples: Mutex<Vec<Sample>>,
 }
 
 const PREFILL_BLOCKS: u32 = 4096;
@@ -522,12 +562,55 @@ pub fn run(opts: Options) -> Result<Report, RunError> {
             opts.trace.display()
         )));
     }
+    let mut opts = opts;
+    let mut nft_skipped = BTreeMap::new();
+    if opts.faults.iter().any(|k| k.needs_nft()) {
+        for t in crate::nft::remove_stale() {
+            eprintln!("[chaos] removed nft table {t} left by a suite that no longer runs");
+        }
+        if let Err(why) = crate::nft::usable() {
+            let why = format!("nftables unusable here: {why}");
+            if std::env::var("KVFABRIC_REQUIRE_SERVICES").as_deref() == Ok("1") {
+                return Err(RunError::Skip(why));
+            }
+            for k in opts.faults.iter().filter(|k| k.needs_nft()) {
+                eprintln!("SKIP: fault {}: {why}", k.name());
+                nft_skipped.insert(k.name().to_string(), why.clone());
+            }
+            opts.faults.retain(|k| !k.needs_nft());
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| RunError::Setup(e.to_string()))?;
-    rt.block_on(run_async(opts))
+    let r = rt.block_on(run_async(opts)).map(|mut r| {
+        r.faults_skipped = nft_skipped;
+        r
+    });
+    // Every table of this process gone (the guards delete them; this
+    // catches one that survived its guard).
+    let left = crate::nft::own_tables();
+    match r {
+        Ok(mut rep) if !left.is_empty() => {
+            rep.violations
+                .push(format!("nft tables left behind after the run: {left:?}"));
+            for t in left {
+                let _ = nft_delete_table(&t);
+            }
+            Ok(rep)
+        }
+        other => other,
+    }
+}
+
+fn nft_delete_table(table: &str) -> std::io::Result<std::process::ExitStatus> {
+    Cmd::new("nft")
+        .args(["delete", "table", "inet", table])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
 }
 
 fn say(opts: &Options, msg: impl AsRef<str>) {
@@ -728,6 +811,7 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         logs,
         round_notes: Mutex::new(Vec::new()),
         decode_uids: vec![uids["decode-0"].clone(), uids["decode-1"].clone()],
+        samples: Mutex::new(Vec::new()),
     });
     for j in 0..2 {
         let d = suite
@@ -802,12 +886,14 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         let t_round = Instant::now();
         say(&suite.opts, format!("round {round}: {}", kind.name()));
         suite.peak.store(0, Ordering::SeqCst);
+        lock(&suite.samples).clear();
         let stop = Arc::new(AtomicBool::new(false));
         let load = tokio::spawn(suite.clone().load(rng.next_u64(), stop.clone()));
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let fr = suite.clone().inject(kind, &mut rng).await;
+        let mut fr = suite.clone().inject(kind, &mut rng).await;
         stop.store(true, Ordering::SeqCst);
         let (load_out, load_viol) = load.await.unwrap_or_default();
+        suite.fill_window(&mut fr);
         let leaks = suite.quiesce().await;
         for d in lock_r(&suite.decode).iter() {
             lock(&d.alloc).release_held();
@@ -825,6 +911,8 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
             forget_path: fr.forget_path.clone(),
             rejoin_ms: fr.rejoin_ms,
             notes: fr.notes.clone(),
+            partition: fr.partition.clone(),
+            loss: fr.loss.clone(),
             ..Default::default()
         };
         rr.notes.append(&mut lock(&suite.round_notes));
@@ -1101,6 +1189,10 @@ impl Suite {
         self.peak.fetch_max(now, Ordering::SeqCst);
         let t0 = Instant::now();
         let rx = p.submit(cmd);
+        let tx = async {
+            let a = rx.await;
+            (a, t0.elapsed())
+        };
         let arrival = async {
             if await_arrival {
                 Some(
@@ -1113,9 +1205,9 @@ impl Suite {
             }
         };
         let bound = Duration::from_millis(timeout_ms + self.opts.slack_ms);
-        let r = tokio::time::timeout(bound, async { tokio::join!(rx, arrival) }).await;
+        let r = tokio::time::timeout(bound, async { tokio::join!(tx, arrival) }).await;
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        let Ok((tx, arr)) = r else {
+        let Ok(((tx, tx_elapsed), arr)) = r else {
             o.hang += 1;
             lock(&d.alloc).hold(dst);
             lock(&p.alloc).hold(src);
@@ -1130,6 +1222,14 @@ impl Suite {
         let elapsed = t0.elapsed();
         let tx_ok = matches!(&tx, Ok(a) if a.outcome == "success");
         let arr_ok = matches!(&arr, Some(Ok(a)) if a.outcome() == pb::Outcome::Success);
+        lock(&self.samples).push(Sample {
+            submitted: t0,
+            ms: ms(elapsed),
+            tx_ms: ms(tx_elapsed),
+            success: tx_ok || arr_ok,
+            prefill: p.id.clone(),
+            decode: d.id.clone(),
+        });
         let describe = || {
             let t = match &tx {
                 Ok(a) => format!("{} {}", a.outcome, a.reason),
@@ -1980,6 +2080,229 @@ impl Suite {
                     }
                 }
             }
+            FaultKind::PartitionAgent => {
+                let k = rng.below(4) as usize;
+                let (name, gid) = {
+                    let a = lock(&self.agents);
+                    (a[k].agent.name.clone(), a[k].agent.gid)
+                };
+                let hold = Duration::from_millis(self.opts.request_timeout_ms + 1000);
+                r.target = format!("agent {name}, control cut {} ms", hold.as_millis());
+                match self.control_ports().await {
+                    Err(e) => {
+                        r.violations.push(format!("control ports: {e}"));
+                        probe = None;
+                    }
+                    Ok(ports) => {
+                        let mine = ports[k];
+                        let peers: Vec<String> = ports
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| *i != k)
+                            .map(|(_, p)| p.to_string())
+                            .collect();
+                        let mark = crate::nft::next_mark();
+                        // Output: mark the victim's control connections —
+                        // anything to its port, and what its own sockets
+                        // (its gid) send from its port or to the peers'
+                        // ports. Input: drop every packet of a marked
+                        // connection, counted by which way it goes.
+                        let peers = peers.join(", ");
+                        let body = format!(
+                            "chain out {{ type filter hook output priority 0; policy accept;\n\
+                               tcp dport {mine} ct mark set {mark:#x}\n\
+                               meta skgid {gid} tcp sport {mine} ct mark set {mark:#x}\n\
+                               meta skgid {gid} tcp dport {{ {peers} }} ct mark set {mark:#x}\n\
+                             }}\n\
+                             chain in {{ type filter hook input priority 0; policy accept;\n\
+                               ct mark {mark:#x} tcp dport {mine} counter drop comment \"to_victim\"\n\
+                               ct mark {mark:#x} tcp sport {{ {peers} }} counter drop comment \"to_victim\"\n\
+                               ct mark {mark:#x} tcp sport {mine} counter drop comment \"from_victim\"\n\
+                               ct mark {mark:#x} tcp dport {{ {peers} }} counter drop comment \"from_victim\"\n\
+                               ct mark {mark:#x} counter drop comment \"other\"\n\
+                             }}"
+                        );
+                        let t_f = Instant::now();
+                        match blocking(move || crate::nft::Table::create(&body)).await {
+                            Err(e) => {
+                                r.violations.push(format!("nft partition: {e}"));
+                                probe = Some(start_probe(&self, vec![], t_f));
+                            }
+                            Ok(table) => {
+                                probe = Some(start_probe(&self, vec![k], t_f));
+                                // A connection to the victim's control port
+                                // from here must not get through either.
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                                let addr = SocketAddr::from(([127, 0, 0, 1], mine));
+                                let reached = blocking(move || {
+                                    std::net::TcpStream::connect_timeout(
+                                        &addr,
+                                        Duration::from_millis(500),
+                                    )
+                                    .is_ok()
+                                })
+                                .await;
+                                if reached {
+                                    r.violations.push(format!(
+                                        "a connection to {name}'s control port {mine} got through the partition"
+                                    ));
+                                }
+                                tokio::time::sleep(hold.saturating_sub(Duration::from_millis(700)))
+                                    .await;
+                                // etcd was not cut: every other agent still
+                                // lists the victim.
+                                let observers: Vec<SocketAddr> = (0..4)
+                                    .filter(|i| *i != k)
+                                    .map(|i| self.agent_http(i))
+                                    .collect();
+                                let n2 = format!("\"{name}\"");
+                                let listed = blocking(move || {
+                                    observers.iter().all(|a| {
+                                        topo::http_get(*a, "/v1/peers")
+                                            .map(|(_, b)| b.contains(&n2))
+                                            .unwrap_or(false)
+                                    })
+                                })
+                                .await;
+                                let (table, listing) = blocking(move || {
+                                    let l = table.list();
+                                    (table, l)
+                                })
+                                .await;
+                                let t_heal = Instant::now();
+                                if let Err(e) = blocking(move || table.delete()).await {
+                                    r.violations.push(format!("heal (nft delete): {e}"));
+                                }
+                                let listing = listing.unwrap_or_else(|e| {
+                                    r.violations.push(format!("nft list: {e}"));
+                                    String::new()
+                                });
+                                let to = crate::nft::Table::counter(&listing, "to_victim");
+                                let from = crate::nft::Table::counter(&listing, "from_victim");
+                                // The direction the victim's role starts
+                                // exchanges in always has traffic under load
+                                // (a prefill sends WANTs, a decode receives
+                                // them); the other only when messages were
+                                // in flight at the cut (reported).
+                                let initiated = if k < 2 { from } else { to };
+                                if initiated == 0 {
+                                    r.violations.push(format!(
+                                        "the partition of {name} dropped {to} packets to it and {from} from it: its {} traffic was not cut",
+                                        if k < 2 { "outgoing" } else { "incoming" }
+                                    ));
+                                }
+                                if !listed {
+                                    r.violations.push(format!(
+                                        "an agent no longer listed {name} after {} ms of control partition (etcd was not cut: it must stay in discovery)",
+                                        hold.as_millis()
+                                    ));
+                                }
+                                // After the heal the victim carries traffic.
+                                let t_c = Instant::now();
+                                let (i, j) = if k < 2 {
+                                    (k, rng.below(2) as usize)
+                                } else {
+                                    (rng.below(2) as usize, k - 2)
+                                };
+                                let recovery =
+                                    match self.pair_probe(i, j, t_c, Duration::from_secs(20)).await
+                                    {
+                                        Ok(ms) => Some(ms),
+                                        Err(e) => {
+                                            r.violations.push(format!(
+                                            "agent {name} carries no traffic after the heal: {e}"
+                                        ));
+                                            None
+                                        }
+                                    };
+                                r.rejoin_ms = recovery;
+                                r.notes.push(format!(
+                                    "nft dropped {to} control packets to {name} and {from} from it"
+                                ));
+                                r.partition = Some(crate::report::PartitionStats {
+                                    victim: name.clone(),
+                                    control_ports: ports.clone(),
+                                    cut_ms: ms(t_heal - t_f),
+                                    dropped_to_victim: to,
+                                    dropped_from_victim: from,
+                                    in_discovery_at_heal: listed,
+                                    recovery_ms: recovery,
+                                    ..Default::default()
+                                });
+                                r.window = Some((t_f, t_heal, Some(k)));
+                            }
+                        }
+                    }
+                }
+            }
+            FaultKind::ControlLoss => {
+                let pct = self.opts.loss_percent.min(100);
+                let dur = Duration::from_secs(3);
+                r.target = format!("{pct}% control loss, all agents, {} ms", dur.as_millis());
+                match self.control_ports().await {
+                    Err(e) => {
+                        r.violations.push(format!("control ports: {e}"));
+                        probe = None;
+                    }
+                    Ok(ports) => {
+                        // The load's latency before the loss: 1.5 s more.
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        let set = ports
+                            .iter()
+                            .map(|p| p.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ");
+                        let body = format!(
+                            "chain out {{ type filter hook output priority 0; policy accept;\n\
+                               tcp dport {{ {set} }} counter comment \"seen\"\n\
+                               tcp sport {{ {set} }} counter comment \"seen\"\n\
+                               tcp dport {{ {set} }} numgen random mod 100 < {pct} counter drop comment \"dropped\"\n\
+                               tcp sport {{ {set} }} numgen random mod 100 < {pct} counter drop comment \"dropped\"\n\
+                             }}"
+                        );
+                        let t_l = Instant::now();
+                        match blocking(move || crate::nft::Table::create(&body)).await {
+                            Err(e) => {
+                                r.violations.push(format!("nft loss: {e}"));
+                                probe = Some(start_probe(&self, vec![], t_l));
+                            }
+                            Ok(table) => {
+                                probe = Some(start_probe(&self, vec![], t_l));
+                                tokio::time::sleep(dur).await;
+                                let (table, listing) = blocking(move || {
+                                    let l = table.list();
+                                    (table, l)
+                                })
+                                .await;
+                                let t_end = Instant::now();
+                                if let Err(e) = blocking(move || table.delete()).await {
+                                    r.violations.push(format!("nft delete: {e}"));
+                                }
+                                let listing = listing.unwrap_or_default();
+                                let seen = crate::nft::Table::counter(&listing, "seen");
+                                let dropped = crate::nft::Table::counter(&listing, "dropped");
+                                if dropped == 0 && pct > 0 {
+                                    r.violations.push(format!(
+                                        "control loss {pct}%: no packet dropped of {seen}"
+                                    ));
+                                }
+                                r.notes.push(format!(
+                                    "{dropped} of {seen} control packets dropped ({:.1}%)",
+                                    100.0 * dropped as f64 / seen.max(1) as f64
+                                ));
+                                r.loss = Some(crate::report::LossStats {
+                                    percent: pct,
+                                    loss_ms: ms(t_end - t_l),
+                                    packets: seen,
+                                    dropped,
+                                    ..Default::default()
+                                });
+                                r.window = Some((t_l, t_end, None));
+                            }
+                        }
+                    }
+                }
+            }
             FaultKind::RestartEtcd => {
                 let before: Vec<(u32, String)> = lock(&self.agents)
                     .iter()
@@ -2043,6 +2366,77 @@ impl Suite {
             }
         }
         r
+    }
+
+    /// The control-channel port of every agent slot (from its etcd
+    /// record's handshake).
+    async fn control_ports(self: &Arc<Self>) -> Result<Vec<u16>, String> {
+        let names: Vec<String> = (0..4).map(|i| self.agent_name(i)).collect();
+        let (etcd, fabric) = (self.conf.etcd.clone(), self.conf.fabric.clone());
+        blocking(move || {
+            names
+                .iter()
+                .map(|n| topo::control_port(&etcd, &fabric, n))
+                .collect()
+        })
+        .await
+    }
+
+    /// Fills the request figures of a partition or loss round from the
+    /// round's samples (every load request resolved by now).
+    fn fill_window(&self, fr: &mut FaultResult) {
+        let Some((t0, t1, victim)) = fr.window else {
+            return;
+        };
+        let samples = lock(&self.samples).clone();
+        let during = |s: &&Sample| s.submitted >= t0 && s.submitted < t1;
+        if let Some(p) = fr.partition.as_mut() {
+            let k = victim.unwrap_or(usize::MAX);
+            let involves = |s: &Sample| {
+                if k < 2 {
+                    s.prefill.starts_with(&format!("prefill-{k}-"))
+                } else {
+                    s.decode == format!("decode-{}", k.wrapping_sub(2))
+                }
+            };
+            let (mut fail_ms, mut fail_tx_ms) = (Vec::new(), Vec::new());
+            for s in samples.iter().filter(during) {
+                match (involves(s), s.success) {
+                    (true, true) => {
+                        p.victim_success += 1;
+                        if s.submitted + Duration::from_secs_f64(s.ms / 1e3) < t1 {
+                            p.victim_success_during_cut += 1;
+                        }
+                    }
+                    (true, false) => {
+                        p.victim_failure += 1;
+                        fail_ms.push(s.ms);
+                        fail_tx_ms.push(s.tx_ms);
+                    }
+                    (false, true) => p.others_success += 1,
+                    (false, false) => p.others_failure += 1,
+                }
+            }
+            p.victim_failure_ms = Latency::of(fail_ms);
+            p.victim_failure_prefill_ms = Latency::of(fail_tx_ms);
+        }
+        if let Some(l) = fr.loss.as_mut() {
+            // Before: submitted in the 1.5 s before the loss and resolved
+            // before it (requests still in flight at the start are left
+            // out of both sets).
+            let before: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| {
+                    s.submitted + Duration::from_millis(1500) >= t0
+                        && s.submitted + Duration::from_secs_f64(s.ms / 1e3) < t0
+                })
+                .collect();
+            let dur: Vec<&Sample> = samples.iter().filter(during).collect();
+            l.before = Latency::of(before.iter().filter(|s| s.success).map(|s| s.ms).collect());
+            l.failures_before = before.iter().filter(|s| !s.success).count() as u64;
+            l.during = Latency::of(dur.iter().filter(|s| s.success).map(|s| s.ms).collect());
+            l.failures_during = dur.iter().filter(|s| !s.success).count() as u64;
+        }
     }
 
     async fn sum_metric(self: &Arc<Self>, name: &'static str) -> f64 {

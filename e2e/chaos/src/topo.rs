@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -366,6 +367,65 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String
     ))
 }
 
+/// One HTTP/1.0 POST of a JSON `body` (connect 2 s, read 5 s): (status
+/// line, body).
+///
+/// # Errors
+/// Connect or IO failures.
+pub fn http_post(addr: SocketAddr, path: &str, body: &str) -> Result<(String, String), String> {
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "POST {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    ))
+}
+
+/// The control-channel port of agent `name` of `fabric`: read from its
+/// discovery record in etcd (`/kvfabric/<fabric>/agents/`, the handshake's
+/// endpoint `tcp://ip:port`), through etcd's JSON gateway.
+///
+/// # Errors
+/// etcd unreachable, no record, no handshake or an endpoint without a port.
+pub fn control_port(etcd: &str, fabric: &str, name: &str) -> Result<u16, String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let addr: SocketAddr = etcd
+        .trim_start_matches("http://")
+        .parse()
+        .map_err(|e| format!("etcd endpoint {etcd}: {e}"))?;
+    let key = format!("/kvfabric/{fabric}/agents/{name}");
+    let body = serde_json::json!({ "key": b64.encode(&key) }).to_string();
+    let (status, resp) = http_post(addr, "/v3/kv/range", &body)?;
+    let v: Value =
+        serde_json::from_str(&resp).map_err(|e| format!("etcd range {key}: {status}: {e}"))?;
+    let value = v["kvs"][0]["value"]
+        .as_str()
+        .ok_or_else(|| format!("no record at {key} ({status})"))?;
+    let rec: Value = serde_json::from_slice(&b64.decode(value).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("record {key}: {e}"))?;
+    let hs = rec["handshake"]
+        .as_str()
+        .ok_or_else(|| format!("record {key} has no handshake (bounce off?)"))?;
+    let hs = kvfabric_core::wire::decode_handshake(&b64.decode(hs).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("handshake of {name}: {e:?}"))?;
+    let ep = String::from_utf8_lossy(&hs.endpoint).into_owned();
+    ep.rsplit_once(':')
+        .and_then(|(_, p)| p.trim_end_matches('/').parse().ok())
+        .ok_or_else(|| format!("control endpoint of {name} has no port: {ep:?}"))
+}
+
 /// Sum of the samples of metric `name` (any labels) whose label set
 /// contains every one of `labels`.
 pub fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
@@ -412,6 +472,9 @@ pub struct AgentProc {
     pub name: String,
     /// Its engine socket.
     pub socket: PathBuf,
+    /// The group id it runs under (its own: see [`crate::nft`]); its
+    /// sockets carry it (`meta skgid`).
+    pub gid: u32,
 }
 
 impl AgentProc {
@@ -436,6 +499,7 @@ impl AgentProc {
             Side::Prefill => "prefill",
             Side::Decode => "decode",
         };
+        let gid = crate::nft::next_gid();
         let mut child = Command::new(&conf.bin)
             .arg("agent")
             .args(["--etcd", &conf.etcd, "--fabric", &conf.fabric])
@@ -460,6 +524,7 @@ impl AgentProc {
             .env("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")
             .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "67108864")
             .env("KVFABRIC_LOG", "warn")
+            .gid(gid)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file(&log)?))
@@ -516,6 +581,7 @@ impl AgentProc {
             http,
             name,
             socket,
+            gid,
         })
     }
 

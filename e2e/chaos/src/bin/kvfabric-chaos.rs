@@ -42,6 +42,9 @@ struct Cli {
     /// Bound on a surviving pair's new transfer after a fault, ms.
     #[arg(long, default_value_t = 1000)]
     probe_bound_ms: u64,
+    /// control-loss: % of control packets dropped (each direction).
+    #[arg(long, default_value_t = 10)]
+    loss_percent: u32,
     /// Only these fault kinds (comma-separated names).
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
@@ -97,6 +100,7 @@ fn main() {
     opts.slack_ms = cli.slack_ms;
     opts.lease_ttl_s = cli.lease_ttl;
     opts.probe_bound_ms = cli.probe_bound_ms;
+    opts.loss_percent = cli.loss_percent;
     if let Some(t) = cli.trace {
         opts.trace = t;
     }

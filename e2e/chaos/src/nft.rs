@@ -1,0 +1,214 @@
+//! nftables for the network faults (`partition-agent`, `control-loss`).
+//!
+//! Every table this process makes is named `kvfchaos_<pid>_<n>` (family
+//! `inet`) and is owned by a [`Table`] guard: dropping it — at the end of
+//! the fault, or while a panic unwinds — deletes the table. Tables of a
+//! suite process that no longer runs (SIGKILLed, so no guard ran) are
+//! deleted by [`remove_stale`] at the start of the next run.
+//!
+//! How an agent is singled out: the suite starts every agent with a group
+//! id of its own ([`next_gid`]; the agent stays root, so its access to
+//! files, shm and other processes is unchanged), so its sockets carry that
+//! gid (`meta skgid`). That is only known where the packet leaves (output
+//! hook; on loopback the input hook sees no socket), so the output chain
+//! marks the *connection* (`ct mark`) and the input chain drops every
+//! packet of a marked connection in both directions (`ct direction
+//! original` / `reply`, each with its own counter). The mark survives in
+//! conntrack because a packet is only dropped after it left the output
+//! path (where conntrack confirms the entry).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static NEXT: AtomicU32 = AtomicU32::new(1);
+
+/// A group id no other process of this host uses: one per agent start.
+pub fn next_gid() -> u32 {
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    0x6b00_0000 + ((std::process::id() & 0xffff) << 8) + (n & 0xff)
+}
+
+/// A conntrack mark unique to this process and call.
+pub fn next_mark() -> u32 {
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    0x4b00_0000 + ((std::process::id() & 0xffff) << 8) + (n & 0xff)
+}
+
+fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+    let mut c = Command::new("nft")
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("nft: {e}"))?;
+    if let (Some(i), Some(mut s)) = (stdin, c.stdin.take()) {
+        s.write_all(i.as_bytes())
+            .map_err(|e| format!("nft stdin: {e}"))?;
+    }
+    let out = c.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "nft {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Whether nftables works here: the `nft` binary runs and a table with the
+/// expressions the faults use (`meta skgid`, `ct mark`, `numgen`) can be
+/// made and deleted. The reason when not.
+///
+/// # Errors
+/// Why nft is unusable (no binary, no permission, no kernel support).
+pub fn usable() -> Result<(), String> {
+    nft(&["--version"], None).map_err(|e| format!("nftables not installed ({e})"))?;
+    let t = Table::create(
+        "chain out { type filter hook output priority 0; policy accept;\n\
+           meta skgid 1 tcp dport 9 ct mark set 0x1 counter\n\
+           tcp dport 9 numgen random mod 100 < 1 counter drop\n\
+         }\n\
+         chain in { type filter hook input priority 0; policy accept;\n\
+           ct mark 0x1 ct direction original counter drop\n\
+         }",
+    )?;
+    t.delete()
+}
+
+/// Deletes the `kvfchaos_<pid>_*` tables of suite processes that no
+/// longer run; the names deleted.
+pub fn remove_stale() -> Vec<String> {
+    let Ok(list) = nft(&["list", "tables"], None) else {
+        return Vec::new();
+    };
+    let mut gone = Vec::new();
+    for l in list.lines() {
+        let Some(name) = l.trim().strip_prefix("table inet ") else {
+            continue;
+        };
+        let Some(pid) = name
+            .strip_prefix("kvfchaos_")
+            .and_then(|r| r.split('_').next())
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: kill(pid, 0) only checks for existence.
+        let alive = unsafe { libc::kill(pid, 0) == 0 }
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if !alive && nft(&["delete", "table", "inet", name], None).is_ok() {
+            gone.push(name.to_string());
+        }
+    }
+    gone
+}
+
+/// The `kvfchaos_<pid>_*` tables of this process still in the kernel.
+pub fn own_tables() -> Vec<String> {
+    let prefix = format!("kvfchaos_{}_", std::process::id());
+    nft(&["list", "tables"], None)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table inet "))
+        .filter(|n| n.starts_with(&prefix))
+        .map(String::from)
+        .collect()
+}
+
+/// One `inet` table, deleted on drop.
+pub struct Table {
+    name: String,
+    live: bool,
+}
+
+impl Table {
+    /// Creates table `kvfchaos_<pid>_<n>` holding `body` (chains).
+    ///
+    /// # Errors
+    /// nft refusing the rule set (nothing is left behind).
+    pub fn create(body: &str) -> Result<Self, String> {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let name = format!("kvfchaos_{}_{n}", std::process::id());
+        // Owned before nft runs: a table half made is deleted too.
+        let t = Self { name, live: true };
+        nft(
+            &["-f", "-"],
+            Some(&format!("table inet {} {{\n{body}\n}}\n", t.name)),
+        )?;
+        Ok(t)
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `nft list table` of it.
+    ///
+    /// # Errors
+    /// nft failing.
+    pub fn list(&self) -> Result<String, String> {
+        nft(&["list", "table", "inet", &self.name], None)
+    }
+
+    /// Packets counted by the rule whose `comment` is `tag`.
+    pub fn counter(listing: &str, tag: &str) -> u64 {
+        let c = format!("comment \"{tag}\"");
+        listing
+            .lines()
+            .filter(|l| l.contains(&c))
+            .filter_map(|l| l.split("counter packets ").nth(1))
+            .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// Deletes it now (the heal); an error when it is still there.
+    ///
+    /// # Errors
+    /// nft failing to delete it.
+    pub fn delete(mut self) -> Result<(), String> {
+        self.live = false;
+        let r = nft(&["delete", "table", "inet", &self.name], None).map(|_| ());
+        if r.is_err() && own_tables().contains(&self.name) {
+            self.live = true; // Drop tries once more.
+            return r;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        if self.live {
+            let _ = nft(&["delete", "table", "inet", &self.name], None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_by_comment() {
+        let l = "  ct mark 0x00004b56 ct direction original counter packets 12 bytes 712 drop comment \"orig\"\n\
+                 ct mark 0x00004b56 ct direction reply counter packets 8 bytes 430 drop comment \"reply\"";
+        assert_eq!(Table::counter(l, "orig"), 12);
+        assert_eq!(Table::counter(l, "reply"), 8);
+        assert_eq!(Table::counter(l, "none"), 0);
+    }
+
+    #[test]
+    fn gids_and_marks_are_distinct() {
+        let (a, b) = (next_gid(), next_gid());
+        assert_ne!(a, b);
+        assert_ne!(next_mark(), next_mark());
+    }
+}
