@@ -15,7 +15,10 @@
 #     plane the operator, chart and chaos suites start (kube-apiserver,
 #     controller-manager, scheduler, kubectl, etcd 3.6, kwok, helm), built
 #     from the Go module proxy by e2e/kube/install.sh and cached in
-#     ~/.cache/kvfabric/tools by version: 11-26 min once, then a no-op.
+#     ~/.cache/kvfabric/tools by version: 11-26 min once, then a no-op;
+#     and the real-model hand-off's Python environment (torch +
+#     transformers, e2e/model/install-venv.sh) in ~/.cache/kvfabric by
+#     version: ~5.6 GiB and ~4 min once.
 #
 #   e2e/setup.sh [--tests]
 set -euo pipefail
@@ -69,5 +72,7 @@ fi
 if [ "$tests" = 1 ]; then
   echo "setup: the control-plane tools (e2e/kube/install.sh; cached after the first build)"
   "$repo/e2e/kube/install.sh" --quiet
+  echo "setup: the model hand-off's torch + transformers venv (e2e/model/install-venv.sh; cached after the first build)"
+  "$repo/e2e/model/install-venv.sh" --quiet >/dev/null
 fi
 echo "setup: done"
