@@ -843,3 +843,51 @@ fn shutdown_with_a_write_stuck_in_flight_leaks_the_arena_instead_of_freeing_it()
     // And the receiver, which never got DATA, is unaffected.
     assert!(rx.owns_arena());
 }
+
+// --------------------------------------------------------------------------
+// A replayed WANT of an ended flow does not bring it back (bug 6)
+// --------------------------------------------------------------------------
+
+#[test]
+fn a_replayed_want_after_its_cancel_is_dropped() {
+    let cfg = test_config("4MiB", "256KiB", 4);
+    let src = Pool::new(16 * BLOCK);
+    let dst = Pool::new(16 * BLOCK);
+    let Some(tx) = agent("replay-tx", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(rx) = agent("replay-rx", &cfg, &[&dst]) else {
+        return;
+    };
+    tx.load_peer(&rx.local_descriptor().unwrap()).unwrap();
+    let t = tx.transport().unwrap();
+    let rs = tstats(&rx);
+    let want = Message::Want(Want {
+        request_id: 4242,
+        scope: 0,
+        chunk_bytes: vec![65536, 65536],
+        endpoint: t.local_endpoint().to_vec(),
+    })
+    .encode();
+    t.send_raw(rx.name(), want.clone());
+    assert!(
+        wait_for(Duration::from_secs(5), || get(&rs.grants) == 2),
+        "WANT not granted"
+    );
+    // The same WANT again while the flow lives: a replay, dropped.
+    t.send_raw(rx.name(), want.clone());
+    assert!(wait_for(Duration::from_secs(5), || get(&rs.wants_stale) == 1));
+    assert_eq!(get(&rs.grants), 2);
+    t.send_raw(rx.name(), wire::encode_cancel(4242, t.local_endpoint()));
+    assert!(wait_for(Duration::from_secs(5), || get(
+        &rs.cancels_received
+    ) == 1));
+    assert_quiesced(&rx, Duration::from_secs(5));
+    // And after its cancel: the reclaimed flow is not re-created, no
+    // region is granted to it again.
+    t.send_raw(rx.name(), want);
+    assert!(wait_for(Duration::from_secs(5), || get(&rs.wants_stale) == 2));
+    assert_eq!(get(&rs.grants), 2, "the ended flow was granted again");
+    let s = snap(&rx);
+    assert_eq!((s.flows, s.free_bytes), (0, s.capacity), "{s:?}");
+}

@@ -390,6 +390,9 @@ pub struct TransportStats {
     pub wants_rejected: AtomicU64,
     /// Cancels (empty WANT) received.
     pub cancels_received: AtomicU64,
+    /// WANTs dropped as replays: their flow is live or ended less than
+    /// 2 × the request timeout ago.
+    pub wants_stale: AtomicU64,
     /// REJECTs received for our requests (the receiver refused them, or
     /// their destination engine detached).
     pub rejects_received: AtomicU64,
@@ -744,6 +747,8 @@ impl BounceTransport {
             allowed: initial_allowed,
             scopes: initial_scopes,
             flow_scope: HashMap::new(),
+            ended: std::collections::HashSet::new(),
+            ended_order: VecDeque::new(),
             disallowed: Vec::new(),
             notice_sink: initial_sink,
             faults: FaultPlan::default(),
@@ -1159,6 +1164,9 @@ struct SendChunk {
     /// Still counted against the eager budget.
     eager: bool,
     credit: Option<Credit>,
+    /// When its credit's GRANT arrived: a credit older than the request
+    /// timeout is not written (the protocol simulator's bug 5).
+    credit_at: Option<Instant>,
     /// When its write was posted (transport probe).
     posted_at: Option<Instant>,
     /// The chunk's scatter runs, from its gather job (planned on the
@@ -1189,7 +1197,7 @@ struct SendRequest {
     /// Credits received and not yet attached, by chunk index (a credit
     /// names its chunk: a duplicated or replayed GRANT cannot hand chunk
     /// i's region to chunk i+1 — the protocol simulator's bug 1).
-    credits: std::collections::BTreeMap<u32, Credit>,
+    credits: std::collections::BTreeMap<u32, (Credit, Instant)>,
     next_attach: usize,
     next_stage: usize,
     acked: usize,
@@ -1317,6 +1325,12 @@ struct Io {
     scopes: HashMap<u64, Vec<(u64, u64)>>,
     /// Receiver side: the destination scope of each live flow (from its WANT).
     flow_scope: HashMap<FlowKey, u64>,
+    /// Receiver flows that ended (finished, cancelled — even before their
+    /// WANT —, reclaimed, forgotten), kept for 2 × the request timeout: a
+    /// replayed or late WANT must not bring one back (the protocol
+    /// simulator's bug 6, docs/protocol.md).
+    ended: std::collections::HashSet<FlowKey>,
+    ended_order: VecDeque<(Instant, FlowKey)>,
     /// Ranges taken out of `allowed`, each answered once no queued or
     /// running scatter writes into it (then its memory may be unmapped).
     disallowed: Vec<(u64, u64, Sender<()>)>,
@@ -1672,6 +1686,7 @@ impl Io {
         let state = chunks
             .iter()
             .map(|_| SendChunk {
+                credit_at: None,
                 state: ChunkState::Pending,
                 local: None,
                 eager: false,
@@ -1713,11 +1728,12 @@ impl Io {
         };
         // 1. Attach credits (strict chunk order).
         while req.next_attach < req.chunks.len() {
-            let Some(credit) = req.credits.remove(&(req.next_attach as u32)) else {
+            let Some((credit, at)) = req.credits.remove(&(req.next_attach as u32)) else {
                 break;
             };
             let c = &mut req.state[req.next_attach];
             c.credit = Some(credit);
+            c.credit_at = Some(at);
             if c.eager {
                 if let Some(off) = c.local {
                     let _ = self.scheduler.promote_local(off);
@@ -1826,6 +1842,17 @@ impl Io {
             return Err(format!(
                 "GRANT for chunk {i} is {} bytes, chunk needs {bytes}",
                 credit.len
+            ));
+        }
+        // The receiver reclaims a flow silent for 2 × the timeout since its
+        // last GRANT: a write posted past one timeout after the GRANT could
+        // land after that, in a freed or re-granted region (the protocol
+        // simulator's bug 5, docs/protocol.md).
+        let age = c.credit_at.map_or(Duration::ZERO, |t| t.elapsed());
+        if age > self.settings.request_timeout {
+            return Err(format!(
+                "the GRANT for chunk {i} is {} ms old, past the request timeout",
+                age.as_millis()
             ));
         }
         // Timed from before the post: an engine may copy inside it.
@@ -1942,7 +1969,8 @@ impl Io {
                 Ordering::Relaxed,
             );
         }
-        req.last_progress = Instant::now();
+        let now = Instant::now();
+        req.last_progress = now;
         for c in g.credits {
             let i = c.chunk_index as usize;
             // A chunk already credited, or past the request: dropped.
@@ -1953,7 +1981,7 @@ impl Io {
                 tracing::warn!(agent = %self.name, peer, rid = g.request_id, chunk = c.chunk_index, "duplicate or out-of-range credit; dropped");
                 continue;
             }
-            req.credits.insert(c.chunk_index, c);
+            req.credits.insert(c.chunk_index, (c, now));
         }
         self.pump(g.request_id);
     }
@@ -2208,6 +2236,17 @@ impl Io {
             .map(|(f, _)| f.clone())
             .collect();
         for flow in silent {
+            // Reclaiming one flow frees regions the next schedule grants,
+            // perhaps to another flow of this list (restarting its clock):
+            // re-check, or its fresh GRANT would point at a region freed
+            // right after (the protocol simulator's bug 7).
+            let still = self
+                .flow_seen
+                .get(&flow)
+                .is_some_and(|t| now.duration_since(*t) > 2 * timeout);
+            if !still {
+                continue;
+            }
             tracing::warn!(agent = %self.name, flow = %flow, "flow silent for twice the request timeout; reclaiming its regions");
             self.flow_seen.remove(&flow);
             self.reclaim_flow(&flow);
@@ -2248,20 +2287,20 @@ impl Io {
             self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
             return;
         }
-        if self.scheduler.contains_flow(&flow) && self.flow_scope.get(&flow) != Some(&w.scope) {
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, "WANT names another scope than its live flow; rejected");
-            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+        // A sender sends one WANT per request: another for a live or a
+        // recently ended flow is a replay (it would re-create a reclaimed
+        // flow and re-grant regions a stale DATA could then match).
+        self.prune_tombstones();
+        if self.ended.contains(&flow) || self.scheduler.contains_flow(&flow) {
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, "WANT for a live or recently ended flow; dropped as a replay");
+            self.stats.wants_stale.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let live = self.scheduler.contains_flow(&flow);
         if let Err(e) = self.scheduler.on_want(flow.clone(), &w.chunk_bytes) {
             tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
             self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
-            if !live {
-                // Fail the sender now, not at its timeout (a replayed WANT
-                // of a live flow is only dropped).
-                self.send_reject(peer, w.request_id, RejectReason::Refused);
-            }
+            // Fail the sender now, not at its timeout.
+            self.send_reject(peer, w.request_id, RejectReason::Refused);
             return;
         }
         self.flow_seen.insert(flow.clone(), Instant::now());
@@ -2276,11 +2315,33 @@ impl Io {
     }
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
+        self.tombstone(flow.clone());
         self.flow_scope.remove(flow);
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
         self.grant_index.remove(flow);
         self.schedule_and_send();
+    }
+
+    /// Remembers that `flow` ended (see `ended`).
+    fn tombstone(&mut self, flow: FlowKey) {
+        self.prune_tombstones();
+        if self.ended.insert(flow.clone()) {
+            self.ended_order.push_back((Instant::now(), flow));
+        }
+    }
+
+    /// Forgets flows that ended more than 2 × the request timeout ago.
+    fn prune_tombstones(&mut self) {
+        let keep = self.settings.request_timeout * 2;
+        while let Some((t, _)) = self.ended_order.front() {
+            if t.elapsed() <= keep {
+                break;
+            }
+            if let Some((_, f)) = self.ended_order.pop_front() {
+                self.ended.remove(&f);
+            }
+        }
     }
 
     /// Closes engine scope `scope`: its flows' DATA stops scattering, their
@@ -2609,6 +2670,10 @@ impl Io {
                     self.regions.remove(&offset);
                     if !self.scheduler.contains_flow(&flow) {
                         self.grant_index.remove(&flow);
+                        if live {
+                            // Its last chunk: the flow finished.
+                            self.tombstone(flow.clone());
+                        }
                     }
                     match (live, done.result) {
                         (true, Ok(())) => {
@@ -2727,7 +2792,9 @@ impl Io {
         self.channel.remove_peer(peer);
         self.peers.remove(peer);
         let _ = self.engine.forget_peer(peer);
-        self.scheduler.reclaim_by_prefix(peer);
+        for flow in self.scheduler.reclaim_by_prefix(peer).flows {
+            self.tombstone(flow);
+        }
         self.forget_regions(|f| f.peer == peer);
         self.grant_index.retain(|f, _| f.peer != peer);
         self.schedule_and_send();
