@@ -206,6 +206,30 @@ mod tests {
     }
 
     #[test]
+    fn a_table_is_removed_when_a_panic_unwinds() {
+        if let Err(why) = usable() {
+            if std::env::var("KVFABRIC_REQUIRE_SERVICES").as_deref() == Ok("1") {
+                panic!("required service missing: {why}");
+            }
+            println!("SKIP: {why}");
+            return;
+        }
+        let name = std::sync::Mutex::new(String::new());
+        let r = std::panic::catch_unwind(|| {
+            let t =
+                Table::create("chain out { type filter hook output priority 0; policy accept; }")
+                    .expect("table");
+            *name.lock().unwrap() = t.name().to_string();
+            assert!(own_tables().contains(&t.name().to_string()));
+            panic!("the suite panics with a partition in place");
+        });
+        assert!(r.is_err());
+        let name = name.into_inner().unwrap();
+        assert!(!name.is_empty());
+        assert!(!own_tables().contains(&name), "{name} survived the panic");
+    }
+
+    #[test]
     fn gids_and_marks_are_distinct() {
         let (a, b) = (next_gid(), next_gid());
         assert_ne!(a, b);

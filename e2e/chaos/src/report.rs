@@ -100,6 +100,9 @@ pub struct PartitionStats {
     /// ... and from it (its messages to the peers' ports, ACKs from its
     /// port).
     pub dropped_from_victim: u64,
+    /// ... and of the suite's own connection attempt to its control port
+    /// (SYN and its retries; the attempt must time out).
+    pub dropped_probe: u64,
     /// Hand-offs to or from the victim submitted during the cut: SUCCESS.
     pub victim_success: u64,
     /// ... of which resolved before the heal (the cut does not stop
@@ -337,8 +340,8 @@ impl Report {
         for r in &self.round_reports {
             if let Some(p) = &r.partition {
                 s.push_str(&format!(
-                    "round {} partition {} ({:.0} ms cut, ports {:?}): dropped {} packets to it, {} from it; victim hand-offs {} ok ({} before the heal) {} fail, prefill side failed after p50 {} ms max {} ms, both sides p50 {} ms max {} ms; others {} ok {} fail; in discovery at heal {}; recovery {} ms\n",
-                    r.round, p.victim, p.cut_ms, p.control_ports, p.dropped_to_victim, p.dropped_from_victim,
+                    "round {} partition {} ({:.0} ms cut, ports {:?}): dropped {} packets to it, {} from it ({} of the suite's probe SYN); victim hand-offs {} ok ({} before the heal) {} fail, prefill side failed after p50 {} ms max {} ms, both sides p50 {} ms max {} ms; others {} ok {} fail; in discovery at heal {}; recovery {} ms\n",
+                    r.round, p.victim, p.cut_ms, p.control_ports, p.dropped_to_victim, p.dropped_from_victim, p.dropped_probe,
                     p.victim_success, p.victim_success_during_cut, p.victim_failure, opt(p.victim_failure_prefill_ms.p50_ms), opt(p.victim_failure_prefill_ms.max_ms),
                     opt(p.victim_failure_ms.p50_ms), opt(p.victim_failure_ms.max_ms),
                     p.others_success, p.others_failure, p.in_discovery_at_heal, opt(p.recovery_ms)

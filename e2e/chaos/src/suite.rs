@@ -662,16 +662,27 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
     let crd = crd.to_string_lossy().into_owned();
     kube.kubectl(&["apply", "--server-side", "-f", &crd], None)
         .map_err(setup)?;
-    kube.kubectl(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/kvfabrics.kvfabric.io",
-            "--timeout=30s",
-        ],
-        None,
-    )
-    .map_err(setup)?;
+    // `kubectl wait` right after the apply can fail at once with
+    // ".status.conditions accessor error: <nil>" (the CRD has no status
+    // yet): retried for up to 30 s.
+    let t_crd = Instant::now();
+    loop {
+        match kube.kubectl(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "crd/kvfabrics.kvfabric.io",
+                "--timeout=30s",
+            ],
+            None,
+        ) {
+            Ok(_) => break,
+            Err(e) if e.contains("accessor error") && t_crd.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(setup(e)),
+        }
+    }
     let kvf = serde_json::json!({
         "apiVersion": "kvfabric.io/v1alpha1", "kind": "KvFabric",
         "metadata": {"name": fabric, "namespace": "default"},
@@ -2115,6 +2126,7 @@ impl Suite {
                                meta skgid {gid} tcp dport {{ {peers} }} ct mark set {mark:#x}\n\
                              }}\n\
                              chain in {{ type filter hook input priority 0; policy accept;\n\
+                               ct mark {mark:#x} ip daddr 127.0.0.2 counter drop comment \"probe\"\n\
                                ct mark {mark:#x} tcp dport {mine} counter drop comment \"to_victim\"\n\
                                ct mark {mark:#x} tcp sport {{ {peers} }} counter drop comment \"to_victim\"\n\
                                ct mark {mark:#x} tcp sport {mine} counter drop comment \"from_victim\"\n\
@@ -2122,29 +2134,41 @@ impl Suite {
                                ct mark {mark:#x} counter drop comment \"other\"\n\
                              }}"
                         );
+                        let made = blocking(move || crate::nft::Table::create(&body)).await;
+                        // The cut starts once nft has returned (the rules
+                        // are in the kernel): `nft -f` can take a while on a
+                        // loaded machine, and requests submitted before it
+                        // returned may still get through.
                         let t_f = Instant::now();
-                        match blocking(move || crate::nft::Table::create(&body)).await {
+                        match made {
                             Err(e) => {
                                 r.violations.push(format!("nft partition: {e}"));
                                 probe = Some(start_probe(&self, vec![], t_f));
                             }
                             Ok(table) => {
                                 probe = Some(start_probe(&self, vec![k], t_f));
-                                // A connection to the victim's control port
-                                // from here must not get through either.
+                                // A connection from here to the victim's
+                                // control port must time out (its SYN
+                                // dropped): to 127.0.0.2, which no agent
+                                // uses, so that it has a counter of its own
+                                // and, were it not dropped, would be refused
+                                // (the agents bind 127.0.0.1) at once.
                                 tokio::time::sleep(Duration::from_millis(200)).await;
-                                let addr = SocketAddr::from(([127, 0, 0, 1], mine));
-                                let reached = blocking(move || {
-                                    std::net::TcpStream::connect_timeout(
+                                let addr = SocketAddr::from(([127, 0, 0, 2], mine));
+                                let got = blocking(move || {
+                                    match std::net::TcpStream::connect_timeout(
                                         &addr,
                                         Duration::from_millis(500),
-                                    )
-                                    .is_ok()
+                                    ) {
+                                        Ok(_) => Some("connected".to_string()),
+                                        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => None,
+                                        Err(e) => Some(e.to_string()),
+                                    }
                                 })
                                 .await;
-                                if reached {
+                                if let Some(how) = got {
                                     r.violations.push(format!(
-                                        "a connection to {name}'s control port {mine} got through the partition"
+                                        "a connection to {name}'s control port {mine} got through the partition ({how})"
                                     ));
                                 }
                                 tokio::time::sleep(hold.saturating_sub(Duration::from_millis(700)))
@@ -2179,6 +2203,7 @@ impl Suite {
                                 });
                                 let to = crate::nft::Table::counter(&listing, "to_victim");
                                 let from = crate::nft::Table::counter(&listing, "from_victim");
+                                let syn = crate::nft::Table::counter(&listing, "probe");
                                 // The direction the victim's role starts
                                 // exchanges in always has traffic under load
                                 // (a prefill sends WANTs, a decode receives
@@ -2225,6 +2250,7 @@ impl Suite {
                                     cut_ms: ms(t_heal - t_f),
                                     dropped_to_victim: to,
                                     dropped_from_victim: from,
+                                    dropped_probe: syn,
                                     in_discovery_at_heal: listed,
                                     recovery_ms: recovery,
                                     ..Default::default()
@@ -2260,8 +2286,9 @@ impl Suite {
                                tcp sport {{ {set} }} numgen random mod 100 < {pct} counter drop comment \"dropped\"\n\
                              }}"
                         );
+                        let made = blocking(move || crate::nft::Table::create(&body)).await;
                         let t_l = Instant::now();
-                        match blocking(move || crate::nft::Table::create(&body)).await {
+                        match made {
                             Err(e) => {
                                 r.violations.push(format!("nft loss: {e}"));
                                 probe = Some(start_probe(&self, vec![], t_l));
