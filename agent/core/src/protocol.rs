@@ -123,6 +123,17 @@
 //! The first two and the last cannot happen over today's channels (ZMQ and TCP deliver each
 //! message once, in order, per peer); all three are cheap defence against a
 //! peer or channel that replays.
+//!
+//! * **`ForgetScope` drops the scope's queued scatters** (engine scopes;
+//!   over any channel). `Io::forget_scope` (and the machine as first
+//!   written) closes the scope and REJECTs its flows but leaves their DATA
+//!   already accepted and waiting for a copy context in the scatter queue: those scatters start after the detach,
+//!   into the pool of an engine that is gone (the pool is only being
+//!   drained; the engine may already use that memory again under a new
+//!   session), and are ACKed. Here they are dropped at `ForgetScope` like
+//!   failed scatters (region freed — its write is terminal —, no ACK);
+//!   running scatters finish and the pool's quiesce waits for them
+//!   ([`Mutations::legacy_forget_scope_queue`] restores the old rule).
 
 #![forbid(unsafe_code)]
 
@@ -177,6 +188,22 @@ pub struct Mutations {
     /// once and every flow on it reclaimed, even one granted to while the
     /// sweep reclaimed the others (see "Deviations").
     pub legacy_silence_sweep: bool,
+    /// `ForgetScope` reclaims the scope's flows at once (frees their
+    /// regions) instead of leaving that to the sender's cancel: a write
+    /// still in flight then lands in a freed, perhaps re-granted region.
+    /// The unsafe form the engine-scope rules avoid; only the simulator's
+    /// mutation check sets it.
+    pub reclaim_on_forget_scope: bool,
+    /// Validate every flow's DATA against the agent's own ranges and every
+    /// open scope's (the union, wire version 1's rule) instead of the
+    /// flow's own scope: a flow of one engine may scatter into another
+    /// engine's pool (or one re-opened over a detached engine's range).
+    pub unscoped_data_validation: bool,
+    /// The rule of commit 8ae585e (and `Io::forget_scope` today):
+    /// `ForgetScope` leaves the scope's queued, not started scatters in
+    /// the queue, so they start after the scope closed — into the pool of
+    /// an engine that detached — and are ACKed (see "Deviations").
+    pub legacy_forget_scope_queue: bool,
 }
 
 /// Settings of one machine (the subset of `BounceConfig` the protocol
@@ -1522,11 +1549,47 @@ impl Machine {
             .filter(|(f, s)| **s == scope && self.scheduler.contains_flow(f))
             .map(|(f, _)| f.clone())
             .collect();
+        if !self.cfg.mutations.legacy_forget_scope_queue {
+            // DATA accepted before the detach whose scatter has not started
+            // must not start now: the pool is no longer that engine's (it
+            // is being unmapped, and another engine may map the range
+            // next). Drop it as a failed scatter would end: the region is
+            // freed (its write is terminal: DATA follows the write), no
+            // ACK (deviation, module docs). Running scatters finish; the
+            // reactor's quiesce of the pool waits for them.
+            let in_scope: BTreeSet<&FlowKey> = flows.iter().collect();
+            let mut dropped = Vec::new();
+            self.scatter_queue.retain(|s| {
+                let keep = !in_scope.contains(&s.flow);
+                if !keep {
+                    dropped.push((s.flow.clone(), s.offset));
+                }
+                keep
+            });
+            for (flow, offset) in dropped {
+                let _ = self.scheduler.scatter_done(offset);
+                if self.regions.get(&offset).is_some_and(|r| r.flow == flow) {
+                    self.regions.remove(&offset);
+                }
+                if !self.scheduler.contains_flow(&flow) {
+                    self.grant_index.remove(&flow);
+                    self.tombstone(flow);
+                }
+            }
+        }
+        if self.cfg.mutations.reclaim_on_forget_scope {
+            for flow in &flows {
+                self.reclaim_flow(flow);
+            }
+        }
         // Not reclaimed here: the sender may still write into the granted
         // regions; its cancel (sent once its writes are terminal) frees
         // them, or the silence timeout does. DATA no longer scatters.
         for flow in flows {
             self.send_reject(&flow.peer, flow.rid, RejectReason::ScopeDetached);
+        }
+        if !self.cfg.mutations.legacy_forget_scope_queue {
+            self.schedule_and_send();
         }
     }
 
@@ -1668,7 +1731,16 @@ impl Machine {
         region_len: u64,
         runs: &[ScatterRun],
     ) -> Result<(), String> {
-        let allowed: &[(u64, u64)] = if scope == 0 {
+        let union: Vec<(u64, u64)>;
+        let allowed: &[(u64, u64)] = if self.cfg.mutations.unscoped_data_validation {
+            union = self
+                .allowed
+                .iter()
+                .chain(self.scopes.values().flatten())
+                .copied()
+                .collect();
+            &union
+        } else if scope == 0 {
             &self.allowed
         } else {
             self.scopes.get(&scope).map_or(&[], Vec::as_slice)
@@ -2169,6 +2241,123 @@ mod tests {
         ));
         quiet(&a);
         quiet(&b);
+    }
+
+    /// Found by the simulator (scoped world, seed 1038 under
+    /// `legacy_forget_scope_queue`): DATA accepted before `ForgetScope`
+    /// whose scatter waited for a copy context started after the scope
+    /// closed — into the detached engine's pool — and was ACKed.
+    #[test]
+    fn a_forgotten_scope_starts_none_of_its_queued_scatters() {
+        for legacy in [false, true] {
+            let mut a = machine("a");
+            let mut b = Machine::new(Config {
+                arena_bytes: 4096,
+                granularity_bytes: 256,
+                max_chunk_size_bytes: 1024,
+                max_inflight_chunks: 2,
+                copy_contexts: 1,
+                request_timeout: T,
+                eager_gather: true,
+                arena_base: 0x7000_0000,
+                device_id: 0,
+                endpoint: b"b".to_vec(),
+                mutations: Mutations {
+                    legacy_forget_scope_queue: legacy,
+                    ..Mutations::default()
+                },
+            })
+            .unwrap();
+            b.handle(
+                0,
+                Input::AllowScope {
+                    scope: 3,
+                    addr: 0x1000,
+                    len: 1 << 20,
+                },
+            );
+            a.handle(0, Input::PeerAdded { peer: "b".into() });
+            a.handle(
+                0,
+                Input::Submit {
+                    rid: 1,
+                    peer: "b".into(),
+                    scope: 3,
+                    chunks: chunks(&[1024, 1024]),
+                },
+            );
+            // Everything completes at once except b's scatters: the first
+            // DATA takes b's one copy context, the second waits in the queue.
+            let mut scatters = Vec::new();
+            let mut out = Vec::new();
+            let mut pump = |a: &mut Machine, b: &mut Machine, scatters: &mut Vec<u64>| loop {
+                let mut acts: Vec<(bool, Action)> =
+                    drain(a).into_iter().map(|x| (true, x)).collect();
+                acts.extend(drain(b).into_iter().map(|x| (false, x)));
+                if acts.is_empty() {
+                    return;
+                }
+                for (from_a, act) in acts {
+                    let (me, other, my_name) = if from_a {
+                        (&mut *a, &mut *b, "a")
+                    } else {
+                        (&mut *b, &mut *a, "b")
+                    };
+                    match act {
+                        Action::Send { msg, .. } => other.handle(
+                            1,
+                            Input::Message {
+                                from: my_name.into(),
+                                msg,
+                                route: Route::Usable,
+                            },
+                        ),
+                        Action::StartGather { job, bound, .. } => me.handle(
+                            1,
+                            Input::GatherDone {
+                                job,
+                                result: Ok(run(bound.packed_bytes)),
+                            },
+                        ),
+                        Action::PostWrite { write, .. } => me.handle(
+                            1,
+                            Input::WriteDone {
+                                write,
+                                result: Ok(()),
+                            },
+                        ),
+                        Action::StartScatter { job, .. } => scatters.push(job),
+                        Action::Resolve { rid, outcome, .. } => out.push((rid, outcome)),
+                        _ => {}
+                    }
+                }
+            };
+            pump(&mut a, &mut b, &mut scatters);
+            assert_eq!(scatters.len(), 1);
+            assert_eq!(b.snapshot().scatter_queue, 1);
+            b.handle(2, Input::ForgetScope { scope: 3 });
+            let running = scatters.pop().unwrap();
+            b.handle(
+                2,
+                Input::ScatterDone {
+                    job: running,
+                    result: Ok(()),
+                },
+            );
+            pump(&mut a, &mut b, &mut scatters);
+            if legacy {
+                // The old rule: the queued scatter starts after the detach.
+                assert_eq!(scatters.len(), 1, "legacy rule");
+                continue;
+            }
+            assert!(scatters.is_empty(), "a scatter started after ForgetScope");
+            match out.as_slice() {
+                [(1, Outcome::Failure(why))] => assert!(why.contains("detached"), "{why}"),
+                other => panic!("{other:?}"),
+            }
+            quiet(&a);
+            quiet(&b);
+        }
     }
 
     #[test]

@@ -9,11 +9,15 @@
 //!   list if it fails (always with `KVFABRIC_SIM_PRINT=1`).
 //! * `mutation_*`: each guard switched off in turn must be caught within the
 //!   CI seed budget.
+//! * Every run is in the scoped world (engine pools, scoped requests,
+//!   engine detaches) unless `KVFABRIC_SIM_WORLD=legacy` (`replay`, `hunt`):
+//!   the world before engine scopes, run for run, where the regression
+//!   seeds of bugs 1–5 live.
 
 mod sim;
 
 use kvfabric_core::protocol::Mutations;
-use sim::{run_seed, Sim};
+use sim::{run_seed, run_seed_in, Sim};
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -78,9 +82,17 @@ fn mutation_named(name: &str) -> Mutations {
         "legacy_credit_expiry" => m.legacy_credit_expiry = true,
         "no_flow_tombstones" => m.no_flow_tombstones = true,
         "legacy_silence_sweep" => m.legacy_silence_sweep = true,
+        "reclaim_on_forget_scope" => m.reclaim_on_forget_scope = true,
+        "unscoped_data_validation" => m.unscoped_data_validation = true,
+        "legacy_forget_scope_queue" => m.legacy_forget_scope_queue = true,
         other => panic!("unknown mutation {other:?}"),
     }
     m
+}
+
+/// `KVFABRIC_SIM_WORLD=legacy`: the world before engine scopes.
+fn scoped_world() -> bool {
+    std::env::var("KVFABRIC_SIM_WORLD").map_or(true, |w| w != "legacy")
 }
 
 #[test]
@@ -93,12 +105,13 @@ fn replay() {
         .ok()
         .map(|b| b.parse().expect("budget"));
     let m = mutation_named(&std::env::var("KVFABRIC_SIM_MUTATION").unwrap_or_default());
+    let scoped = scoped_world();
     if std::env::var_os("KVFABRIC_SIM_PRINT").is_some() {
-        for line in Sim::new(seed, budget, m, true).trace_of() {
+        for line in Sim::with_world(seed, budget, m, true, scoped).trace_of() {
             eprintln!("  {line}");
         }
     }
-    match Sim::new(seed, budget, m, true).run() {
+    match Sim::with_world(seed, budget, m, true, scoped).run() {
         Ok(s) => eprintln!("seed {seed}: all invariants held ({s:?})"),
         Err(f) => panic!("{f}"),
     }
@@ -141,22 +154,40 @@ fn mutation_bidirectional_reserve() {
     check_mutation("bidirectional_reserve");
 }
 
+/// Engine scopes: reclaiming a detached engine's flows at `ForgetScope`
+/// frees regions under the senders' in-flight writes.
+#[test]
+fn mutation_reclaim_on_forget_scope() {
+    check_mutation("reclaim_on_forget_scope");
+}
+
+/// Engine scopes: DATA validated against every scope's pool instead of
+/// its flow's scatters into another engine's pool.
+#[test]
+fn mutation_unscoped_data_validation() {
+    check_mutation("unscoped_data_validation");
+}
+
 /// Bugs the simulator found in `Io`'s rules (docs/protocol.md): each seed
-/// fails under the old rule and passes under the machine's.
+/// fails under the old rule and passes under the machine's. Bugs 1–5 were
+/// found before engine scopes: their seeds run in that world
+/// (`KVFABRIC_SIM_WORLD=legacy`), which the scoped simulator keeps run for
+/// run.
 #[test]
 fn regression_seeds() {
-    for (name, seed) in [
-        ("unkeyed_credits", 19),
-        ("unchecked_data_chunk", 21),
-        ("legacy_eager_reserve", 57),
-        ("legacy_flow_silence", 5363),
-        ("legacy_credit_expiry", 291593),
+    for (name, seed, scoped) in [
+        ("unkeyed_credits", 19, false),
+        ("unchecked_data_chunk", 21, false),
+        ("legacy_eager_reserve", 57, false),
+        ("legacy_flow_silence", 5363, false),
+        ("legacy_credit_expiry", 2003298, false),
+        ("legacy_forget_scope_queue", 1038, true),
     ] {
         assert!(
-            run_seed(seed, mutation_named(name)).is_err(),
+            run_seed_in(seed, mutation_named(name), scoped).is_err(),
             "seed {seed} no longer catches {name}"
         );
-        if let Err(f) = run_seed(seed, Mutations::default()) {
+        if let Err(f) = run_seed_in(seed, Mutations::default(), scoped) {
             panic!("regression seed {seed} ({name}) fails: {f}");
         }
     }
@@ -186,8 +217,9 @@ fn hunt() {
     let n = env_u64("KVFABRIC_SIM_SEEDS", CI_SEEDS);
     let start = env_u64("KVFABRIC_SIM_START", 0);
     let mut found = 0;
+    let scoped = scoped_world();
     for seed in start..start + n {
-        if let Err(f) = Sim::new(seed, None, m, false).run() {
+        if let Err(f) = Sim::with_world(seed, None, m, false, scoped).run() {
             if found < 5 {
                 eprintln!("{name}: seed {seed}: {}", f.what);
             }

@@ -16,7 +16,7 @@ use kvfabric_core::plan::ChunkBound;
 use kvfabric_core::protocol::{
     Action, Config, Counters, Input, Machine, Mutations, Nanos, Outcome, Route,
 };
-use kvfabric_core::wire::{Ack, Credit, Data, Grant, Message, Want};
+use kvfabric_core::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
 use kvfabric_core::{FlowKey, ScatterRun};
 
 /// splitmix64: tiny, fast, good enough to pick events.
@@ -68,6 +68,17 @@ const DST_HALF: u64 = 0x0100_0000;
 const ARENA_BASE: u64 = 0x7000_0000;
 /// The name forged messages come from (never a real agent).
 const ROGUE: &str = "rogue";
+/// Engine pools (scoped world): `ENGINES` disjoint ranges per agent, the
+/// first two attached at start (scopes 1 and 2), the third a spare range a
+/// re-attached engine may map. Each chunk of a scoped request gets its own
+/// `MAX_CHUNK` slot of the pool (a run-wide counter), so delivered bytes
+/// can be checked in place.
+const ENG_BASE: u64 = 0x4000_0000;
+const ENG_LEN: u64 = 0x0100_0000;
+const ENGINES: usize = 3;
+const ENG_SLOTS: u64 = ENG_LEN / MAX_CHUNK;
+/// Scope ids the scoped world never opens (requests naming one must fail).
+const NEVER_SCOPE: u64 = 1_000_000;
 
 /// Fault profile of one seed.
 #[derive(Clone, Debug)]
@@ -96,6 +107,47 @@ struct Faults {
     /// Some pairs learn of each other only later (WANTs then bootstrap
     /// the reverse route).
     late_register: bool,
+    /// Scoped world: spontaneous events that detach an engine (per mille,
+    /// drawn before the others: `ForgetScope` + quiesce of its pool, a new
+    /// scope later, perhaps over the same range).
+    engine_detach: u64,
+    /// Scoped world: submits (per mille) that name a closed or never
+    /// opened scope, or build their runs outside the scope's pool.
+    bad_scope: u64,
+}
+
+/// Where an engine pool range of an agent stands (the simulator's own
+/// notion, changed when the machine handles the input).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EngState {
+    /// Attached: scope `.0` owns the range.
+    Open(u64),
+    /// `ForgetScope(.0)` handled; the pool waits for its quiesce.
+    Closing(u64),
+    /// Quiesced and unmapped; a new scope may map it.
+    Unmapped,
+}
+
+/// A request's destination as the sender built it (scoped world).
+#[derive(Clone, Debug)]
+struct FlowMeta {
+    scope: u64,
+    /// Destination address and length per chunk (empty for scope 0).
+    dst: Vec<(u64, u64)>,
+    /// Named a closed or unknown scope, or runs outside its pool: must
+    /// never succeed.
+    expect_fail: bool,
+}
+
+#[derive(Clone, Debug)]
+struct ScatterJob {
+    region: u64,
+    len: u64,
+    flow: FlowKey,
+    chunk: u32,
+    tag: u64,
+    /// Destination spans `[addr, end)` of the runs.
+    dst: Vec<(u64, u64)>,
 }
 
 /// One simulated agent slot (incarnations replace each other).
@@ -111,14 +163,24 @@ struct Agent {
     reqs: BTreeMap<u64, ReqTrack>,
     /// Arena contents: offset → (len, tag).
     mem: BTreeMap<u64, (u64, u64)>,
-    gathers: BTreeMap<u64, (u64, u64, u64)>,
+    /// Destination memory (engine pools): addr → (len, tag).
+    dmem: BTreeMap<u64, (u64, u64)>,
+    /// Running gathers: job → (local, len, tag, destination address).
+    gathers: BTreeMap<u64, (u64, u64, u64, Option<u64>)>,
     /// Sender side: write id → (peer, local, bytes, region, rid, chunk).
     writes_out: BTreeMap<u64, WriteOut>,
-    scatters: BTreeMap<u64, (u64, u64, FlowKey, u32, u64)>,
+    scatters: BTreeMap<u64, ScatterJob>,
     /// Tenant halves currently unmapped (after their Quiesced).
     unmapped: [bool; 2],
     /// Quiesce id → half, waiting.
     detaching: BTreeMap<u64, usize>,
+    /// Engine pool ranges (scoped world; empty otherwise).
+    engines: Vec<EngState>,
+    /// Scopes closed so far, with their pool index.
+    closed_scopes: Vec<(u64, usize)>,
+    next_scope: u64,
+    /// Quiesce id → engine pool, waiting (a detach).
+    eng_detaching: BTreeMap<u64, usize>,
     inputs: VecDeque<Input>,
     shutting: bool,
     down: bool,
@@ -139,6 +201,8 @@ struct ReqTrack {
     peer: String,
     submitted: Nanos,
     chunks: usize,
+    /// Destination address per chunk (scoped requests; empty for scope 0).
+    dst: Vec<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -185,6 +249,13 @@ enum Ev {
         inc: u32,
         half: usize,
     },
+    /// An engine attaches over a free pool range (`engine` preferred:
+    /// address reuse) under a new scope id.
+    Reopen {
+        slot: usize,
+        inc: u32,
+        engine: usize,
+    },
 }
 
 /// Why a run failed.
@@ -196,6 +267,8 @@ pub struct Failure {
     pub now: Nanos,
     pub what: String,
     pub trace: Vec<String>,
+    /// Run in the scoped world (`false`: `KVFABRIC_SIM_WORLD=legacy`).
+    pub scoped: bool,
 }
 
 impl std::fmt::Display for Failure {
@@ -222,8 +295,10 @@ impl std::fmt::Display for Failure {
         }
         write!(
             f,
-            "replay: KVFABRIC_SIM_REPLAY={} KVFABRIC_SIM_BUDGET={} cargo test -p kvfabric-core --test protocol_sim replay -- --nocapture",
-            self.seed, self.budget
+            "replay: KVFABRIC_SIM_REPLAY={} KVFABRIC_SIM_BUDGET={}{} cargo test -p kvfabric-core --test protocol_sim replay -- --nocapture",
+            self.seed,
+            self.budget,
+            if self.scoped { "" } else { " KVFABRIC_SIM_WORLD=legacy" }
         )
     }
 }
@@ -257,6 +332,8 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.silent_flows += b.silent_flows;
     a.overdue_orphans += b.overdue_orphans;
     a.wants_stale += b.wants_stale;
+    a.rejects_received += b.rejects_received;
+    a.rejects_sent += b.rejects_sent;
 }
 
 impl Stats {
@@ -327,12 +404,38 @@ pub struct Sim {
     trace: Option<Vec<String>>,
     pub stats: Stats,
     cfg_base: Config,
+    /// Engine scopes in play (the default world); off: the world of the
+    /// simulator before scopes, run for run (the old regression seeds).
+    scoped: bool,
+    /// Stream of every scoped-world choice (the other two streams draw
+    /// exactly what they drew before scopes).
+    eng: Rng,
+    /// Destination of every request submitted: (sender, rid) → meta.
+    flows_meta: BTreeMap<(String, u64), FlowMeta>,
+    /// Scope of each rogue flow: (receiver, rid) → scope of the WANT
+    /// that created it.
+    rogue_scope: BTreeMap<(String, u64), u64>,
+    /// Run-wide counter of engine pool slots handed to chunks.
+    next_dst: u64,
 }
 
 type R = Result<(), String>;
 
 impl Sim {
     pub fn new(seed: u64, budget: Option<usize>, mutations: Mutations, trace: bool) -> Self {
+        Self::with_world(seed, budget, mutations, trace, true)
+    }
+
+    /// `scoped: false` is the world before engine scopes (scope 0 only),
+    /// identical run for run to the simulator that found bugs 1–7.
+    pub fn with_world(
+        seed: u64,
+        budget: Option<usize>,
+        mutations: Mutations,
+        trace: bool,
+        scoped: bool,
+    ) -> Self {
+        let mut eng = Rng::new(seed ^ 0xE61E_E61E_5C0F_E5C0);
         let mut rng = Rng::new(seed);
         let spont = Rng::new(seed ^ 0x5EED_5EED_5EED_5EED);
         let calm = rng.chance(300);
@@ -356,6 +459,8 @@ impl Sim {
             rogue: p(&mut rng, 150),
             burst: rng.below(101),
             late_register: !calm && rng.chance(300),
+            engine_detach: if scoped && !calm { eng.below(81) } else { 0 },
+            bad_scope: if scoped && !calm { eng.below(121) } else { 0 },
         };
         let n = rng.range(3, 4) as usize;
         let arena_blocks = [2u64, 3, 4, 6][rng.below(4) as usize];
@@ -395,6 +500,11 @@ impl Sim {
             trace: trace.then(Vec::new),
             stats: Stats::default(),
             cfg_base,
+            scoped,
+            eng,
+            flows_meta: BTreeMap::new(),
+            rogue_scope: BTreeMap::new(),
+            next_dst: 0,
         };
         for slot in 0..n {
             let a = sim.fresh_agent(slot, 0);
@@ -446,6 +556,27 @@ impl Sim {
                 len: DST_HALF,
             },
         );
+        let mut engines = Vec::new();
+        if self.scoped {
+            // Two engines attached from the start (scopes 1 and 2), a
+            // spare range for engines attaching later.
+            for k in 0..ENGINES {
+                if k < 2 {
+                    let scope = k as u64 + 1;
+                    m.handle(
+                        self.now,
+                        Input::AllowScope {
+                            scope,
+                            addr: eng_base(k),
+                            len: ENG_LEN,
+                        },
+                    );
+                    engines.push(EngState::Open(scope));
+                } else {
+                    engines.push(EngState::Unmapped);
+                }
+            }
+        }
         Agent {
             slot,
             inc,
@@ -456,11 +587,16 @@ impl Sim {
             next_rid: 1,
             reqs: BTreeMap::new(),
             mem: BTreeMap::new(),
+            dmem: BTreeMap::new(),
             gathers: BTreeMap::new(),
             writes_out: BTreeMap::new(),
             scatters: BTreeMap::new(),
             unmapped: [false; 2],
             detaching: BTreeMap::new(),
+            next_scope: engines.len().min(2) as u64 + 1,
+            engines,
+            closed_scopes: Vec::new(),
+            eng_detaching: BTreeMap::new(),
             inputs: VecDeque::new(),
             shutting: false,
             down: false,
@@ -532,6 +668,7 @@ impl Sim {
                 now: self.now,
                 what,
                 trace: self.trace.take().unwrap_or_default(),
+                scoped: self.scoped,
             }),
         }
     }
@@ -598,6 +735,9 @@ impl Sim {
         let a = &self.agents[i];
         if a.down || a.m.is_none() {
             return Ok(());
+        }
+        if self.scoped && self.eng.chance(f.engine_detach) {
+            return self.detach_engine(i);
         }
         if roll < f.crash {
             return self.crash(i, "crash");
@@ -698,6 +838,16 @@ impl Sim {
                 pieces: 1,
             })
             .collect();
+        let meta = if self.scoped {
+            self.pick_destination(&peer, sizes)
+        } else {
+            FlowMeta {
+                scope: 0,
+                dst: Vec::new(),
+                expect_fail: false,
+            }
+        };
+        let scope = meta.scope;
         let a = &mut self.agents[i];
         let rid = a.next_rid;
         a.next_rid += 1;
@@ -707,29 +857,169 @@ impl Sim {
                 peer: peer.clone(),
                 submitted: self.now,
                 chunks: k,
+                dst: meta.dst.iter().map(|d| d.0).collect(),
             },
         );
+        let name = a.name.clone();
         self.stats.submitted += 1;
-        self.note(|| format!("{i} Submit rid {rid} → {peer} chunks {sizes:?}"));
+        self.note(|| {
+            format!(
+                "{i} Submit rid {rid} → {peer} scope {scope}{} chunks {sizes:?}",
+                if meta.expect_fail { " (bad)" } else { "" }
+            )
+        });
+        if self.scoped {
+            self.flows_meta.insert((name, rid), meta);
+        }
         self.agents[i].inputs.push_back(Input::Submit {
             rid,
             peer,
-            scope: 0,
+            scope,
             chunks,
         });
+    }
+
+    /// The destination of a scoped-world request to `peer` (the sender's
+    /// view of the receiver's engine records): the agent's own memory, an
+    /// attached engine, or — a fault — a closed scope, one never opened,
+    /// or runs built into another pool than the scope's (a stale record).
+    fn pick_destination(&mut self, peer: &str, sizes: &[u64]) -> FlowMeta {
+        let calm = self.faults.calm;
+        let bad = self.faults.bad_scope;
+        let e = &mut self.eng;
+        let Some(j) = self
+            .agents
+            .iter()
+            .position(|a| a.name == peer && a.m.is_some())
+        else {
+            // Unknown or dead receiver: the request fails anyway.
+            let scope = e.below(3);
+            let pool = e.below(ENGINES as u64) as usize;
+            return self.meta(scope, pool, sizes, false);
+        };
+        let open: Vec<(u64, usize)> = self.agents[j]
+            .engines
+            .iter()
+            .enumerate()
+            .filter_map(|(k, st)| match st {
+                EngState::Open(s) => Some((*s, k)),
+                _ => None,
+            })
+            .collect();
+        let closed = self.agents[j].closed_scopes.clone();
+        let roll = e.below(1000);
+        if roll < 300 || open.is_empty() && (calm || roll >= 300 + bad) {
+            return FlowMeta {
+                scope: 0,
+                dst: Vec::new(),
+                expect_fail: false,
+            };
+        }
+        if !calm && roll < 300 + bad {
+            match e.below(3) {
+                0 if !closed.is_empty() => {
+                    let (scope, pool) = closed[e.below(closed.len() as u64) as usize];
+                    return self.meta(scope, pool, sizes, true);
+                }
+                1 if !open.is_empty() => {
+                    // An attached scope, runs into another pool.
+                    let (scope, pool) = open[e.below(open.len() as u64) as usize];
+                    let other = (pool + 1 + e.below(ENGINES as u64 - 1) as usize) % ENGINES;
+                    return self.meta(scope, other, sizes, true);
+                }
+                _ => {
+                    let scope = NEVER_SCOPE + e.below(1000);
+                    let pool = e.below(ENGINES as u64) as usize;
+                    return self.meta(scope, pool, sizes, true);
+                }
+            }
+        }
+        let (scope, pool) = open[e.below(open.len() as u64) as usize];
+        self.meta(scope, pool, sizes, false)
+    }
+
+    fn meta(&mut self, scope: u64, pool: usize, sizes: &[u64], expect_fail: bool) -> FlowMeta {
+        let dst = if scope == 0 {
+            Vec::new()
+        } else {
+            sizes
+                .iter()
+                .map(|&b| {
+                    let slot = self.next_dst % ENG_SLOTS;
+                    self.next_dst += 1;
+                    (eng_base(pool) + slot * MAX_CHUNK, b)
+                })
+                .collect()
+        };
+        FlowMeta {
+            scope,
+            dst,
+            expect_fail,
+        }
+    }
+
+    /// Engine `k` of agent `i` detaches, as `EngineHub::detach` does it:
+    /// `ForgetScope`, then the pool's quiesce (`DisallowScatter`); once
+    /// `Quiesced` answers the range is unmapped and an engine may attach
+    /// there again later under a new scope id.
+    fn detach_engine(&mut self, i: usize) -> R {
+        let open: Vec<(usize, u64)> = self.agents[i]
+            .engines
+            .iter()
+            .enumerate()
+            .filter_map(|(k, st)| match st {
+                EngState::Open(s) => Some((k, *s)),
+                _ => None,
+            })
+            .collect();
+        if open.is_empty() {
+            return Ok(());
+        }
+        let (k, scope) = open[self.eng.below(open.len() as u64) as usize];
+        let id = self.next_qid;
+        self.next_qid += 1;
+        self.note(|| {
+            format!("{i} engine {k} detaches: ForgetScope {scope}, DisallowScatter (id {id})")
+        });
+        let a = &mut self.agents[i];
+        a.eng_detaching.insert(id, k);
+        a.inputs.push_back(Input::ForgetScope { scope });
+        a.inputs.push_back(Input::DisallowScatter {
+            id,
+            addr: eng_base(k),
+            len: ENG_LEN,
+        });
+        Ok(())
     }
 
     /// A forged message from `rogue` to agent `i`: plausible-looking random
     /// fields (small rids, region-aligned handles, runs in and out of
     /// registered memory, zero and huge sizes).
     fn rogue(&mut self, i: usize) -> R {
+        // Scoped world: the WANT names a scope (own memory, an attached or
+        // closed one, a foreign one); runs may aim at engine pools; some
+        // forged messages are REJECTs (drawn from the scoped stream).
+        let (w_scope, eng_addr, reject) = if self.scoped {
+            let e = &mut self.eng;
+            (
+                [0, 1, 2, 3, 4, NEVER_SCOPE][e.below(6) as usize],
+                Some(eng_base(e.below(ENGINES as u64) as usize) + e.below(4) * MAX_CHUNK),
+                e.chance(100),
+            )
+        } else {
+            (0, None, false)
+        };
         let r = &mut self.spont;
         let rid = r.range(1, 4);
         let pick = |r: &mut Rng, xs: &[u64]| xs[r.below(xs.len() as u64) as usize];
         let msg = match r.below(4) {
+            _ if reject => Message::Reject(Reject {
+                request_id: rid,
+                reason: RejectReason::ScopeDetached,
+            }),
             0 => Message::Want(Want {
                 request_id: rid,
-                scope: 0,
+                scope: w_scope,
                 chunk_bytes: (0..r.below(4))
                     .map(|_| pick(r, &[0, 32, 256, 1000, MAX_CHUNK, 8 * MAX_CHUNK, u64::MAX]))
                     .collect(),
@@ -754,7 +1044,10 @@ impl Sim {
                 runs: (0..r.below(3))
                     .map(|_| ScatterRun {
                         region_offset: pick(r, &[0, 32, 512, MAX_CHUNK, u64::MAX - 8]),
-                        addr: pick(r, &[0, DST_BASE, DST_BASE + DST_HALF - 64, u64::MAX - 64]),
+                        addr: match eng_addr {
+                            Some(a) if r.chance(500) => a,
+                            _ => pick(r, &[0, DST_BASE, DST_BASE + DST_HALF - 64, u64::MAX - 64]),
+                        },
                         segment_len: pick(r, &[0, 1, 64, MAX_CHUNK, u64::MAX]),
                         region_stride: pick(r, &[0, 64, u64::MAX]),
                         addr_stride: pick(r, &[0, 64, u64::MAX]),
@@ -848,7 +1141,7 @@ impl Sim {
                     return Ok(());
                 }
                 let a = &mut self.agents[slot];
-                let Some((local, len, t)) = a.gathers.remove(&job) else {
+                let Some((local, len, t, dst)) = a.gathers.remove(&job) else {
                     return Err(format!("gather {job} completed twice"));
                 };
                 if ok {
@@ -860,7 +1153,17 @@ impl Sim {
                 let result = if ok {
                     // One contiguous run into the tenant half the request
                     // targets (the sender planned it).
-                    Ok(vec![run_for(t, len)])
+                    Ok(vec![match dst {
+                        Some(addr) => ScatterRun {
+                            region_offset: 0,
+                            addr,
+                            segment_len: len,
+                            region_stride: 0,
+                            addr_stride: 0,
+                            count: 1,
+                        },
+                        None => run_for(t, len),
+                    }])
                 } else {
                     Err("injected gather failure".into())
                 };
@@ -918,10 +1221,30 @@ impl Sim {
                     return Ok(());
                 }
                 let a = &mut self.agents[slot];
-                let Some((region, len, flow, chunk, t0)) = a.scatters.remove(&job) else {
+                let Some(ScatterJob {
+                    region,
+                    len,
+                    flow,
+                    chunk,
+                    tag: t0,
+                    dst,
+                }) = a.scatters.remove(&job)
+                else {
                     return Err(format!("scatter {job} completed twice"));
                 };
                 let t1 = mem_read(&a.mem, region, len);
+                if flow.peer != ROGUE {
+                    // The bytes land in the destination (a failed scatter
+                    // leaves garbage there).
+                    for &(d0, d1) in &dst {
+                        mem_write(
+                            &mut a.dmem,
+                            d0,
+                            d1 - d0,
+                            if ok { t1.unwrap_or(0xC0FFEE) } else { 0xBAD },
+                        );
+                    }
+                }
                 if ok && flow.peer != ROGUE {
                     if t1 != Some(t0) {
                         return Err(format!(
@@ -1014,6 +1337,34 @@ impl Sim {
                 self.settle()?;
                 return self.crash(slot, "shutdown complete");
             }
+            Ev::Reopen { slot, inc, engine } => {
+                if !self.alive(slot, inc) {
+                    return Ok(());
+                }
+                // Mostly the range the detached engine had (address
+                // reuse), else any unmapped range.
+                let a = &self.agents[slot];
+                let free: Vec<usize> = (0..a.engines.len())
+                    .filter(|&k| a.engines[k] == EngState::Unmapped)
+                    .collect();
+                if free.is_empty() {
+                    return Ok(());
+                }
+                let k = if free.contains(&engine) && self.eng.chance(700) {
+                    engine
+                } else {
+                    free[self.eng.below(free.len() as u64) as usize]
+                };
+                let a = &mut self.agents[slot];
+                let scope = a.next_scope;
+                a.next_scope += 1;
+                a.inputs.push_back(Input::AllowScope {
+                    scope,
+                    addr: eng_base(k),
+                    len: ENG_LEN,
+                });
+                self.note(|| format!("{slot} engine attaches over pool {k}: AllowScope {scope}"));
+            }
             Ev::Reattach { slot, inc, half } => {
                 if !self.alive(slot, inc) {
                     return Ok(());
@@ -1047,8 +1398,15 @@ impl Sim {
                 while let Some(input) = self.agents[i].inputs.pop_front() {
                     any = true;
                     let now = self.now;
+                    let rogue_want = self.observe(i, &input);
                     let m = self.agents[i].m.as_mut().expect("alive");
                     m.handle(now, input);
+                    if let Some((flow, scope)) = rogue_want {
+                        if m.scheduler().contains_flow(&flow) {
+                            let key = (self.agents[i].name.clone(), flow.rid);
+                            self.rogue_scope.insert(key, scope);
+                        }
+                    }
                     while let Some(act) = self.agents[i].m.as_mut().expect("alive").poll_action() {
                         self.perform(i, act)?;
                     }
@@ -1060,6 +1418,42 @@ impl Sim {
             }
         }
         self.check_global()
+    }
+
+    /// The simulator's notion of scopes follows the inputs as the machine
+    /// handles them. Returns a rogue WANT's flow and scope when it may
+    /// create that flow.
+    fn observe(&mut self, i: usize, input: &Input) -> Option<(FlowKey, u64)> {
+        let a = &mut self.agents[i];
+        match input {
+            Input::ForgetScope { scope } => {
+                for (k, st) in a.engines.iter_mut().enumerate() {
+                    if *st == EngState::Open(*scope) {
+                        *st = EngState::Closing(*scope);
+                        a.closed_scopes.push((*scope, k));
+                    }
+                }
+            }
+            Input::AllowScope { scope, addr, .. } => {
+                let k = ((addr - ENG_BASE) / ENG_LEN) as usize;
+                a.engines[k] = EngState::Open(*scope);
+            }
+            Input::Message {
+                from,
+                msg: Message::Want(w),
+                ..
+            } if from == ROGUE && !w.is_cancel() => {
+                let flow = FlowKey::new(ROGUE, w.request_id);
+                let had =
+                    a.m.as_ref()
+                        .is_some_and(|m| m.scheduler().contains_flow(&flow));
+                if !had {
+                    return Some((flow, w.scope));
+                }
+            }
+            _ => {}
+        }
+        None
     }
 
     fn perform(&mut self, i: usize, act: Action) -> R {
@@ -1125,9 +1519,13 @@ impl Sim {
                 bound,
             } => {
                 let len = bound.packed_bytes;
+                let dst = self.agents[i]
+                    .reqs
+                    .get(&rid)
+                    .and_then(|r| r.dst.get(chunk as usize).copied());
                 self.agents[i]
                     .gathers
-                    .insert(job, (local, len, tag(&name, rid, chunk)));
+                    .insert(job, (local, len, tag(&name, rid, chunk), dst));
                 let inc = self.agents[i].inc;
                 let ok = !self.rng.chance(f.gather_fail);
                 let t = self.now + self.op_delay();
@@ -1210,7 +1608,38 @@ impl Sim {
                         "scatter of chunk {chunk} of {flow} from region {region} of {name}: the region holds {content:?}, not the chunk's data"
                     ));
                 }
+                let scope = if !self.scoped {
+                    0
+                } else if flow.peer == ROGUE {
+                    self.rogue_scope
+                        .get(&(name.clone(), flow.rid))
+                        .copied()
+                        .unwrap_or(0)
+                } else {
+                    self.flows_meta
+                        .get(&(flow.peer.clone(), flow.rid))
+                        .map_or(0, |m| m.scope)
+                };
+                let mut dst = Vec::with_capacity(runs.len());
                 for r in &runs {
+                    let end = u64::from(r.count.saturating_sub(1))
+                        .saturating_mul(r.addr_stride)
+                        .saturating_add(r.addr)
+                        .saturating_add(r.segment_len);
+                    dst.push((r.addr, end));
+                    if self.scoped && r.addr >= ENG_BASE && r.addr < eng_base(ENGINES) {
+                        // An engine pool: it must be the pool of the
+                        // flow's scope, attached now.
+                        let k = ((r.addr - ENG_BASE) / ENG_LEN) as usize;
+                        let st = self.agents[i].engines[k];
+                        if st != EngState::Open(scope) || end > eng_base(k) + ENG_LEN {
+                            return Err(format!(
+                                "scatter of chunk {chunk} of {flow} (scope {scope}) into [{:#x}, {end:#x}): engine pool {k} of {name} is {st:?}, not scope {scope}'s",
+                                r.addr
+                            ));
+                        }
+                        continue;
+                    }
                     let half = (r.addr.saturating_sub(DST_BASE) / DST_HALF) as usize;
                     if r.addr < DST_BASE {
                         return Err(format!(
@@ -1224,10 +1653,24 @@ impl Sim {
                             r.addr
                         ));
                     }
+                    if scope != 0 {
+                        return Err(format!(
+                            "scatter of chunk {chunk} of {flow} (scope {scope}) into {:#x}, the agent's own memory, not the engine's pool",
+                            r.addr
+                        ));
+                    }
                 }
-                self.agents[i]
-                    .scatters
-                    .insert(job, (region, len, flow, chunk, want));
+                self.agents[i].scatters.insert(
+                    job,
+                    ScatterJob {
+                        region,
+                        len,
+                        flow,
+                        chunk,
+                        tag: want,
+                        dst,
+                    },
+                );
                 let inc = self.agents[i].inc;
                 let ok = !self.rng.chance(f.scatter_fail);
                 let t = self.now + self.op_delay();
@@ -1256,6 +1699,28 @@ impl Sim {
                 match outcome {
                     Outcome::Success => {
                         self.stats.succeeded += 1;
+                        if let Some(meta) = self.flows_meta.get(&(name.clone(), rid)) {
+                            if meta.expect_fail {
+                                return Err(format!(
+                                    "request {rid} of {name} to {} succeeded, but it named scope {} closed, never opened, or with runs outside its pool",
+                                    r.peer, meta.scope
+                                ));
+                            }
+                            // The bytes are in the destination engine's
+                            // pool, exactly (while the receiver lives).
+                            if let Some(j) = self.slot_of(&r.peer) {
+                                for (c, &(addr, len)) in meta.dst.iter().enumerate() {
+                                    let want = tag(&name, rid, c as u32);
+                                    let have = mem_read(&self.agents[j].dmem, addr, len);
+                                    if have != Some(want) {
+                                        return Err(format!(
+                                            "request {rid} of {name} succeeded but {} holds {have:?} at {addr:#x}+{len} (chunk {c}, scope {}), not {want:#x}",
+                                            r.peer, meta.scope
+                                        ));
+                                    }
+                                }
+                            }
+                        }
                         let got = self.delivered.get(&(name.clone(), rid));
                         for c in 0..r.chunks as u32 {
                             let want = tag(&name, rid, c);
@@ -1283,6 +1748,22 @@ impl Sim {
                 self.agents[i].routes.remove(&peer);
             }
             Action::Quiesced { id } => {
+                if let Some(k) = self.agents[i].eng_detaching.remove(&id) {
+                    self.note(|| format!("{i} Quiesced engine pool {k}: unmapped"));
+                    self.agents[i].engines[k] = EngState::Unmapped;
+                    if self.eng.chance(850) {
+                        let inc = self.agents[i].inc;
+                        let t = self.now + self.eng.range(0, 600 * MS);
+                        self.at(
+                            t,
+                            Ev::Reopen {
+                                slot: i,
+                                inc,
+                                engine: k,
+                            },
+                        );
+                    }
+                }
                 if let Some(half) = self.agents[i].detaching.remove(&id) {
                     self.note(|| format!("{i} Quiesced half {half}"));
                     self.agents[i].unmapped[half] = true;
@@ -1310,14 +1791,14 @@ impl Sim {
         // two uses overlap (one owner per region).
         let arena = s.arena();
         let mut uses: Vec<(u64, u64, String)> = Vec::new();
-        for (job, &(off, len, _)) in &a.gathers {
+        for (job, &(off, len, ..)) in &a.gathers {
             uses.push((off, len, format!("gather {job}")));
         }
         for (w, wo) in &a.writes_out {
             uses.push((wo.local, wo.bytes, format!("write {w} source")));
         }
-        for (job, (off, len, ..)) in &a.scatters {
-            uses.push((*off, *len, format!("scatter {job}")));
+        for (job, sj) in &a.scatters {
+            uses.push((sj.region, sj.len, format!("scatter {job}")));
         }
         for ((sender, w), (recv, region, bytes, _)) in &self.writes_in {
             if *recv == a.name {
@@ -1413,9 +1894,19 @@ impl Sim {
             if busy != 0 || s.free_bytes != s.capacity {
                 return Err(format!("{}: not idle at quiesce: {s:?}", a.name));
             }
+            if !a.detaching.is_empty() || !a.eng_detaching.is_empty() {
+                return Err(format!(
+                    "{}: quiesce of detached memory never answered: halves {:?}, engine pools {:?}",
+                    a.name, a.detaching, a.eng_detaching
+                ));
+            }
         }
         Ok(())
     }
+}
+
+fn eng_base(k: usize) -> u64 {
+    ENG_BASE + k as u64 * ENG_LEN
 }
 
 fn run_for(t: u64, len: u64) -> ScatterRun {
@@ -1438,6 +1929,9 @@ fn short(m: &Message) -> String {
         }
         Message::Want(w) => {
             let _ = write!(s, "WANT rid {} chunks {:?}", w.request_id, w.chunk_bytes);
+            if w.scope != 0 {
+                let _ = write!(s, " scope {}", w.scope);
+            }
         }
         Message::Grant(g) => {
             let _ = write!(s, "GRANT rid {} credits", g.request_id);
@@ -1459,6 +1953,9 @@ fn short(m: &Message) -> String {
                 a.request_id, a.chunk_index, a.region_handle
             );
         }
+        Message::Reject(r) => {
+            let _ = write!(s, "REJECT rid {} ({:?})", r.request_id, r.reason);
+        }
         other => {
             let _ = write!(s, "{:?}", other.message_type());
         }
@@ -1469,19 +1966,23 @@ fn short(m: &Message) -> String {
 /// Runs `seed`; on failure shrinks the budget (fewest spontaneous events
 /// that still fail, same seed) and returns the traced failure.
 pub fn run_seed(seed: u64, mutations: Mutations) -> Result<Stats, Box<Failure>> {
-    match Sim::new(seed, None, mutations, false).run() {
+    run_seed_in(seed, mutations, true)
+}
+
+/// [`run_seed`] in the scoped world or (`scoped: false`) the world before
+/// engine scopes.
+pub fn run_seed_in(seed: u64, mutations: Mutations, scoped: bool) -> Result<Stats, Box<Failure>> {
+    let sim = |b, t| Sim::with_world(seed, b, mutations, t, scoped);
+    match sim(None, false).run() {
         Ok(s) => Ok(s),
         Err(f) => {
             for b in 1..=f.budget {
-                if let Err(g) = Sim::new(seed, Some(b), mutations, true).run() {
+                if let Err(g) = sim(Some(b), true).run() {
                     return Err(Box::new(g));
                 }
             }
             // Not reproducible with a smaller budget: trace the original.
-            let g = Sim::new(seed, Some(f.budget), mutations, true)
-                .run()
-                .err()
-                .unwrap_or(f);
+            let g = sim(Some(f.budget), true).run().err().unwrap_or(f);
             Err(Box::new(g))
         }
     }
