@@ -283,6 +283,18 @@ fn unparsable_settings_stop_start_up_naming_the_variable() {
     assert!(err.contains("debugApi"), "{err}");
     let (code, _, err) = print_config(&["--debug-api"], &[]);
     assert_eq!(code, 0, "debug API on loopback refused:\n{err}");
+    // The test-only fault hooks (runtime::faults) only with the debug API.
+    let (code, _, err) = print_config(&[], &[("KVFABRIC_TEST_FAULTS", "1")]);
+    assert_ne!(
+        code, 0,
+        "test faults accepted without the debug API:\n{err}"
+    );
+    assert!(
+        err.contains("KVFABRIC_TEST_FAULTS") && err.contains("debugApi"),
+        "{err}"
+    );
+    let (code, _, err) = print_config(&["--debug-api"], &[("KVFABRIC_TEST_FAULTS", "1")]);
+    assert_eq!(code, 0, "test faults with the debug API refused:\n{err}");
 }
 
 /// The listening TCP sockets of process `pid` (local addresses), from

@@ -8,6 +8,8 @@
 pub mod cli;
 pub mod dataplane;
 #[cfg(feature = "cuda")]
+pub mod direct;
+#[cfg(feature = "cuda")]
 pub mod gpu_kernel;
 #[cfg(feature = "cuda")]
 pub mod gpu_trace;

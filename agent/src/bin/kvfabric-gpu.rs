@@ -13,6 +13,11 @@
 //!   scatter, against a contiguous device-to-device memcpy of the same
 //!   bytes, per-descriptor memcpy and the driver's batched memcpy.
 //!
+//! * `kvfabric-gpu direct-bench` — the same-node direct path's block-copy
+//!   kernels alone (CUDA events, ids already on the device) against a
+//!   contiguous device-to-device memcpy of the same bytes, every result
+//!   checked byte for byte (issue 19).
+//!
 //! * `kvfabric-gpu vram-bench` — bounce end to end with VRAM arenas and VRAM
 //!   KV pools between two processes (this one and a `vram-peer` child, on
 //!   the same GPU or on `--peer-device`): the standard per-descriptor path,
@@ -35,6 +40,7 @@ use clap::{Parser, Subcommand};
 use kvfabric_agent::bench::cli::{
     bench_path, byte_size, concurrency, model_preset, nonzero_byte_size,
 };
+use kvfabric_agent::bench::direct;
 use kvfabric_agent::bench::gpu_kernel;
 use kvfabric_agent::bench::gpu_trace::{self, GpuBenchArgs};
 use kvfabric_agent::bench::trace::BenchPath;
@@ -91,6 +97,22 @@ enum Cmd {
         sweep: bool,
         /// RNG seed.
         #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The direct path's block-copy kernels alone vs a contiguous DtoD
+    /// memcpy of the same bytes (CUDA events), checked byte for byte.
+    DirectBench {
+        /// Samples per row (p50/p90/min; as many again back to back).
+        #[arg(long, default_value_t = 200, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+        reps: usize,
+        /// Add a 1 GiB case (needs ≈ 5 GiB of GPU memory and 7 GiB of host memory).
+        #[arg(long)]
+        big: bool,
+        /// RNG seed.
+        #[arg(long, default_value_t = 19)]
         seed: u64,
         /// Write the JSON report here.
         #[arg(long)]
@@ -231,6 +253,12 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             seed,
             json,
         } => gpu_kernel::kernel_bench(&gpu, iters, reps, sweep, seed, json.as_deref()),
+        Cmd::DirectBench {
+            reps,
+            big,
+            seed,
+            json,
+        } => direct::direct_bench(&gpu, reps, big, seed, json.as_deref()),
         Cmd::VramBench(a) => vram::run_cli(
             &gpu,
             device,

@@ -73,6 +73,12 @@ pub trait CopyEngine: Send + Sync {
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
+    /// Test-only fault hook ([`super::faults`]): flips (XOR 0xFF) the byte
+    /// at `addr` in an arena region. Engines that cannot refuse.
+    fn flip_byte(&self, addr: u64) -> Result<(), CopyError> {
+        let _ = addr;
+        Err(CopyError(format!("{}: no fault hook", self.name())))
+    }
 }
 
 /// Host-memory copy engine: `memcpy` per segment (contiguous runs are one
@@ -114,6 +120,12 @@ impl CopyEngine for HostCopyEngine {
     }
     fn name(&self) -> &'static str {
         "host"
+    }
+    fn flip_byte(&self, addr: u64) -> Result<(), CopyError> {
+        // SAFETY: test-only hook; `addr` is inside a live arena region of
+        // the scatter about to run (exec::run_job).
+        unsafe { *(addr as usize as *mut u8) ^= 0xff };
+        Ok(())
     }
 }
 
@@ -197,6 +209,27 @@ pub struct CopyDone {
     pub scatter_runs: Vec<ScatterRun>,
 }
 
+/// The test-only in-flight fault ([`super::faults`]): when a flip is
+/// armed, one byte of the first non-empty run's arena bytes is flipped
+/// before the scatter reads it.
+fn flip_if_armed(
+    engine: &dyn CopyEngine,
+    region_addr: u64,
+    runs: &[ScatterRun],
+) -> Result<(), CopyError> {
+    if !super::faults::enabled() {
+        return Ok(());
+    }
+    if let Some(r) = runs.iter().find(|r| r.segment_len > 0 && r.count > 0) {
+        if super::faults::take_scatter_flip() {
+            let addr = region_addr + r.region_offset;
+            engine.flip_byte(addr)?;
+            super::faults::flipped(addr);
+        }
+    }
+    Ok(())
+}
+
 /// Runs one job on `engine`: plans it first when it is a
 /// [`CopyPlan::Chunk`]. Returns the outcome and, for a planned chunk, its
 /// scatter runs.
@@ -209,8 +242,12 @@ fn run_job(
     match plan {
         CopyPlan::Runs(runs) => {
             let r = match kind {
-                CopyKind::Gather => engine.gather(region_addr, &runs),
-                CopyKind::Scatter => engine.scatter(region_addr, &runs),
+                CopyKind::Gather => {
+                    super::faults::before_gather();
+                    engine.gather(region_addr, &runs)
+                }
+                CopyKind::Scatter => flip_if_armed(engine, region_addr, &runs)
+                    .and_then(|()| engine.scatter(region_addr, &runs)),
             };
             (r, Vec::new())
         }
@@ -241,6 +278,7 @@ fn run_job(
                 runs = chunk.gather_runs.len(),
                 "chunk planned"
             );
+            super::faults::before_gather();
             match engine.gather(region_addr, &chunk.gather_runs) {
                 Ok(()) => (Ok(()), chunk.scatter_runs),
                 Err(e) => (Err(e), Vec::new()),

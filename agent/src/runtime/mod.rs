@@ -7,6 +7,7 @@ pub mod cuda;
 pub mod engine;
 pub mod exec;
 pub mod fabric;
+pub mod faults;
 pub mod nixl_runtime;
 pub mod transport;
 pub mod waker;

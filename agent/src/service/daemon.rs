@@ -582,6 +582,13 @@ impl AgentConfig {
         if let Err(e) = self.bounce.validate() {
             errs.push(format!("bounce: {e}"));
         }
+        if crate::runtime::faults::requested() && !self.debug_api {
+            errs.push(format!(
+                "{}: the test-only fault hooks corrupt and delay hand-offs on purpose; \
+                 a production agent refuses them (they need debugApi, loopback only)",
+                crate::runtime::faults::ENV
+            ));
+        }
         if errs.is_empty() {
             Ok(())
         } else {
@@ -787,6 +794,13 @@ impl Node {
             Err(e) => {
                 tracing::warn!(agent = %record.name, error = %e, "publish not confirmed yet; retrying in the background")
             }
+        }
+        if opts.debug_api && crate::runtime::faults::requested() {
+            crate::runtime::faults::enable();
+            tracing::warn!(
+                "TEST FAULT HOOKS ENABLED ({}): POST /v1/debug/faults arms them",
+                crate::runtime::faults::ENV
+            );
         }
         let state = ServiceState::new(ServiceInit {
             agent: agent.clone(),

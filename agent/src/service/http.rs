@@ -826,6 +826,20 @@ fn rejection_status(e: &axum::extract::rejection::JsonRejection) -> StatusCode {
     }
 }
 
+/// `POST /v1/debug/faults` (test-only, [`crate::runtime::faults`]): arms
+/// the fault hooks; answers their state.
+async fn arm_faults(
+    body: Result<Json<crate::runtime::faults::FaultArm>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    match body {
+        Ok(Json(a)) => match crate::runtime::faults::arm(a) {
+            Ok(st) => Json(st).into_response(),
+            Err(e) => (StatusCode::CONFLICT, e).into_response(),
+        },
+        Err(e) => (rejection_status(&e), e.body_text()).into_response(),
+    }
+}
+
 /// The API's router over `state`: the read-only endpoints, plus
 /// `/v1/debug/verify` and `/v1/debug/transfer` only when the state was
 /// built with [`ServiceInit::debug_api`] (404 otherwise).
@@ -847,6 +861,9 @@ pub fn router(state: Arc<ServiceState>) -> Router {
                 "/v1/debug/transfer",
                 post(transfer).layer(DefaultBodyLimit::max(TRANSFER_BODY_LIMIT)),
             );
+        if crate::runtime::faults::enabled() {
+            r = r.route("/v1/debug/faults", post(arm_faults));
+        }
     }
     r.with_state(state)
 }
