@@ -24,6 +24,11 @@ every hand-off must succeed, every destination block verify, and both
 agents end at generation 1 with the new arena, same processes, engines
 still attached.
 
+`--only trace --trace FILE` (issue 19): the Mooncake trace through the
+engine API, 128 requests in flight, direct (both engines on agent A) and
+then bounce (agent A -> agent B, same GPU); p50/p99 per path, every
+destination block verified (see ``trace_main``).
+
 Writes a JSON report (--out). Usage (repo root, on the GPU machine):
   python3 e2e/gpu/engines_gpu.py --bin BIN --etcd ETCD --out OUT.json
 """
@@ -85,7 +90,12 @@ def bulk_main(sock, sock_b, ready_path, out_path, repeats):
     rng = random.Random(7)
     blocks = list(range(16384))
     report = {"bytes": nbytes, "descriptors": 16384}
-    for name, dst_engine, pool, sess in (("direct", "bulk-dst-a", dst_a, da), ("bounce", "bulk-dst-b", dst_b, db)):
+    # direct-b2b: the same direct hand-offs back to back (the pool zeroed
+    # only before the first; verified first and last): the GPU does no
+    # other work between two kernels (issue 19 diagnostic).
+    runs = (("direct", "bulk-dst-a", dst_a, da, 0), ("direct-b2b", "bulk-dst-a", dst_a, da, 200000),
+            ("bounce", "bulk-dst-b", dst_b, db, 100000))
+    for name, dst_engine, pool, sess, rid0 in runs:
         times, wall = [], []
         bad = 0
         for k in range(repeats):
@@ -93,13 +103,14 @@ def bulk_main(sock, sock_b, ready_path, out_path, repeats):
             d_blocks = blocks[:]
             rng.shuffle(s_blocks)
             rng.shuffle(d_blocks)
-            pool.zero_()
-            torch.cuda.synchronize()
+            if name != "direct-b2b" or k == 0:
+                pool.zero_()
+                torch.cuda.synchronize()
             deadline = time.time() + 20
             while True:
                 try:
                     t0 = time.perf_counter()
-                    r = src.transfer_blocks(50000 + k + (0 if name == "direct" else 100000), dst_engine, s_blocks, d_blocks)
+                    r = src.transfer_blocks(50000 + k + rid0, dst_engine, s_blocks, d_blocks)
                     wall.append((time.perf_counter() - t0) * 1e6)
                     break
                 except kvfabric.NotFound:
@@ -107,7 +118,7 @@ def bulk_main(sock, sock_b, ready_path, out_path, repeats):
                         raise
                     time.sleep(0.05)
             assert r.ok, (name, r.reason)
-            a = sess.await_arrival(50000 + k + (0 if name == "direct" else 100000), timeout=30)
+            a = sess.await_arrival(50000 + k + rid0, timeout=30)
             assert a.ok, (name, a.reason)
             times.append(r.transfer_us)
             if k == 0 or k == repeats - 1:
@@ -139,6 +150,163 @@ def bulk_main(sock, sock_b, ready_path, out_path, repeats):
         f.write("done")
     for sess in (src, da, db):
         sess.detach()
+
+
+TRACE_MODEL = dict(layers=32, total_kv_heads=8, head_dim=128, tp_size=4, block_tokens=16, dtype="bf16")
+
+
+def trace_main(sock, sock_b, ready_path, out_path, trace_path, n_requests, concurrency, pool_gib):
+    """Issue 19: the Mooncake conversation trace through the engine API,
+    ``concurrency`` requests in flight, Llama-3.1-8B TP 4 rank 0 geometry
+    (32 layers, K/V split: 64 planes of 8 KiB blocks, 512 KiB a block of 16
+    tokens). One source engine on agent A hands every request's blocks to
+    a decode engine on the SAME agent (direct path), then, with a fresh
+    destination pool, to a decode engine on agent B (bounce; both agents on
+    one GPU). Per request: ceil(input_length / 16) blocks, source blocks a
+    random sample of the source pool, destination blocks taken from the
+    destination's free list (a request waits while too few are free, as a
+    decode engine would), every destination block checked on the GPU
+    against its source after the arrival. Timed per request: the agent's
+    transfer_us (submit -> destination's arrival resolved), submit_us, and
+    the engine's wall time of the Transfer call."""
+    import random
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+    import kvfabric
+
+    lines = [json.loads(x) for x in open(trace_path)][:n_requests]
+    probe = kvfabric.Layout.for_model(num_blocks=1, device=0, **TRACE_MODEL)
+    per_block = probe.pool_bytes()
+    nb = min(int(pool_gib * (1 << 30)) // per_block, 0xFFFFFFFF)
+    layout = kvfabric.Layout.for_model(num_blocks=nb, device=0, **TRACE_MODEL)
+    nbytes = layout.pool_bytes()
+    planes = layout.layers * layout.planes
+    bb = layout.block_bytes
+    reqs = [(i, max(1, -(-int(x["input_length"]) // 16))) for i, x in enumerate(lines)]
+    reqs = [(i, k) for i, k in reqs if k <= nb]
+    src_pool = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    ca, cb = kvfabric.Client(sock, timeout=30.0), kvfabric.Client(sock_b, timeout=30.0)
+    src = ca.attach("trace-src", "", "prefill", layout)
+    src.register_tensor(src_pool)
+    sv = src_pool.view(planes, nb, bb)
+    report = {"trace": os.path.basename(trace_path), "requests": len(reqs), "concurrency": concurrency,
+              "model": "Llama-3.1-8B TP4 rank 0 (32 layers, 2 KV heads, head_dim 128, bf16, 16-token blocks, K/V split)",
+              "block_bytes": bb, "planes": planes, "bytes_per_block_all_planes": per_block,
+              "pool_blocks": nb, "pool_gib": round(nbytes / (1 << 30), 2),
+              "tokens_total": sum(int(x["input_length"]) for x in lines), "paths": {}}
+    # The standard path for GPU pools: refused by design (the reason is reported).
+    for name, client, node in (("direct", ca, "a"), ("bounce", cb, "b")):
+        dst_pool = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        eid = f"trace-dst-{node}"
+        dst = client.attach(eid, "", "decode", layout)
+        dst.register_tensor(dst_pool)
+        dv = dst_pool.view(planes, nb, bb)
+        free = list(range(nb))
+        random.Random(11).shuffle(free)
+        cv = threading.Condition()
+        vlock = threading.Lock()
+        base = 1_000_000 * (1 if name == "direct" else 2)
+        # Warm-up (and the bounce handshake): one small hand-off, retried
+        # while the destination is not yet known.
+        deadline = time.time() + 30
+        while True:
+            try:
+                r = src.transfer_blocks(base - 1, eid, [0], [0])
+                break
+            except (kvfabric.NotFound, kvfabric.FailedPrecondition):
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        assert r.ok, r.reason
+        dst.await_arrival(base - 1, timeout=30)
+        if name == "bounce":
+            try:
+                rs = src.transfer_blocks(base - 2, eid, [0], [0], path="standard")
+                report["standard"] = {"outcome": rs.outcome, "reason": rs.reason}
+            except kvfabric.KvfabricError as e:
+                report["standard"] = {"refused": type(e).__name__, "reason": str(e)}
+        rng = random.Random(5)
+        src_picks = [rng.sample(range(nb), k) for _, k in reqs]
+        stats = {"transfer_us": [], "submit_us": [], "call_us": [], "wait_blocks_us": [], "bad": 0,
+                 "failed": [], "paths": set(), "in_flight_max": 0}
+        in_flight = [0]
+
+        def one(j):
+            i, k = reqs[j]
+            t_w = time.perf_counter()
+            with cv:
+                while len(free) < k:
+                    cv.wait()
+                d = [free.pop() for _ in range(k)]
+                in_flight[0] += 1
+                stats["in_flight_max"] = max(stats["in_flight_max"], in_flight[0])
+            wait_us = (time.perf_counter() - t_w) * 1e6
+            s_blocks = src_picks[j]
+            try:
+                t0 = time.perf_counter()
+                r = src.transfer_blocks(base + i, eid, s_blocks, d, timeout_ms=60000)
+                call_us = (time.perf_counter() - t0) * 1e6
+                ok = r.ok
+                if ok:
+                    a = dst.await_arrival(base + i, timeout=60)
+                    ok = a.ok
+                if ok:
+                    si = torch.tensor(s_blocks, device="cuda:0")
+                    di = torch.tensor(d, device="cuda:0")
+                    with vlock:
+                        good = torch.equal(dv.index_select(1, di), sv.index_select(1, si))
+                        dv.index_fill_(1, di, 0)
+                        torch.cuda.synchronize()
+                with cv:
+                    if ok:
+                        stats["transfer_us"].append(r.transfer_us)
+                        stats["submit_us"].append(r.submit_us)
+                        stats["call_us"].append(call_us)
+                        stats["wait_blocks_us"].append(wait_us)
+                        stats["paths"].add(r.path)
+                        stats["bad"] += int(not good)
+                    else:
+                        stats["failed"].append((i, r.outcome, r.reason))
+            finally:
+                with cv:
+                    free.extend(d)
+                    in_flight[0] -= 1
+                    cv.notify_all()
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=concurrency) as ex:
+            list(ex.map(one, range(len(reqs))))
+        wall = time.perf_counter() - t0
+
+        def pc(v, p):
+            v = sorted(v)
+            return v[min(len(v) - 1, int(round(p * (len(v) - 1))))] if v else None
+
+        moved = sum(k for _, k in reqs) * per_block
+        report["paths"][name] = {
+            "path": sorted(stats["paths"]), "ok": len(stats["transfer_us"]), "failed": stats["failed"][:10],
+            "n_failed": len(stats["failed"]), "verify_bad": stats["bad"],
+            "transfer_us_p50": pc(stats["transfer_us"], 0.5), "transfer_us_p99": pc(stats["transfer_us"], 0.99),
+            "transfer_us_max": pc(stats["transfer_us"], 1.0),
+            "submit_us_p50": pc(stats["submit_us"], 0.5), "submit_us_p99": pc(stats["submit_us"], 0.99),
+            "call_us_p50": pc(stats["call_us"], 0.5), "call_us_p99": pc(stats["call_us"], 0.99),
+            "wait_blocks_us_p50": pc(stats["wait_blocks_us"], 0.5),
+            "wait_blocks_us_p99": pc(stats["wait_blocks_us"], 0.99),
+            "in_flight_max": stats["in_flight_max"], "wall_s": round(wall, 3),
+            "bytes": moved, "gbps_wall": round(moved / wall / 1e9, 1)}
+        print(name, json.dumps(report["paths"][name]), flush=True)
+        dst.detach()
+        del dv, dst_pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+    with open(ready_path, "w") as f:
+        f.write("done")
+    src.detach()
 
 
 def edge_main(sock, ready_path, out_path):
@@ -369,7 +537,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-n", type=int, default=300)
     ap.add_argument("--bulk-repeats", type=int, default=10)
-    ap.add_argument("--only", choices=["all", "bulk", "edge", "rollout"], default="all")
+    ap.add_argument("--only", choices=["all", "bulk", "edge", "rollout", "trace"], default="all")
+    ap.add_argument("--trace", default="", help="--only trace: Mooncake JSONL trace")
+    ap.add_argument("--trace-requests", type=int, default=500)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--pool-gib", type=float, default=32.0, help="--only trace: bytes of each KV pool (GiB)")
     ap.add_argument("--log-dir", default="")
     ap.add_argument("--engine", nargs=6, metavar=("ROLE", "SOCK", "ID", "PEER", "READY", "OUT"))
     a = ap.parse_args()
@@ -377,6 +549,8 @@ def main():
         role, sock, eid, peer, ready, out = a.engine
         if role == "bulk":
             bulk_main(sock, peer, ready, out, a.bulk_repeats)
+        elif role == "trace":
+            trace_main(sock, peer, ready, out, a.trace, a.trace_requests, a.concurrency, a.pool_gib)
         elif role == "roll-prefill":
             roll_prefill_main(sock, peer, ready, out, eid)
         elif role == "roll-decode":
@@ -513,6 +687,24 @@ def main():
             e = report["edge"]
             report["ok"] = e["outcome"] == "success" and e["arrival"] == "success" and e["moved_exact"] \
                 and e["guards_untouched"] and e["path"] == "direct"
+            return
+        if a.only == "trace":
+            t_ready = os.path.join(tmp, "trace.ready")
+            t_out = os.path.join(tmp, "trace.json")
+            tp = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bin", a.bin, "--etcd", a.etcd,
+                                   "--out", a.out, "--trace", os.path.abspath(a.trace),
+                                   "--trace-requests", str(a.trace_requests), "--concurrency", str(a.concurrency),
+                                   "--pool-gib", str(a.pool_gib),
+                                   "--engine", "trace", agents["node-a"][1], "trace", agents["node-b"][1],
+                                   t_ready, t_out])
+            procs.append(tp)
+            end = time.time() + 900
+            while not os.path.exists(t_out) and tp.poll() is None and time.time() < end:
+                time.sleep(0.2)
+            report["trace"] = json.loads(wait_file(t_out, 5))
+            ps = report["trace"]["paths"]
+            report["ok"] = all(v["n_failed"] == 0 and v["verify_bad"] == 0 and v["ok"] == report["trace"]["requests"]
+                               for v in ps.values()) and set(ps) == {"direct", "bounce"}
             return
         if a.only == "bulk":
             bulk_ready = os.path.join(tmp, "bulk.ready")

@@ -37,7 +37,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
           timeout 200 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
           --only bulk --bulk-repeats 20 --log-dir "$out" --out "$out/bulk_$src.json" 2>&1 \
           | grep -v '^ ' | tail -n 5 || rc=1
-        grep -h "direct copy\|direct block copy\|dir=Scatter" "$out"/bulk_$src.json.node-a.log | tail -n 6
+        grep -h "direct copy\|direct block copy\|cuda block copy\|dir=Scatter" "$out"/bulk_$src.json.node-a.log | tail -n 6
       done ;;
     rollout)
       # Issue 14 on the GPU: a config rollout (bigger arena) applied in
@@ -48,6 +48,27 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # Issue 19's byte-exact edge cases of the direct path.
       timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
         --only edge --out "$out/direct_edge.json" 2>&1 | grep -v '^ ' | tail -n 20 || rc=1 ;;
+    directbench)
+      # Issue 19: the direct path's kernels alone vs a contiguous DtoD
+      # memcpy of the same bytes (CUDA events), byte-exact.
+      timeout 180 /tmp/kvf/kvfabric-gpu direct-bench --big --json "$out/direct_bench.json" 2>&1 \
+        | tail -n 60 || rc=1 ;;
+    bulk)
+      # Issue 19: 64 MiB as 16,384 x 4 KiB, direct vs bounce, engine API.
+      timeout 200 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --only bulk --bulk-repeats 20 --out "$out/direct_bulk.json" 2>&1 | grep -v '^ ' | tail -n 30 || rc=1 ;;
+    trace)
+      # Issue 19: the Mooncake conversation trace, 128 in flight, direct
+      # (one agent) vs bounce (two agents, same GPU). The trace is carried
+      # in .trace/ (3 MB, not in git): KVF_TRACE overrides.
+      timeout 560 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --only trace --trace "${KVF_TRACE:-.trace/mooncake_conversation_trace.jsonl}" \
+        --trace-requests ${KVF_TRACE_REQUESTS:-500} --concurrency 128 --pool-gib ${KVF_POOL_GIB:-32} \
+        --out "$out/direct_trace.json" 2>&1 | grep -v '^ ' | tail -n 40 || rc=1 ;;
+    faults)
+      # Issue 13's fault cases with the real model (test-only fault hooks).
+      timeout 300 python3 e2e/model/faults.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
+        --out "$out/model_faults.json" 2>&1 | tee "$out/model_faults.log" | tail -n 80 || rc=1 ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).
