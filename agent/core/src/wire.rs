@@ -400,8 +400,9 @@ pub enum RejectReason {
     /// attached to the receiver: detached, never attached, or the receiver
     /// restarted.
     UnknownScope,
-    /// The destination engine detached while the flow was in progress; its
-    /// regions were reclaimed.
+    /// The destination engine detached while the flow was in progress: no
+    /// more of its DATA is scattered (the sender's cancel frees the
+    /// regions).
     ScopeDetached,
     /// The WANT itself was refused (its chunk sizes cannot be served by
     /// this receiver's arena).

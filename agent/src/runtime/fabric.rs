@@ -739,12 +739,14 @@ impl FabricAgent {
         let previous = old.config.clone();
         let previous_generation = old.generation;
         let previous_kind = previous.control_kind();
-        // Request ids and counters continue on the next transport.
-        let carried = old
-            .transport
-            .as_ref()
-            .map(|t| (t.next_request_id(), t.shared_stats()));
+        let old_transport = old.transport.clone();
         let channel = self.retire_side(&mut old);
+        // Request ids and counters continue on the next transport — read
+        // once the old IO thread has stopped: a submit racing the retire
+        // takes its id before that (and its WANT went out, or never will),
+        // so no id is used twice towards a peer (receivers tombstone ended
+        // flows by id).
+        let carried = old_transport.map(|t| (t.next_request_id(), t.shared_stats()));
         // The control endpoint survives when the kind does: peers' routes
         // (and what they send meanwhile) stay valid.
         let (reuse, spare) = if config.control_kind() == previous_kind {
@@ -907,8 +909,9 @@ impl FabricAgent {
     }
 
     /// Closes engine scope `scope` (≥ 1) on this and every later transport:
-    /// its receiver flows are reclaimed and their senders REJECTed at once
-    /// (see [`BounceTransport::forget_scope`]). Returns the flows reclaimed.
+    /// its receiver flows' senders are REJECTed at once, their queued
+    /// scatters dropped, and their regions freed by the senders' cancels
+    /// (see [`BounceTransport::forget_scope`]). Returns the flows told.
     /// Running scatters still finish: wait with
     /// [`disallow_scatter_range`](Self::disallow_scatter_range) before
     /// unmapping the pool.
@@ -916,11 +919,12 @@ impl FabricAgent {
         if scope == 0 {
             return 0;
         }
-        let mut ranges = self
-            .scatter_ranges
+        // Out of the ranges under the lock (a rebuild then starts without
+        // the scope); the IO thread is waited for without it.
+        self.scatter_ranges
             .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        ranges.retain(|r| r.0 != scope);
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|r| r.0 != scope);
         self.transport().map_or(0, |t| t.forget_scope(scope))
     }
 

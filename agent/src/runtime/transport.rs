@@ -393,6 +393,8 @@ pub struct TransportStats {
     /// WANTs dropped as replays: their flow is live or ended less than
     /// 2 × the request timeout ago.
     pub wants_stale: AtomicU64,
+    /// Ended flows forgotten early because [`MAX_TOMBSTONES`] were kept.
+    pub tombstones_evicted: AtomicU64,
     /// REJECTs received for our requests (the receiver refused them, or
     /// their destination engine detached).
     pub rejects_received: AtomicU64,
@@ -642,6 +644,13 @@ const SPIN_BEFORE_BACKOFF: u32 = 64;
 /// thread at once; it bounds timeout checks and engine progress for
 /// targets of AM-emulated RMA).
 const IDLE_WAIT: Duration = Duration::from_millis(1);
+
+/// Most ended receiver flows remembered at once (≈ 250 bytes each: at most
+/// ≈ 64 MB). Past it the oldest are forgotten first (counted in
+/// [`TransportStats::tombstones_evicted`]): the replay guard then covers
+/// less than 2 × the request timeout (only above ~2,200 flows/s ending
+/// with the default 30 s timeout).
+pub const MAX_TOMBSTONES: usize = 262_144;
 
 /// Bound on synchronous commands (add/forget peer, snapshot).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
@@ -894,13 +903,15 @@ impl BounceTransport {
     }
 
     /// Closes engine scope `scope` (its engine detached): DATA of its
-    /// flows no longer scatters, and each flow's sender gets a REJECT, so
+    /// flows no longer scatters — DATA already queued for a copy context
+    /// is dropped too (the protocol simulator's bug 8) —, and each flow's
+    /// sender gets a REJECT, so
     /// the request fails now rather than at its timeout; later WANTs naming
     /// `scope` are rejected. The flows' regions are freed by the sender's
     /// cancel, which it sends once its writes are terminal (seed §9: a
     /// region freed under a live write could be re-granted and
-    /// overwritten), or by the silence timeout. Scatters already queued or
-    /// running finish (wait for them with
+    /// overwritten), or by the silence timeout. Scatters already running
+    /// finish (wait for them with
     /// [`disallow_scatter_range`](Self::disallow_scatter_range) before
     /// unmapping). Returns the number of flows told; 0 when the IO thread
     /// did not answer within 5 s.
@@ -2279,14 +2290,8 @@ impl Io {
             self.reclaim_flow(&flow);
             return;
         }
-        if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
-            // The destination engine is not attached (detached, never
-            // attached here, or this agent restarted): refuse at once.
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, scope = w.scope, "WANT for an engine scope that is not attached; rejected");
-            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
-            self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
-            return;
-        }
+        // First (as the protocol machine): a replay naming a bogus scope
+        // must not REJECT — and so fail — the live request.
         // A sender sends one WANT per request: another for a live or a
         // recently ended flow is a replay (it would re-create a reclaimed
         // flow and re-grant regions a stale DATA could then match).
@@ -2294,6 +2299,14 @@ impl Io {
         if self.ended.contains(&flow) || self.scheduler.contains_flow(&flow) {
             tracing::warn!(agent = %self.name, peer, rid = w.request_id, "WANT for a live or recently ended flow; dropped as a replay");
             self.stats.wants_stale.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
+            // The destination engine is not attached (detached, never
+            // attached here, or this agent restarted): refuse at once.
+            tracing::warn!(agent = %self.name, peer, rid = w.request_id, scope = w.scope, "WANT for an engine scope that is not attached; rejected");
+            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
+            self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
             return;
         }
         if let Err(e) = self.scheduler.on_want(flow.clone(), &w.chunk_bytes) {
@@ -2315,7 +2328,11 @@ impl Io {
     }
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
-        self.tombstone(flow.clone());
+        // Only a flow that existed: a cancel naming an unknown flow (any
+        // peer can send one) must not cost memory.
+        if self.scheduler.contains_flow(flow) {
+            self.tombstone(flow.clone());
+        }
         self.flow_scope.remove(flow);
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
@@ -2323,11 +2340,20 @@ impl Io {
         self.schedule_and_send();
     }
 
-    /// Remembers that `flow` ended (see `ended`).
+    /// Remembers that `flow` ended (see `ended`). At most
+    /// [`MAX_TOMBSTONES`] are kept: past that the oldest goes first.
     fn tombstone(&mut self, flow: FlowKey) {
         self.prune_tombstones();
         if self.ended.insert(flow.clone()) {
             self.ended_order.push_back((Instant::now(), flow));
+        }
+        while self.ended_order.len() > MAX_TOMBSTONES {
+            if let Some((_, f)) = self.ended_order.pop_front() {
+                self.ended.remove(&f);
+                self.stats
+                    .tombstones_evicted
+                    .fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -2366,6 +2392,28 @@ impl Io {
             tracing::info!(agent = %self.name, flow = %flow, scope, "destination engine detached; sender told");
             self.send_reject(&flow.peer, flow.rid, RejectReason::ScopeDetached);
         }
+        // Their DATA already queued (validated, not yet started) would
+        // scatter into the detached engine's pool after the detach — and be
+        // ACKed: dropped, its region freed (the write into it is done).
+        let mut dropped = Vec::new();
+        self.scatter_queue.retain(|q| {
+            let keep = !flows.contains(&q.flow);
+            if !keep {
+                dropped.push((q.flow.clone(), q.offset));
+            }
+            keep
+        });
+        for (flow, offset) in dropped {
+            let _ = self.scheduler.scatter_done(offset);
+            if self.regions.get(&offset).is_some_and(|r| r.flow == flow) {
+                self.regions.remove(&offset);
+            }
+            if !self.scheduler.contains_flow(&flow) {
+                self.grant_index.remove(&flow);
+                self.tombstone(flow);
+            }
+        }
+        self.schedule_and_send();
         flows.len()
     }
 
@@ -2546,7 +2594,14 @@ impl Io {
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let scope = self.flow_scope.get(&flow).copied().unwrap_or(0);
+        // A live flow always has its WANT's scope; none: fail closed.
+        let scope = self.flow_scope.get(&flow).copied().unwrap_or(u64::MAX);
+        if scope != 0 && !self.scopes.contains_key(&scope) {
+            tracing::debug!(agent = %self.name, peer, rid = d.request_id, scope, "DATA for a closed engine scope; not scattered");
+            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
+            self.send_reject(peer, d.request_id, RejectReason::ScopeDetached);
+            return;
+        }
         if let Err(why) = self.validate_runs(scope, len, &d.runs) {
             tracing::warn!(agent = %self.name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
             self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);

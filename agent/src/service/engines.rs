@@ -781,7 +781,7 @@ impl EngineHub {
         // can land in memory another engine may map here next.
         let reclaimed = self.agent.forget_scope(s.scope);
         if reclaimed > 0 {
-            tracing::info!(engine = %LogSafe(&s.engine_id), flows = reclaimed, "incoming flows of the detached engine reclaimed");
+            tracing::info!(engine = %LogSafe(&s.engine_id), flows = reclaimed, "incoming hand-offs of the detached engine refused (their senders told)");
         }
         let pool = s.pool.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(pool) = pool {
@@ -1218,6 +1218,9 @@ impl EngineHub {
         let src_pool = s
             .pool()
             .ok_or_else(|| Status::failed_precondition("no pool registered on this session"))?;
+        if let Some(why) = self.pool_truncated(s) {
+            return Err(Status::failed_precondition(why));
+        }
         if req.src_blocks.len() > MAX_BLOCKS_PER_TRANSFER
             || req
                 .extents

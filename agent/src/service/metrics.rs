@@ -29,7 +29,8 @@
 //! | `kvfabric_chunks_written_total` | counter | | chunk writes completed |
 //! | `kvfabric_chunks_scattered_total` | counter | | chunks scattered and ACKed |
 //! | `kvfabric_data_rejected_total` | counter | | DATA messages dropped |
-//! | `kvfabric_wants_rejected_total` | counter | | WANT messages rejected |
+//! | `kvfabric_wants_rejected_total` | counter | | WANT messages rejected (unusable endpoint, chunk sizes the arena cannot serve, destination engine not attached) |
+//! | `kvfabric_wants_stale_total` | counter | | WANT messages dropped as replays (their flow is live or ended within 2 × the request timeout) |
 //! | `kvfabric_rejects_received_total` | counter | | REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA runs outside the destination's memory) |
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
@@ -341,8 +342,14 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
     (
         "kvfabric.wants.rejected",
         None,
-        "WANT messages rejected (bad endpoint or chunk sizes)",
+        "WANT messages rejected (unusable endpoint, chunk sizes the arena cannot serve, destination engine not attached)",
         |t| &t.wants_rejected,
+    ),
+    (
+        "kvfabric.wants.stale",
+        None,
+        "WANT messages dropped as replays (their flow is live or ended within twice the request timeout)",
+        |t| &t.wants_stale,
     ),
     (
         "kvfabric.rejects.received",

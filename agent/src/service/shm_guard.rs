@@ -11,24 +11,31 @@
 //!
 //! * every mapped pool is [`guard`]ed: its address range goes into a fixed
 //!   table that a SIGBUS handler reads without locks;
-//! * the handler, for a fault inside a guarded range, maps one private
-//!   zero page over the faulting page (`MAP_FIXED`) and returns: the
-//!   faulting copy resumes on that page (reads zeros, writes go nowhere),
-//!   and the range's [`Guard::truncated`] flag is set;
+//! * the handler, for a fault inside a guarded range (`si_code`
+//!   `BUS_ADRERR`: an access past the object's end), maps private zero
+//!   pages over the rest of the range, from the faulting page to its end,
+//!   in one `MAP_FIXED` mapping (the object now ends at or before that
+//!   page, so every later page would fault too; one mapping per pool
+//!   keeps the process far from `vm.max_map_count`), and returns: the
+//!   faulting copy resumes (reads zeros, writes go nowhere shared), and
+//!   the range's [`Guard::truncated`] flag is set;
 //! * the engine layer sees the flag, fails the hand-offs that touched the
 //!   pool ("truncated") and detaches the engine. Nothing it copied from or
 //!   into the truncated part is reported as a success.
 //!
-//! A SIGBUS outside every guarded range goes to the previous disposition
-//! (by default: the process dies with SIGBUS, as before).
+//! A SIGBUS outside every guarded range, or of another kind (a hardware
+//! memory error, a `kill`), goes to the previous disposition (by default:
+//! the process dies with SIGBUS, as before). A library that installs its
+//! own SIGBUS handler later (UCX does, at start-up) is found by the next
+//! [`guard`] call, which puts ours back in front of it and chains to it.
 //!
 //! The handler only does atomic loads/stores and one `mmap` system call
 //! (issued with `syscall(2)`, async-signal-safe on Linux). At most
 //! [`MAX_GUARDED`] pools are guarded at once; more are mapped unguarded
 //! (logged).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Once, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Most pools guarded at once (one per attached host-memory engine).
 pub const MAX_GUARDED: usize = 256;
@@ -54,11 +61,13 @@ const FREE: Slot = Slot {
 
 static SLOTS: [Slot; MAX_GUARDED] = [FREE; MAX_GUARDED];
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
-static INSTALL: Once = Once::new();
+/// Serialises (re)installation.
+static INSTALL: Mutex<()> = Mutex::new(());
 static INSTALLED: AtomicBool = AtomicBool::new(false);
-/// The disposition before ours, set once before the handler can run (an
-/// atomic load to read: fine in the handler).
-static PREVIOUS: OnceLock<Previous> = OnceLock::new();
+/// The disposition ours chains to: a leaked `Previous`, replaced (and the
+/// old one leaked on purpose: the handler may be reading it) each time
+/// ours is put back in front of a newer one. An atomic load in the handler.
+static PREVIOUS: AtomicPtr<Previous> = AtomicPtr::new(std::ptr::null_mut());
 
 /// A saved `sigaction` (plain data: a handler address, a mask, flags).
 struct Previous(libc::sigaction);
@@ -81,7 +90,8 @@ impl Guard {
         SLOTS[self.slot].hit.load(Ordering::Acquire)
     }
 
-    /// Pages the handler replaced with zero pages so far.
+    /// Pages the handler replaced with zero pages so far (from the first
+    /// faulting page to the end of the range, in one go).
     pub fn patched_pages(&self) -> u64 {
         SLOTS[self.slot].pages.load(Ordering::Acquire)
     }
@@ -115,7 +125,7 @@ pub fn guard(addr: u64, len: u64) -> Option<Arc<Guard>> {
     if addr == 0 || len == 0 {
         return None;
     }
-    INSTALL.call_once(install);
+    install();
     if !INSTALLED.load(Ordering::Acquire) {
         return None;
     }
@@ -142,24 +152,32 @@ pub fn guard(addr: u64, len: u64) -> Option<Arc<Guard>> {
 }
 
 fn install() {
+    let _g = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if page > 0 {
         PAGE.store(page as usize, Ordering::Release);
     }
-    // SAFETY: zeroed sigactions are valid starting values; we fill the
-    // handler, flags and an empty mask. The previous disposition is read
-    // first and stored before ours is installed, so the handler always
-    // finds it.
+    // SAFETY: zeroed sigactions are valid starting values; we read the
+    // current disposition, and only if it is not ours store it (leaked,
+    // never freed: the handler may read it at any time) before putting
+    // ours in front, so the handler always finds what to chain to.
     unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut old) != 0 {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut cur) != 0 {
             return;
         }
-        let _ = PREVIOUS.set(Previous(old));
+        if cur.sa_sigaction == on_sigbus as *const () as usize {
+            return;
+        }
+        if INSTALLED.load(Ordering::Acquire) {
+            tracing::warn!("another SIGBUS handler replaced the shm guard's; putting it back in front (chained)");
+        }
+        let prev = Box::into_raw(Box::new(Previous(cur)));
+        PREVIOUS.store(prev, Ordering::Release);
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = on_sigbus as *const () as usize;
-        sa.sa_flags = libc::SA_SIGINFO;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
         libc::sigemptyset(&mut sa.sa_mask);
         if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) == 0 {
             INSTALLED.store(true, Ordering::Release);
@@ -175,8 +193,15 @@ fn install() {
 /// The SIGBUS handler (see the module docs).
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
-    let addr = unsafe { (*info).si_addr() } as u64;
-    for s in SLOTS.iter() {
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as u64) };
+    // Only an access past the end of a mapped object is ours (BUS_ADRERR);
+    // a kill(2) or a hardware memory error is not.
+    let slots = if code == libc::BUS_ADRERR {
+        &SLOTS[..]
+    } else {
+        &[]
+    };
+    for s in slots {
         let start = s.start.load(Ordering::Acquire);
         if start == 0 || start == u64::MAX || addr < start {
             continue;
@@ -184,16 +209,18 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         if addr >= s.end.load(Ordering::Acquire) {
             continue;
         }
+        let end = s.end.load(Ordering::Acquire);
         let page = PAGE.load(Ordering::Acquire) as u64;
         let base = addr & !(page - 1);
-        // SAFETY: replaces one page of a mapping this process made (inside
-        // a guarded range) with a private zero page; a raw system call,
-        // async-signal-safe.
+        let len = end.saturating_sub(base).div_ceil(page) * page;
+        // SAFETY: replaces the rest of a mapping this process made (inside
+        // a guarded range, which is page aligned) with private zero pages;
+        // a raw system call, async-signal-safe.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_mmap,
                 base as usize,
-                page as usize,
+                len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
                 -1i64,
@@ -202,15 +229,18 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         };
         if r as u64 == base {
             s.hit.store(true, Ordering::Release);
-            s.pages.fetch_add(1, Ordering::AcqRel);
+            s.pages.fetch_add(len / page, Ordering::AcqRel);
             return;
         }
         break;
     }
     // Not ours (or the patch failed): the previous disposition.
-    let Some(Previous(prev)) = PREVIOUS.get() else {
+    let prev = PREVIOUS.load(Ordering::Acquire);
+    if prev.is_null() {
         return;
-    };
+    }
+    // SAFETY: set before our handler was installed, never freed.
+    let Previous(prev) = unsafe { &*prev };
     // SAFETY: `prev` is the disposition saved before ours; calling its
     // handler (or restoring it) is what the process would have done.
     unsafe {
@@ -269,6 +299,15 @@ mod tests {
             assert!(g.truncated());
             let page = PAGE.load(Ordering::Acquire);
             assert_eq!(g.patched_pages() as usize, (len - 4096) / page);
+            // One mapping for the whole patched rest, not one per page.
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            let start = format!("{:x}-", p as usize + 4096);
+            let line = maps
+                .lines()
+                .find(|l| l.starts_with(&start))
+                .expect("the patch mapping");
+            let end = format!("-{:x} ", p as usize + len);
+            assert!(line.contains(&end), "{line}");
             // Writes into the patched part land nowhere shared, no fault.
             bytes[len - 1] = 7;
             drop(g);
