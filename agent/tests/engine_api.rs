@@ -734,3 +734,83 @@ async fn an_engine_truncating_its_pool_is_detached_and_the_agent_lives() {
     b.agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_hand_off_into_a_re_attached_engine_is_refused_by_incarnation() {
+    let Some(etcd) = Etcd::start("engines-inc") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-inc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("enginc-{}", std::process::id());
+    let Some(mut a) = spawn_agent(&etcd, &fabric, "node-a", "prefill", &dir) else {
+        return;
+    };
+    let mut b = spawn_agent(&etcd, &fabric, "node-b", "decode", &dir).expect("agent b");
+    let l = layout(0, 1, 32);
+    let (prefill, mut ppool) = attach(&a, "prefill-0", pb::Role::Prefill, l.clone()).await;
+    for (i, x) in ppool.as_mut_slice().iter_mut().enumerate() {
+        *x = pattern(i);
+    }
+    // The decode engine allocates blocks 5, 6 under its first attach ...
+    let (decode, dpool) = attach(&b, "decode-0", pb::Role::Decode, l.clone()).await;
+    let first = decode.incarnation();
+    assert_ne!(first, 0);
+    let r =
+        until_found(|| prefill.transfer_blocks_checked(1, "decode-0", first, &[3, 17], &[5, 6]))
+            .await
+            .expect("transfer");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+    // ... then re-attaches (a restart) with a fresh pool: a hand-off still
+    // naming the first attach is refused, nothing written.
+    decode.detach().await.unwrap();
+    drop(dpool);
+    let client = Client::connect(&b.socket).await.unwrap();
+    let pool2 = ShmPool::create(
+        &format!("/kvf-test-{}-decode-0-again", std::process::id()),
+        kvfabric_client::pool_bytes(&l),
+    )
+    .unwrap();
+    let again = client
+        .attach("decode-0", "uid-decode-0", pb::Role::Decode, l.clone())
+        .await
+        .unwrap();
+    again.register_shm(&pool2).await.unwrap();
+    assert_ne!(again.incarnation(), first);
+    let t0 = Instant::now();
+    let e = loop {
+        match prefill
+            .transfer_blocks_checked(2, "decode-0", first, &[3, 17], &[5, 6])
+            .await
+        {
+            // The old record may still be the one resolved for a moment.
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => {}
+            Err(e) => break e,
+            Ok(r)
+                if r.outcome() != pb::Outcome::Success
+                    && t0.elapsed() < Duration::from_secs(10) => {}
+            Ok(r) => panic!("a hand-off into the re-attached engine was not refused: {r:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(e.code(), Some(tonic::Code::FailedPrecondition), "{e}");
+    assert!(e.to_string().contains("re-attached"), "{e}");
+    assert!(
+        pool2.as_slice().iter().all(|&x| x == 0),
+        "the new pool was written"
+    );
+    // Naming the current attach works.
+    let r = until_found(|| {
+        prefill.transfer_blocks_checked(3, "decode-0", again.incarnation(), &[3, 17], &[5, 6])
+    })
+    .await
+    .expect("transfer");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+    prefill.detach().await.unwrap();
+    again.detach().await.unwrap();
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.agent.terminate();
+    b.agent.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -261,6 +261,7 @@ impl Client {
             id: attached.session,
             agent: attached.agent,
             fingerprint: attached.layout_fingerprint,
+            incarnation: attached.incarnation,
             engine_id: engine_id.to_string(),
             open,
             keeper: Some(keeper),
@@ -287,6 +288,7 @@ pub struct Session {
     id: String,
     agent: String,
     fingerprint: String,
+    incarnation: u64,
     engine_id: String,
     open: Arc<AtomicBool>,
     keeper: Option<tokio::task::JoinHandle<()>>,
@@ -319,6 +321,15 @@ impl Session {
     /// The layout fingerprint the agent published.
     pub fn layout_fingerprint(&self) -> &str {
         &self.fingerprint
+    }
+
+    /// This attach's incarnation (non-zero). A decode engine hands it,
+    /// with the block ids it allocated, to the engine that will write
+    /// them ([`Session::transfer_blocks_checked`]): once this engine
+    /// re-attaches, such a transfer is refused instead of writing into
+    /// blocks of another allocation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// Whether the Attach stream is still open (false once the agent
@@ -409,6 +420,32 @@ impl Session {
         self.transfer(pb::TransferRequest {
             request_id,
             dst_engine: dst_engine.to_string(),
+            src_blocks: src_blocks.to_vec(),
+            dst_blocks: dst_blocks.to_vec(),
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// [`Session::transfer_blocks`] into `dst_engine` as of incarnation
+    /// `dst_incarnation` (the destination's [`Session::incarnation`] when
+    /// it allocated `dst_blocks`).
+    ///
+    /// # Errors
+    /// As [`Session::transfer_blocks`]; `FailedPrecondition` (nothing
+    /// written) when the destination re-attached since.
+    pub async fn transfer_blocks_checked(
+        &self,
+        request_id: u64,
+        dst_engine: &str,
+        dst_incarnation: u64,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+    ) -> Result<pb::TransferResponse, ClientError> {
+        self.transfer(pb::TransferRequest {
+            request_id,
+            dst_engine: dst_engine.to_string(),
+            dst_incarnation,
             src_blocks: src_blocks.to_vec(),
             dst_blocks: dst_blocks.to_vec(),
             ..Default::default()

@@ -613,6 +613,15 @@ class Session:
         return a.layout_fingerprint if a is not None else ""
 
     @property
+    def incarnation(self) -> int:
+        """This attach's incarnation (non-zero; changes on re-attach). A
+        decode engine passes it, with the block ids it allocated, to the
+        engine that writes them (``dst_incarnation``), so a hand-off into
+        blocks of an allocation that ended with a re-attach is refused."""
+        a = self._core.attached
+        return a.incarnation if a is not None else 0
+
+    @property
     def engine_id(self) -> str:
         return self._core.engine_id
 
@@ -742,6 +751,7 @@ class Session:
         path: Union[str, int],
         timeout_ms: int,
         traceparent: str,
+        dst_incarnation: int = 0,
     ) -> Tuple[pb.TransferRequest, float]:
         req = pb.TransferRequest(
             session=self.id,
@@ -750,6 +760,7 @@ class Session:
             path=_path(path),
             timeout_ms=int(timeout_ms),
             traceparent=traceparent,
+            dst_incarnation=int(dst_incarnation),
         )
         if extents is not None:
             if src_blocks or dst_blocks:
@@ -776,6 +787,7 @@ class Session:
         path: Union[str, int] = "auto",
         timeout_ms: int = 0,
         traceparent: str = "",
+        dst_incarnation: int = 0,
     ) -> TransferResult:
         """Hands ``src_blocks[i]`` of this engine to ``dst_blocks[i]`` of
         engine ``dst_engine`` (every layer and plane; with a TP split, this
@@ -784,13 +796,18 @@ class Session:
         returns the :class:`TransferResult` (an unsuccessful outcome is a
         result, not an exception). ``path`` "auto", "bounce" or
         "standard"; ``timeout_ms`` bounds the request (0 = the agent's
-        requestTimeoutMs); ``traceparent`` a W3C trace context.
+        requestTimeoutMs); ``traceparent`` a W3C trace context;
+        ``dst_incarnation`` the destination's :attr:`incarnation` when it
+        allocated ``dst_blocks`` (0: not checked) — a destination that
+        re-attached since is refused, nothing written.
 
         Raises InvalidArgument (block out of range, lists of different
         lengths), NotFound (unknown destination engine or session),
-        FailedPrecondition (layouts that cannot be mapped; both named)."""
+        FailedPrecondition (layouts that cannot be mapped, both named; or
+        the destination re-attached since ``dst_incarnation``)."""
         req, extra = self._transfer_request(
-            request_id, dst_engine, src_blocks, dst_blocks, extents, path, timeout_ms, traceparent
+            request_id, dst_engine, src_blocks, dst_blocks, extents, path, timeout_ms, traceparent,
+            dst_incarnation,
         )
         return TransferResult._from(request_id, self._core.client._unary("Transfer", req, extra))
 
@@ -807,12 +824,14 @@ class Session:
         path: Union[str, int] = "auto",
         timeout_ms: int = 0,
         traceparent: str = "",
+        dst_incarnation: int = 0,
     ) -> "Future[TransferResult]":
         """:meth:`transfer_blocks` without blocking: a
         ``concurrent.futures.Future`` of the :class:`TransferResult` (or of
         the typed error). ``asyncio.wrap_future`` makes it awaitable."""
         req, extra = self._transfer_request(
-            request_id, dst_engine, src_blocks, dst_blocks, extents, path, timeout_ms, traceparent
+            request_id, dst_engine, src_blocks, dst_blocks, extents, path, timeout_ms, traceparent,
+            dst_incarnation,
         )
         return self._core.client._unary_future(
             "Transfer", req, extra, lambda r: TransferResult._from(request_id, r)

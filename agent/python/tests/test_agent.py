@@ -105,6 +105,22 @@ def test_transfer_blocks_byte_exact(pair, engines, path):
     assert d.session.status().arrivals == 1
 
 
+def test_dst_incarnation_refuses_a_re_attached_destination(pair, engines):
+    a, b = pair
+    p = engines(a, "prefill-inc", "prefill", BASE, seed=9)
+    d = engines(b, "decode-inc", "decode", DECODE)
+    inc = d.session.incarnation
+    assert inc != 0
+    r = until_found(lambda: p.session.transfer_blocks(1, d.id, [1], [2], dst_incarnation=inc))
+    assert r.ok, r
+    # A request naming another incarnation (the engine re-attached since
+    # its blocks were allocated) is refused; nothing is written.
+    before = bytes(d.pool.buf)
+    with pytest.raises(kvfabric.FailedPrecondition, match="re-attached"):
+        p.session.transfer_blocks(2, d.id, [3], [4], dst_incarnation=inc ^ 1)
+    assert bytes(d.pool.buf) == before
+
+
 def test_transfer_async_and_extents(pair, engines):
     a, b = pair
     p = engines(a, "prefill", "prefill", BASE, seed=8)

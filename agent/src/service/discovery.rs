@@ -158,6 +158,12 @@ pub struct EngineRecord {
     /// older agents.
     #[serde(default)]
     pub scope: u64,
+    /// The attach's incarnation (random, non-zero; the engine's
+    /// `Attached.incarnation`): a Transfer naming another one is refused
+    /// (the engine re-attached since its block ids were allocated). 0 in
+    /// records of older agents.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// What one agent publishes (serialized as JSON; byte blobs in base64).

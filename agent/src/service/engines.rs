@@ -290,6 +290,9 @@ struct Session {
     /// receiver serves them only while this session is attached (issue 12,
     /// engine-scoped flows).
     scope: u64,
+    /// This attach's incarnation (random, non-zero): published, and
+    /// checked against a Transfer's `dst_incarnation`.
+    incarnation: u64,
     /// The attaching process (SO_PEERCRED); later calls on the session
     /// must come from the same uid.
     caller: Option<Caller>,
@@ -533,6 +536,7 @@ impl EngineHub {
                     pool_len: pool.as_ref().map_or(0, |p| p.len),
                     pool_kind: if s.layout.device >= 0 { "vram" } else { "dram" }.into(),
                     scope: s.scope,
+                    incarnation: s.incarnation,
                 }
             })
             .collect();
@@ -657,6 +661,7 @@ impl EngineHub {
             let s = Arc::new(Session {
                 id: sid.clone(),
                 scope,
+                incarnation: (crate::service::discovery::Incarnation::generate().0 as u64).max(1),
                 caller,
                 engine_id: id.to_string(),
                 pod_uid: req.pod_uid.clone(),
@@ -1259,6 +1264,19 @@ impl EngineHub {
             Target::Remote { record, .. } => record.layout.clone(),
         };
         head_map(&s.layout, &dst_layout_first).map_err(status_of)?;
+        if req.dst_incarnation != 0 {
+            let now = match &target {
+                Target::Local(d) => d.incarnation,
+                Target::Remote { record, .. } => record.incarnation,
+            };
+            if now != req.dst_incarnation {
+                return Err(Status::failed_precondition(format!(
+                    "destination engine {} re-attached since its blocks were allocated (incarnation {now:#x} now, the request names {:#x}): nothing written",
+                    LogSafe(&req.dst_engine),
+                    req.dst_incarnation
+                )));
+            }
+        }
         let (dst_layout, dst_base, dst_len) = match &target {
             Target::Local(d) => {
                 let p = d.pool().ok_or_else(|| {
@@ -1793,6 +1811,7 @@ impl EngineApi for EngineService {
                 session: s.id.clone(),
                 agent: self.hub.agent.name().to_string(),
                 layout_fingerprint: s.fingerprint.clone(),
+                incarnation: s.incarnation,
             })),
         };
         let _ = tx.send(Ok(attached)).await;

@@ -146,6 +146,11 @@ pub struct Command {
     pub src: Vec<u32>,
     /// Destination blocks.
     pub dst_blocks: Vec<u32>,
+    /// The destination engine's incarnation when `dst_blocks` were
+    /// allocated (0: unchecked): a destination that re-attached since is
+    /// refused by the agent instead of written.
+    #[serde(default)]
+    pub dst_incarnation: u64,
     /// Pattern seed.
     pub seed: u64,
     /// The Transfer's `timeout_ms`.
@@ -287,6 +292,7 @@ async fn engine_main(spec: EngineSpec) -> Result<(), String> {
                 dst_engine: cmd.dst.clone(),
                 src_blocks: cmd.src.clone(),
                 dst_blocks: cmd.dst_blocks.clone(),
+                dst_incarnation: cmd.dst_incarnation,
                 path: pb::Path::Bounce as i32,
                 timeout_ms: cmd.timeout_ms,
                 ..Default::default()

@@ -1192,6 +1192,11 @@ impl Suite {
             dst: d.id.clone(),
             src: src.clone(),
             dst_blocks: dst.clone(),
+            // The decode engine's allocation belongs to this attach: a
+            // re-attached decode-0 (its agent restarted) must not receive
+            // it (found by seed 2026, round 99: SUCCESS into the new
+            // attach's pool).
+            dst_incarnation: d.session.incarnation(),
             seed,
             timeout_ms: timeout_ms as u32,
             cancel_after_us,

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfabric/v1/engine.proto\x12\x0bkvfabric.v1\"\xd0\x01\n\x08KvLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x10\n\x08kv_split\x18\x04 \x01(\x08\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\r\x12\x10\n\x08kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\x05\"{\n\rAttachRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07pod_uid\x18\x02 \x01(\t\x12\x1f\n\x04role\x18\x03 \x01(\x0e\x32\x11.kvfabric.v1.Role\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.kvfabric.v1.KvLayout\"\x98\x01\n\x0cSessionEvent\x12)\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x15.kvfabric.v1.AttachedH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.kvfabric.v1.HeartbeatH\x00\x12\'\n\x07\x63losing\x18\x03 \x01(\x0b\x32\x14.kvfabric.v1.ClosingH\x00\x42\x07\n\x05\x65vent\"F\n\x08\x41ttached\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\"\x0b\n\tHeartbeat\"\x19\n\x07\x43losing\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x83\x01\n\x13RegisterPoolRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x03shm\x18\x02 \x01(\x0b\x32\x14.kvfabric.v1.ShmPoolH\x00\x12,\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x18.kvfabric.v1.CudaIpcPoolH\x00\x42\x08\n\x06memory\"$\n\x07ShmPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03len\x18\x02 \x01(\x04\":\n\x0b\x43udaIpcPool\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\"#\n\x14RegisterPoolResponse\x12\x0b\n\x03len\x18\x01 \x01(\x04\"\x18\n\tBlockList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"=\n\x06\x45xtent\x12\x12\n\nsrc_offset\x18\x01 \x01(\x04\x12\x12\n\ndst_offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\"2\n\nExtentList\x12$\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x13.kvfabric.v1.Extent\"\xe6\x01\n\x0fTransferRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\ndst_engine\x18\x03 \x01(\t\x12\x12\n\nsrc_blocks\x18\x04 \x03(\r\x12\x12\n\ndst_blocks\x18\x05 \x03(\r\x12(\n\x07\x65xtents\x18\x06 \x01(\x0b\x32\x17.kvfabric.v1.ExtentList\x12\x1f\n\x04path\x18\x07 \x01(\x0e\x32\x11.kvfabric.v1.Path\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\xa3\x01\n\x10TransferResponse\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.kvfabric.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\r\x12\x11\n\tsubmit_us\x18\x06 \x01(\x04\x12\x13\n\x0btransfer_us\x18\x07 \x01(\x04\"b\n\x13\x41waitArrivalRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\nsrc_engine\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"p\n\x14\x41waitArrivalResponse\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.kvfabric.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nsrc_engine\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"4\n\rCancelRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\" \n\rStatusRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"_\n\x08InFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\ndst_engine\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61ge_us\x18\x05 \x01(\x04\"\xbc\x01\n\x0eStatusResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12(\n\tin_flight\x18\x02 \x03(\x0b\x32\x15.kvfabric.v1.InFlight\x12\x1b\n\x13transfers_succeeded\x18\x03 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x04 \x01(\x04\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x10\n\x08\x61rrivals\x18\x06 \x01(\x04\x12\x10\n\x08pool_len\x18\x07 \x01(\x04\" \n\rDetachRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*9\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x0f\n\x0bPATH_BOUNCE\x10\x01\x12\x11\n\rPATH_STANDARD\x10\x02*x\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x13\n\x0fOUTCOME_FAILURE\x10\x02\x12\x13\n\x0fOUTCOME_TIMEOUT\x10\x03\x12\x15\n\x11OUTCOME_CANCELLED\x10\x04\x32\x8a\x04\n\tEngineApi\x12\x41\n\x06\x41ttach\x12\x1a.kvfabric.v1.AttachRequest\x1a\x19.kvfabric.v1.SessionEvent0\x01\x12S\n\x0cRegisterPool\x12 .kvfabric.v1.RegisterPoolRequest\x1a!.kvfabric.v1.RegisterPoolResponse\x12G\n\x08Transfer\x12\x1c.kvfabric.v1.TransferRequest\x1a\x1d.kvfabric.v1.TransferResponse\x12S\n\x0c\x41waitArrival\x12 .kvfabric.v1.AwaitArrivalRequest\x1a!.kvfabric.v1.AwaitArrivalResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.kvfabric.v1.CancelRequest\x1a\x1b.kvfabric.v1.CancelResponse\x12\x41\n\x06Status\x12\x1a.kvfabric.v1.StatusRequest\x1a\x1b.kvfabric.v1.StatusResponse\x12\x41\n\x06\x44\x65tach\x12\x1a.kvfabric.v1.DetachRequest\x1a\x1b.kvfabric.v1.DetachResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfabric/v1/engine.proto\x12\x0bkvfabric.v1\"\xd0\x01\n\x08KvLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x10\n\x08kv_split\x18\x04 \x01(\x08\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\r\x12\x10\n\x08kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\x05\"{\n\rAttachRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07pod_uid\x18\x02 \x01(\t\x12\x1f\n\x04role\x18\x03 \x01(\x0e\x32\x11.kvfabric.v1.Role\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.kvfabric.v1.KvLayout\"\x98\x01\n\x0cSessionEvent\x12)\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x15.kvfabric.v1.AttachedH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.kvfabric.v1.HeartbeatH\x00\x12\'\n\x07\x63losing\x18\x03 \x01(\x0b\x32\x14.kvfabric.v1.ClosingH\x00\x42\x07\n\x05\x65vent\"[\n\x08\x41ttached\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"\x0b\n\tHeartbeat\"\x19\n\x07\x43losing\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x83\x01\n\x13RegisterPoolRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x03shm\x18\x02 \x01(\x0b\x32\x14.kvfabric.v1.ShmPoolH\x00\x12,\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x18.kvfabric.v1.CudaIpcPoolH\x00\x42\x08\n\x06memory\"$\n\x07ShmPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03len\x18\x02 \x01(\x04\":\n\x0b\x43udaIpcPool\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\"#\n\x14RegisterPoolResponse\x12\x0b\n\x03len\x18\x01 \x01(\x04\"\x18\n\tBlockList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"=\n\x06\x45xtent\x12\x12\n\nsrc_offset\x18\x01 \x01(\x04\x12\x12\n\ndst_offset\x18\x02 \x01(\x04\x12\x0b\n\x03len\x18\x03 \x01(\x04\"2\n\nExtentList\x12$\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x13.kvfabric.v1.Extent\"\xff\x01\n\x0fTransferRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\ndst_engine\x18\x03 \x01(\t\x12\x12\n\nsrc_blocks\x18\x04 \x03(\r\x12\x12\n\ndst_blocks\x18\x05 \x03(\r\x12(\n\x07\x65xtents\x18\x06 \x01(\x0b\x32\x17.kvfabric.v1.ExtentList\x12\x1f\n\x04path\x18\x07 \x01(\x0e\x32\x11.kvfabric.v1.Path\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12\x17\n\x0f\x64st_incarnation\x18\n \x01(\x04\"\xa3\x01\n\x10TransferResponse\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.kvfabric.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x05 \x01(\r\x12\x11\n\tsubmit_us\x18\x06 \x01(\x04\x12\x13\n\x0btransfer_us\x18\x07 \x01(\x04\"b\n\x13\x41waitArrivalRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\nsrc_engine\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"p\n\x14\x41waitArrivalResponse\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.kvfabric.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nsrc_engine\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"4\n\rCancelRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\" \n\rStatusRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"_\n\x08InFlight\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\ndst_engine\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61ge_us\x18\x05 \x01(\x04\"\xbc\x01\n\x0eStatusResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12(\n\tin_flight\x18\x02 \x03(\x0b\x32\x15.kvfabric.v1.InFlight\x12\x1b\n\x13transfers_succeeded\x18\x03 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x04 \x01(\x04\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x10\n\x08\x61rrivals\x18\x06 \x01(\x04\x12\x10\n\x08pool_len\x18\x07 \x01(\x04\" \n\rDetachRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*9\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x0f\n\x0bPATH_BOUNCE\x10\x01\x12\x11\n\rPATH_STANDARD\x10\x02*x\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x13\n\x0fOUTCOME_FAILURE\x10\x02\x12\x13\n\x0fOUTCOME_TIMEOUT\x10\x03\x12\x15\n\x11OUTCOME_CANCELLED\x10\x04\x32\x8a\x04\n\tEngineApi\x12\x41\n\x06\x41ttach\x12\x1a.kvfabric.v1.AttachRequest\x1a\x19.kvfabric.v1.SessionEvent0\x01\x12S\n\x0cRegisterPool\x12 .kvfabric.v1.RegisterPoolRequest\x1a!.kvfabric.v1.RegisterPoolResponse\x12G\n\x08Transfer\x12\x1c.kvfabric.v1.TransferRequest\x1a\x1d.kvfabric.v1.TransferResponse\x12S\n\x0c\x41waitArrival\x12 .kvfabric.v1.AwaitArrivalRequest\x1a!.kvfabric.v1.AwaitArrivalResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.kvfabric.v1.CancelRequest\x1a\x1b.kvfabric.v1.CancelResponse\x12\x41\n\x06Status\x12\x1a.kvfabric.v1.StatusRequest\x1a\x1b.kvfabric.v1.StatusResponse\x12\x41\n\x06\x44\x65tach\x12\x1a.kvfabric.v1.DetachRequest\x1a\x1b.kvfabric.v1.DetachResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfabric.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2132
-  _globals['_ROLE']._serialized_end=2210
-  _globals['_PATH']._serialized_start=2212
-  _globals['_PATH']._serialized_end=2269
-  _globals['_OUTCOME']._serialized_start=2271
-  _globals['_OUTCOME']._serialized_end=2391
+  _globals['_ROLE']._serialized_start=2178
+  _globals['_ROLE']._serialized_end=2256
+  _globals['_PATH']._serialized_start=2258
+  _globals['_PATH']._serialized_end=2315
+  _globals['_OUTCOME']._serialized_start=2317
+  _globals['_OUTCOME']._serialized_end=2437
   _globals['_KVLAYOUT']._serialized_start=42
   _globals['_KVLAYOUT']._serialized_end=250
   _globals['_ATTACHREQUEST']._serialized_start=252
@@ -44,47 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONEVENT']._serialized_start=378
   _globals['_SESSIONEVENT']._serialized_end=530
   _globals['_ATTACHED']._serialized_start=532
-  _globals['_ATTACHED']._serialized_end=602
-  _globals['_HEARTBEAT']._serialized_start=604
-  _globals['_HEARTBEAT']._serialized_end=615
-  _globals['_CLOSING']._serialized_start=617
-  _globals['_CLOSING']._serialized_end=642
-  _globals['_REGISTERPOOLREQUEST']._serialized_start=645
-  _globals['_REGISTERPOOLREQUEST']._serialized_end=776
-  _globals['_SHMPOOL']._serialized_start=778
-  _globals['_SHMPOOL']._serialized_end=814
-  _globals['_CUDAIPCPOOL']._serialized_start=816
-  _globals['_CUDAIPCPOOL']._serialized_end=874
-  _globals['_REGISTERPOOLRESPONSE']._serialized_start=876
-  _globals['_REGISTERPOOLRESPONSE']._serialized_end=911
-  _globals['_BLOCKLIST']._serialized_start=913
-  _globals['_BLOCKLIST']._serialized_end=937
-  _globals['_EXTENT']._serialized_start=939
-  _globals['_EXTENT']._serialized_end=1000
-  _globals['_EXTENTLIST']._serialized_start=1002
-  _globals['_EXTENTLIST']._serialized_end=1052
-  _globals['_TRANSFERREQUEST']._serialized_start=1055
-  _globals['_TRANSFERREQUEST']._serialized_end=1285
-  _globals['_TRANSFERRESPONSE']._serialized_start=1288
-  _globals['_TRANSFERRESPONSE']._serialized_end=1451
-  _globals['_AWAITARRIVALREQUEST']._serialized_start=1453
-  _globals['_AWAITARRIVALREQUEST']._serialized_end=1551
-  _globals['_AWAITARRIVALRESPONSE']._serialized_start=1553
-  _globals['_AWAITARRIVALRESPONSE']._serialized_end=1665
-  _globals['_CANCELREQUEST']._serialized_start=1667
-  _globals['_CANCELREQUEST']._serialized_end=1719
-  _globals['_CANCELRESPONSE']._serialized_start=1721
-  _globals['_CANCELRESPONSE']._serialized_end=1756
-  _globals['_STATUSREQUEST']._serialized_start=1758
-  _globals['_STATUSREQUEST']._serialized_end=1790
-  _globals['_INFLIGHT']._serialized_start=1792
-  _globals['_INFLIGHT']._serialized_end=1887
-  _globals['_STATUSRESPONSE']._serialized_start=1890
-  _globals['_STATUSRESPONSE']._serialized_end=2078
-  _globals['_DETACHREQUEST']._serialized_start=2080
-  _globals['_DETACHREQUEST']._serialized_end=2112
-  _globals['_DETACHRESPONSE']._serialized_start=2114
-  _globals['_DETACHRESPONSE']._serialized_end=2130
-  _globals['_ENGINEAPI']._serialized_start=2394
-  _globals['_ENGINEAPI']._serialized_end=2916
+  _globals['_ATTACHED']._serialized_end=623
+  _globals['_HEARTBEAT']._serialized_start=625
+  _globals['_HEARTBEAT']._serialized_end=636
+  _globals['_CLOSING']._serialized_start=638
+  _globals['_CLOSING']._serialized_end=663
+  _globals['_REGISTERPOOLREQUEST']._serialized_start=666
+  _globals['_REGISTERPOOLREQUEST']._serialized_end=797
+  _globals['_SHMPOOL']._serialized_start=799
+  _globals['_SHMPOOL']._serialized_end=835
+  _globals['_CUDAIPCPOOL']._serialized_start=837
+  _globals['_CUDAIPCPOOL']._serialized_end=895
+  _globals['_REGISTERPOOLRESPONSE']._serialized_start=897
+  _globals['_REGISTERPOOLRESPONSE']._serialized_end=932
+  _globals['_BLOCKLIST']._serialized_start=934
+  _globals['_BLOCKLIST']._serialized_end=958
+  _globals['_EXTENT']._serialized_start=960
+  _globals['_EXTENT']._serialized_end=1021
+  _globals['_EXTENTLIST']._serialized_start=1023
+  _globals['_EXTENTLIST']._serialized_end=1073
+  _globals['_TRANSFERREQUEST']._serialized_start=1076
+  _globals['_TRANSFERREQUEST']._serialized_end=1331
+  _globals['_TRANSFERRESPONSE']._serialized_start=1334
+  _globals['_TRANSFERRESPONSE']._serialized_end=1497
+  _globals['_AWAITARRIVALREQUEST']._serialized_start=1499
+  _globals['_AWAITARRIVALREQUEST']._serialized_end=1597
+  _globals['_AWAITARRIVALRESPONSE']._serialized_start=1599
+  _globals['_AWAITARRIVALRESPONSE']._serialized_end=1711
+  _globals['_CANCELREQUEST']._serialized_start=1713
+  _globals['_CANCELREQUEST']._serialized_end=1765
+  _globals['_CANCELRESPONSE']._serialized_start=1767
+  _globals['_CANCELRESPONSE']._serialized_end=1802
+  _globals['_STATUSREQUEST']._serialized_start=1804
+  _globals['_STATUSREQUEST']._serialized_end=1836
+  _globals['_INFLIGHT']._serialized_start=1838
+  _globals['_INFLIGHT']._serialized_end=1933
+  _globals['_STATUSRESPONSE']._serialized_start=1936
+  _globals['_STATUSRESPONSE']._serialized_end=2124
+  _globals['_DETACHREQUEST']._serialized_start=2126
+  _globals['_DETACHREQUEST']._serialized_end=2158
+  _globals['_DETACHRESPONSE']._serialized_start=2160
+  _globals['_DETACHRESPONSE']._serialized_end=2176
+  _globals['_ENGINEAPI']._serialized_start=2440
+  _globals['_ENGINEAPI']._serialized_end=2962
 # @@protoc_insertion_point(module_scope)

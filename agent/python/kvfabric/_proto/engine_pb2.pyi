@@ -89,14 +89,16 @@ class SessionEvent(_message.Message):
     def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., closing: _Optional[_Union[Closing, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("session", "agent", "layout_fingerprint")
+    __slots__ = ("session", "agent", "layout_fingerprint", "incarnation")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent: str
     layout_fingerprint: str
-    def __init__(self, session: _Optional[str] = ..., agent: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, session: _Optional[str] = ..., agent: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -165,7 +167,7 @@ class ExtentList(_message.Message):
     def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session", "request_id", "dst_engine", "src_blocks", "dst_blocks", "extents", "path", "timeout_ms", "traceparent")
+    __slots__ = ("session", "request_id", "dst_engine", "src_blocks", "dst_blocks", "extents", "path", "timeout_ms", "traceparent", "dst_incarnation")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DST_ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +177,7 @@ class TransferRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    DST_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     session: str
     request_id: int
     dst_engine: str
@@ -184,7 +187,8 @@ class TransferRequest(_message.Message):
     path: Path
     timeout_ms: int
     traceparent: str
-    def __init__(self, session: _Optional[str] = ..., request_id: _Optional[int] = ..., dst_engine: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., extents: _Optional[_Union[ExtentList, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    dst_incarnation: int
+    def __init__(self, session: _Optional[str] = ..., request_id: _Optional[int] = ..., dst_engine: _Optional[str] = ..., src_blocks: _Optional[_Iterable[int]] = ..., dst_blocks: _Optional[_Iterable[int]] = ..., extents: _Optional[_Union[ExtentList, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., dst_incarnation: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("outcome", "reason", "path", "bytes", "descriptors", "submit_us", "transfer_us")
