@@ -74,10 +74,9 @@ pub enum FaultKind {
     /// control packets (nftables `numgen random`) for 3 s under load,
     /// then remove the rule.
     ControlLoss,
-    /// Opt-in (not in [`FaultKind::ALL`]: fails today, see
-    /// docs/reliability.md). Cut one agent off from the fabric's etcd
-    /// (nftables: what its sockets send to etcd's client port is dropped,
-    /// and etcd's answers on those connections) for the lease TTL + 3 s,
+    /// Cut one agent off from the fabric's etcd (nftables: what it sends
+    /// to etcd's client port — its open connections by local port, new
+    /// ones by its gid — and etcd's answers) for the lease TTL + 3 s,
     /// then heal: its lease expires on a live etcd, every peer must
     /// forget it (the lease path), and after the heal it must re-grant,
     /// republish, be loaded again and carry traffic. Its control and data
@@ -87,7 +86,7 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 16] = [
         FaultKind::DeletePrefillPod,
         FaultKind::KillPrefillEngine,
         FaultKind::KillPrefillAgent,
@@ -103,6 +102,7 @@ impl FaultKind {
         FaultKind::NodeNotReadyBlip,
         FaultKind::PartitionAgent,
         FaultKind::ControlLoss,
+        FaultKind::PartitionEtcd,
     ];
 
     /// Its name in reports and on the command line.
@@ -143,9 +143,10 @@ impl FaultKind {
             .find(|k| k.name() == s)
     }
 
-    /// Kinds run only when asked for (`--faults`): `partition-etcd`
-    /// (`node-not-ready-blip` was one until the operator's node grace).
-    pub const OPT_IN: [FaultKind; 1] = [FaultKind::PartitionEtcd];
+    /// Kinds run only when asked for (`--faults`): none today
+    /// (`node-not-ready-blip` was one until the operator's node grace,
+    /// `partition-etcd` until its rules caught every packet).
+    pub const OPT_IN: [FaultKind; 0] = [];
 }
 
 /// Fault kinds of issue 16 this version does not inject, and why.
@@ -2350,9 +2351,13 @@ impl Suite {
             }
             FaultKind::PartitionEtcd => {
                 let k = rng.below(4) as usize;
-                let (name, gid) = {
+                let (name, gid, pid) = {
                     let a = lock(&self.agents);
-                    (a[k].agent.name.clone(), a[k].agent.gid)
+                    (
+                        a[k].agent.name.clone(),
+                        a[k].agent.gid,
+                        a[k].agent.proc.pid(),
+                    )
                 };
                 let etcd_port: u16 = self
                     .conf
@@ -2368,19 +2373,42 @@ impl Suite {
                     hold.as_secs()
                 );
                 let mark = crate::nft::next_mark();
-                // Output: what the victim's sockets (its gid) send to etcd
-                // is dropped right there — no conntrack needed, so it holds
-                // for connections of any age — and the connection marked;
-                // input: etcd's answers on a marked connection dropped too.
+                // The victim's connections to etcd open now, by local port:
+                // `meta skgid` alone misses some of their packets (those the
+                // kernel sends outside the process's context — measured: a
+                // lease keep-alive got through a gid-only rule and renewed
+                // the lease mid-cut; with these port rules it expired on
+                // time). New connections are caught by the gid.
+                let ports = blocking(move || topo::tcp_local_ports(pid, etcd_port)).await;
+                let by_port = if ports.is_empty() {
+                    String::new()
+                } else {
+                    let set = ports
+                        .iter()
+                        .map(u16::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    format!(
+                        "tcp sport {{ {set} }} tcp dport {etcd_port} counter drop comment \"from_victim\"\n\
+                         tcp sport {etcd_port} tcp dport {{ {set} }} counter drop comment \"to_victim\"\n"
+                    )
+                };
+                // Output: what the victim's sockets (its gid, or its open
+                // connections' ports) send to etcd is dropped right there,
+                // new connections marked; input: etcd's answers on them.
                 let body = format!(
                     "chain out {{ type filter hook output priority 0; policy accept;\n\
                        meta skgid {gid} tcp dport {etcd_port} ct mark set {mark:#x}\n\
                        meta skgid {gid} tcp dport {etcd_port} counter drop comment \"from_victim\"\n\
+                       {by_port}\
                      }}\n\
                      chain in {{ type filter hook input priority 0; policy accept;\n\
                        ct mark {mark:#x} tcp sport {etcd_port} counter drop comment \"to_victim\"\n\
                      }}"
                 );
+                r.notes.push(format!(
+                    "{name}'s open etcd connections: local ports {ports:?}"
+                ));
                 let made = blocking(move || crate::nft::Table::create(&body)).await;
                 let t_f = Instant::now();
                 match made {

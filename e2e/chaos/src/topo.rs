@@ -607,3 +607,48 @@ impl AgentProc {
             .unwrap_or_default())
     }
 }
+
+/// Local ports of process `pid`'s established TCP connections to remote
+/// port `remote_port` (IPv4 and IPv6), from `/proc/<pid>/fd` and
+/// `/proc/net/tcp{,6}`; empty when none (or `/proc` is unreadable).
+pub fn tcp_local_ports(pid: u32, remote_port: u16) -> Vec<u16> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[")
+                        .and_then(|r| r.strip_suffix(']'))
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let port_of = |addr: &str| {
+        addr.rsplit(':')
+            .next()
+            .and_then(|p| u16::from_str_radix(p, 16).ok())
+    };
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != "01" || !inodes.contains(f[9]) {
+                continue;
+            }
+            if port_of(f[2]) == Some(remote_port) {
+                if let Some(p) = port_of(f[1]) {
+                    ports.push(p);
+                }
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
