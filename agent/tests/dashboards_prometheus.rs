@@ -53,6 +53,9 @@ use common::proc::{Agent, Proc};
 use kvfabric_client::{pb, Client, Session, ShmPool};
 use serde_json::Value;
 
+/// Distinguishes the shm pool names of one test process (see `attach`).
+static SHM_SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn dashboards_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/kvfabric/dashboards")
 }
@@ -403,7 +406,13 @@ async fn attach(socket: &Path, id: &str, role: pb::Role, blocks: u32) -> (Sessio
     let client = Client::connect(socket).await.expect("connect");
     let l = layout(blocks);
     let pool = ShmPool::create(
-        &format!("/kvf-dash-{}-{id}", std::process::id()),
+        &format!(
+            "/kvf-dash-{}-{id}-{}",
+            std::process::id(),
+            // Tests of one binary run in parallel in one process and reuse
+            // engine ids: the sequence keeps their shm names apart.
+            SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
         kvfabric_client::pool_bytes(&l),
     )
     .expect("shm pool");

@@ -16,6 +16,9 @@ use common::etcd::Etcd;
 use common::proc::Agent;
 use kvfabric_client::{pb, Client, ClientError, Session, ShmPool};
 
+/// Distinguishes the shm pool names of one test process (see `attach`).
+static SHM_SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn layout(tp_rank: u32, tp_size: u32, blocks: u32) -> pb::KvLayout {
     let kv_heads = 4 / tp_size;
     pb::KvLayout {
@@ -131,7 +134,13 @@ where
 async fn attach(node: &Node, id: &str, role: pb::Role, l: pb::KvLayout) -> (Session, ShmPool) {
     let client = Client::connect(&node.socket).await.expect("connect");
     let pool = ShmPool::create(
-        &format!("/kvf-test-{}-{id}", std::process::id()),
+        &format!(
+            "/kvf-test-{}-{id}-{}",
+            std::process::id(),
+            // Tests of one binary run in parallel in one process and reuse
+            // engine ids: the sequence keeps their shm names apart.
+            SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
         kvfabric_client::pool_bytes(&l),
     )
     .expect("shm pool");
@@ -767,7 +776,11 @@ async fn a_hand_off_into_a_re_attached_engine_is_refused_by_incarnation() {
     drop(dpool);
     let client = Client::connect(&b.socket).await.unwrap();
     let pool2 = ShmPool::create(
-        &format!("/kvf-test-{}-decode-0-again", std::process::id()),
+        &format!(
+            "/kvf-test-{}-decode-0-again-{}",
+            std::process::id(),
+            SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
         kvfabric_client::pool_bytes(&l),
     )
     .unwrap();

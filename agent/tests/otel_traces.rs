@@ -27,6 +27,9 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::{any_value::Value, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::Span;
 
+/// Distinguishes the shm pool names of one test process (see `attach`).
+static SHM_SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// A received span with the `kvfabric.agent` of its resource.
 #[derive(Clone, Debug)]
 struct Got {
@@ -184,7 +187,13 @@ fn spawn_agent(
 async fn attach(node: &Node, id: &str, role: pb::Role, l: pb::KvLayout) -> (Session, ShmPool) {
     let client = Client::connect(&node.socket).await.expect("connect");
     let pool = ShmPool::create(
-        &format!("/kvf-otel-{}-{id}", std::process::id()),
+        &format!(
+            "/kvf-otel-{}-{id}-{}",
+            std::process::id(),
+            // Tests of one binary run in parallel in one process and reuse
+            // engine ids: the sequence keeps their shm names apart.
+            SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
         kvfabric_client::pool_bytes(&l),
     )
     .expect("shm pool");

@@ -996,6 +996,9 @@ def attach(a, role, nb):
         shm = kvfabric.ShmPool.for_layout(layout)
         raw = shm.torch()
         s.register_shm(shm)
+        # The agent has mapped it: drop the name so a killed engine leaves
+        # nothing in /dev/shm.
+        shm.unlink()
         keep = shm
     else:
         raw = torch.zeros(layout.pool_bytes(), dtype=torch.uint8, device=a.device)

@@ -574,6 +574,8 @@ pub struct ShmPool {
     name: String,
     ptr: *mut u8,
     len: usize,
+    /// Whether the name is still in /dev/shm (see [`ShmPool::unlink`]).
+    linked: bool,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; access
@@ -649,7 +651,47 @@ impl ShmPool {
             name: name.to_string(),
             ptr: ptr.cast(),
             len: len_usize,
+            linked: true,
         })
+    }
+
+    /// Removes the object's name from /dev/shm and keeps its memory: this
+    /// pool's mapping and every mapping already made of it (the agent's, once
+    /// [`Session::register_shm`] returned) stay valid; the kernel frees the
+    /// memory when the last mapping goes. Call it after registering, so an
+    /// engine killed with SIGKILL leaves nothing behind in /dev/shm (a pod's
+    /// killed engine otherwise leaks its whole pool in the node's RAM until
+    /// someone unlinks it). A pool whose name is removed cannot be
+    /// registered again (the agent opens it by name): a re-attach needs a
+    /// new pool. Idempotent.
+    ///
+    /// # Errors
+    /// [`ClientError::Shm`] when `shm_unlink` fails other than with ENOENT.
+    pub fn unlink(&mut self) -> Result<(), ClientError> {
+        if !self.linked {
+            return Ok(());
+        }
+        let cname = std::ffi::CString::new(self.name.as_str()).map_err(|_| ClientError::Shm {
+            name: self.name.clone(),
+            reason: "NUL in name".into(),
+        })?;
+        // SAFETY: FFI with a valid NUL-terminated name.
+        if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                return Err(ClientError::Shm {
+                    name: self.name.clone(),
+                    reason: format!("shm_unlink: {e}"),
+                });
+            }
+        }
+        self.linked = false;
+        Ok(())
+    }
+
+    /// Whether the name is still in /dev/shm (false after [`ShmPool::unlink`]).
+    pub fn is_linked(&self) -> bool {
+        self.linked
     }
 
     /// The shm object's name.
@@ -682,12 +724,42 @@ impl ShmPool {
 
 impl Drop for ShmPool {
     fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping; unlinking our own name.
+        // SAFETY: unmapping our own mapping; unlinking our own name (unless
+        // `unlink` already did: the name may have been re-created since).
         unsafe {
             libc::munmap(self.ptr.cast(), self.len);
-            if let Ok(c) = std::ffi::CString::new(self.name.as_str()) {
-                libc::shm_unlink(c.as_ptr());
+            if self.linked {
+                if let Ok(c) = std::ffi::CString::new(self.name.as_str()) {
+                    libc::shm_unlink(c.as_ptr());
+                }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ShmPool;
+
+    #[test]
+    fn unlink_removes_the_name_and_keeps_the_memory() {
+        let name = format!("/kvf-client-unit-{}", std::process::id());
+        let path = std::path::Path::new("/dev/shm").join(&name[1..]);
+        let mut pool = ShmPool::create(&name, 8192).expect("create");
+        assert!(path.exists(), "{path:?} after create");
+        pool.as_mut_slice()[8191] = 7;
+        pool.unlink().expect("unlink");
+        assert!(!path.exists(), "{path:?} still there after unlink");
+        assert!(!pool.is_linked());
+        pool.unlink().expect("a second unlink is a no-op");
+        // The memory is still mapped and ours.
+        assert_eq!(pool.as_slice()[8191], 7);
+        pool.as_mut_slice()[0] = 1;
+        // A new object under the same name is not removed by the old pool's drop.
+        let again = ShmPool::create(&name, 4096).expect("the name is free again");
+        drop(pool);
+        assert!(path.exists(), "the old pool's drop removed the new object");
+        drop(again);
+        assert!(!path.exists(), "{path:?} left after the new pool's drop");
     }
 }

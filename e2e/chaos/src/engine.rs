@@ -210,7 +210,7 @@ async fn engine_main(spec: EngineSpec) -> Result<(), String> {
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     };
-    let pool = ShmPool::create(
+    let mut pool = ShmPool::create(
         &format!("/kvf-chaos-{}-{}", std::process::id(), spec.engine_id),
         kvfabric_client::pool_bytes(&layout),
     )
@@ -240,6 +240,9 @@ async fn engine_main(spec: EngineSpec) -> Result<(), String> {
         .register_shm(&pool)
         .await
         .map_err(|e| e.to_string())?;
+    // The agent has mapped the pool: drop its name so this engine, which the
+    // suite SIGKILLs, leaves nothing in /dev/shm (each leaked pool is RAM).
+    pool.unlink().map_err(|e| e.to_string())?;
     let session = Arc::new(session);
     let pool = Arc::new(Mutex::new(pool));
     let out = Arc::new(Mutex::new(std::io::stdout()));
