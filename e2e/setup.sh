@@ -59,6 +59,9 @@ python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 # put nftables rules in (nft; the kernel's nf_tables).
 if [ "$tests" = 1 ]; then
   command -v nft >/dev/null 2>&1 || need+=(nftables)
+  # ip (iproute2): the chaos suite runs each agent in a network namespace
+  # of its own, joined by veth to a bridge.
+  command -v ip >/dev/null 2>&1 || need+=(iproute2)
 fi
 if [ "${#need[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"

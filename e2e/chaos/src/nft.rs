@@ -1,4 +1,10 @@
-//! nftables for the network faults (`partition-agent`, `control-loss`).
+//! nftables for the network faults (`partition-agent`, `control-loss`,
+//! `partition-etcd`).
+//!
+//! With network namespaces ([`crate::netns`]) a fault's tables live in the
+//! namespaces of the agents it acts on and select packets by address
+//! (every agent has its own); on the loopback fallback they live in the
+//! root namespace and select by the marks below.
 //!
 //! Every table this process makes is named `kvfchaos_<pid>_<n>` (family
 //! `inet`) and is owned by a [`Table`] guard: dropping it — at the end of
@@ -36,7 +42,17 @@ pub fn next_mark() -> u32 {
 }
 
 fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, String> {
-    let mut c = Command::new("nft")
+    nft_in(None, args, stdin)
+}
+
+/// Runs nft in network namespace `ns` (None: this process's).
+fn nft_in(ns: Option<&str>, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+    let mut cmd = Command::new("nft");
+    let fd = ns.map(crate::netns::open).transpose()?;
+    if let Some(fd) = &fd {
+        crate::netns::enter_in_child(&mut cmd, fd);
+    }
+    let mut c = cmd
         .args(args)
         .stdin(if stdin.is_some() {
             Stdio::piped()
@@ -47,6 +63,7 @@ fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("nft: {e}"))?;
+    drop(fd);
     if let (Some(i), Some(mut s)) = (stdin, c.stdin.take()) {
         s.write_all(i.as_bytes())
             .map_err(|e| format!("nft stdin: {e}"))?;
@@ -125,20 +142,36 @@ pub fn own_tables() -> Vec<String> {
 /// One `inet` table, deleted on drop.
 pub struct Table {
     name: String,
+    /// The network namespace it is in (None: this process's).
+    ns: Option<String>,
     live: bool,
 }
 
 impl Table {
-    /// Creates table `kvfchaos_<pid>_<n>` holding `body` (chains).
+    /// Creates table `kvfchaos_<pid>_<n>` holding `body` (chains) in this
+    /// process's network namespace.
     ///
     /// # Errors
     /// nft refusing the rule set (nothing is left behind).
     pub fn create(body: &str) -> Result<Self, String> {
+        Self::create_in(None, body)
+    }
+
+    /// [`Table::create`] in network namespace `ns` (None: this process's).
+    ///
+    /// # Errors
+    /// No such namespace, or nft refusing the rule set.
+    pub fn create_in(ns: Option<&str>, body: &str) -> Result<Self, String> {
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let name = format!("kvfchaos_{}_{n}", std::process::id());
         // Owned before nft runs: a table half made is deleted too.
-        let t = Self { name, live: true };
-        nft(
+        let t = Self {
+            name,
+            ns: ns.map(String::from),
+            live: true,
+        };
+        nft_in(
+            ns,
             &["-f", "-"],
             Some(&format!("table inet {} {{\n{body}\n}}\n", t.name)),
         )?;
@@ -155,7 +188,11 @@ impl Table {
     /// # Errors
     /// nft failing.
     pub fn list(&self) -> Result<String, String> {
-        nft(&["list", "table", "inet", &self.name], None)
+        nft_in(
+            self.ns.as_deref(),
+            &["list", "table", "inet", &self.name],
+            None,
+        )
     }
 
     /// Packets counted by the rule whose `comment` is `tag`.
@@ -175,8 +212,18 @@ impl Table {
     /// nft failing to delete it.
     pub fn delete(mut self) -> Result<(), String> {
         self.live = false;
-        let r = nft(&["delete", "table", "inet", &self.name], None).map(|_| ());
-        if r.is_err() && own_tables().contains(&self.name) {
+        let r = nft_in(
+            self.ns.as_deref(),
+            &["delete", "table", "inet", &self.name],
+            None,
+        )
+        .map(|_| ());
+        let still = || {
+            nft_in(self.ns.as_deref(), &["list", "tables"], None)
+                .map(|l| l.contains(&format!("table inet {}", self.name)))
+                .unwrap_or(false)
+        };
+        if r.is_err() && still() {
             self.live = true; // Drop tries once more.
             return r;
         }
@@ -187,8 +234,53 @@ impl Table {
 impl Drop for Table {
     fn drop(&mut self) {
         if self.live {
-            let _ = nft(&["delete", "table", "inet", &self.name], None);
+            let _ = nft_in(
+                self.ns.as_deref(),
+                &["delete", "table", "inet", &self.name],
+                None,
+            );
         }
+    }
+}
+
+/// The tables of one network fault (one per namespace it acts in), made
+/// together and, at the heal, listed then deleted together.
+pub struct Tables(Vec<Table>);
+
+impl Tables {
+    /// Makes one table per `(namespace, body)`.
+    ///
+    /// # Errors
+    /// The first table nft refuses (those already made are deleted).
+    pub fn create(specs: &[(Option<String>, String)]) -> Result<Self, String> {
+        let mut made = Vec::with_capacity(specs.len());
+        for (ns, body) in specs {
+            made.push(Table::create_in(ns.as_deref(), body)?);
+        }
+        Ok(Self(made))
+    }
+
+    /// The heal: lists every table (their counters, concatenated, for
+    /// [`Table::counter`]), then deletes them all.
+    ///
+    /// # Errors
+    /// (the listing's error, the deletion's error), each when one failed.
+    pub fn heal(self) -> (Result<String, String>, Result<(), String>) {
+        let mut listing = String::new();
+        let mut list_err = None;
+        for t in &self.0 {
+            match t.list() {
+                Ok(l) => listing.push_str(&l),
+                Err(e) => list_err = Some(e),
+            }
+        }
+        let mut del = Ok(());
+        for t in self.0 {
+            if let Err(e) = t.delete() {
+                del = Err(e);
+            }
+        }
+        (list_err.map_or(Ok(listing), Err), del)
     }
 }
 

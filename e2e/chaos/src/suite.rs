@@ -195,6 +195,11 @@ pub struct Options {
     pub verbose: bool,
     /// `control-loss`: % of control packets dropped (each direction).
     pub loss_percent: u32,
+    /// Run every agent in a network namespace of its own, joined by veth
+    /// to a bridge ([`crate::netns`]); where the machine does not allow it
+    /// the suite falls back to loopback addresses and says why. False:
+    /// loopback, by choice.
+    pub netns: bool,
 }
 
 impl Options {
@@ -220,6 +225,7 @@ impl Options {
             geometry: Geometry::default(),
             verbose: true,
             loss_percent: 10,
+            netns: true,
         }
     }
 }
@@ -506,6 +512,9 @@ struct Sample {
 
 struct Suite {
     opts: Options,
+    /// The agents' network namespaces (None: loopback); removed when the
+    /// suite is dropped, after the agents were stopped.
+    net: Option<crate::netns::Net>,
     kube: Kube,
     etcd: Mutex<Etcd>,
     operator: Mutex<Proc>,
@@ -643,15 +652,41 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
     let logs = work.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| setup(e.to_string()))?;
     let mut topology = vec![format!("work dir {}", work.display())];
-    // Network namespaces + veth: not attempted. The agents, engines and the
-    // suite share shm pools and the agents' Unix sockets, etcd and the
-    // apiserver listen on this host's loopback, and UCX moves data between
-    // processes of one host over cma (process_vm_writev), which no network
-    // rule or namespace cuts; a netns per agent would cut only the control
-    // path and needs routing to etcd. Loopback it is.
-    let ns_reason = "loopback addresses (network namespaces + veth not attempted: one host, UCX data over cma which no netns cuts, etcd/apiserver on the root namespace's loopback)";
-    say(&opts, format!("topology: {ns_reason}"));
-    topology.push(ns_reason.into());
+    // Network namespaces + veth, one per agent, where the machine allows
+    // it. Engines stay in the root namespace (they reach their agent by its
+    // Unix socket) and so do etcd (on the bridge's address), the apiserver
+    // and the operator.
+    for t in crate::netns::remove_stale() {
+        eprintln!("[chaos] removed {t} left by a suite that no longer runs");
+    }
+    let net = if opts.netns {
+        match crate::netns::Net::create(4) {
+            Ok(n) => Some(n),
+            Err(why) => {
+                let why = format!(
+                    "loopback addresses: network namespaces + veth unavailable here ({why})"
+                );
+                eprintln!("[chaos] topology: {why}");
+                topology.push(why);
+                None
+            }
+        }
+    } else {
+        topology.push("loopback addresses (--no-netns)".into());
+        None
+    };
+    if let Some(n) = &net {
+        let line = format!(
+            "network namespaces: each agent in its own (kvfchaos-{}-0..3, eth0 {}..{}), veth to bridge {} ({}); engines, etcd, apiserver and operator in the root namespace",
+            std::process::id(),
+            n.slot(0).map(|s| s.ip.to_string()).unwrap_or_default(),
+            n.slot(3).map(|s| s.ip.to_string()).unwrap_or_default(),
+            n.bridge(),
+            n.host_ip()
+        );
+        say(&opts, format!("topology: {line}"));
+        topology.push(line);
+    }
 
     say(&opts, "starting the control plane (e2e/kube/up.sh)");
     let kdir = work.join("kube");
@@ -661,7 +696,10 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         .map_err(setup)?;
     let etcd_bin = kube.tool("etcd-3.6.16");
     let edir = work.join("fabric-etcd");
-    let etcd = blocking(move || Etcd::start(&etcd_bin, &edir))
+    let etcd_host = net
+        .as_ref()
+        .map_or(std::net::Ipv4Addr::LOCALHOST, |n| n.host_ip());
+    let etcd = blocking(move || Etcd::start(&etcd_bin, &edir, etcd_host))
         .await
         .map_err(setup)?;
     let fabric = format!("chaos{}", std::process::id());
@@ -782,6 +820,16 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         lease_ttl_s: opts.lease_ttl_s,
         request_timeout_ms: opts.request_timeout_ms,
         dir: logs.clone(),
+        netns: net
+            .as_ref()
+            .map(|n| {
+                ["agent-p0", "agent-p1", "agent-d0", "agent-d1"]
+                    .into_iter()
+                    .enumerate()
+                    .filter_map(|(i, a)| Some((a.to_string(), n.slot(i)?.clone())))
+                    .collect()
+            })
+            .unwrap_or_default(),
     };
     say(&opts, "starting 4 agents");
     let mut agents = Vec::new();
@@ -818,6 +866,7 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
     }
     let suite = Arc::new(Suite {
         opts: opts.clone(),
+        net,
         kube,
         etcd: Mutex::new(etcd),
         operator: Mutex::new(operator),
@@ -1035,6 +1084,23 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         );
     }
     report.probe = Latency::of(probes);
+    if let Some(net) = &suite.net {
+        // Which way the KV went: bytes over the veths against what bounce
+        // moved (the current incarnations' counters: a lower bound).
+        let (sent, received) = net.veth_bytes();
+        let moved = suite.sum_metric("kvfabric_bounce_sent_bytes_total").await;
+        let way = if (sent as f64) < moved / 10.0 {
+            "UCX carried the KV between the namespaces over shared memory / cma, not the network: only the control channel, etcd and HTTP crossed the veths"
+        } else {
+            "the KV crossed the veths (UCX over TCP)"
+        };
+        report.topology.push(format!(
+            "data path: the agents sent {:.1} MB and received {:.1} MB over their veths while bounce moved at least {:.1} MB: {way}",
+            sent as f64 / 1e6,
+            received as f64 / 1e6,
+            moved / 1e6
+        ));
+    }
     report.wall_s = t_run.elapsed().as_secs_f64();
     // Tear down: engines first (sessions), then agents, operator, etcd, kube.
     for p in lock_r(&suite.prefill).iter() {
@@ -1068,6 +1134,18 @@ fn lock_w<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 impl Suite {
     fn next_seq(&self) -> u64 {
         self.seq.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// The agents as the network faults' rules see them
+    /// ([`crate::cuts::Agents`]), with their control `ports` by slot.
+    fn cut_view(&self, ports: &[u16]) -> crate::cuts::Agents {
+        let a = lock(&self.agents);
+        let slots: Option<Vec<_>> = a.iter().map(|s| s.agent.netns.clone()).collect();
+        crate::cuts::Agents {
+            ports: ports.to_vec(),
+            gids: a.iter().map(|s| s.agent.gid).collect(),
+            netns: slots.zip(self.net.as_ref().map(|n| n.host_ip())),
+        }
     }
 
     fn agent_http(&self, slot: usize) -> SocketAddr {
@@ -2112,10 +2190,7 @@ impl Suite {
             }
             FaultKind::PartitionAgent => {
                 let k = rng.below(4) as usize;
-                let (name, gid) = {
-                    let a = lock(&self.agents);
-                    (a[k].agent.name.clone(), a[k].agent.gid)
-                };
+                let name = self.agent_name(k);
                 let hold = Duration::from_millis(self.opts.request_timeout_ms + 1000);
                 r.target = format!("agent {name}, control cut {} ms", hold.as_millis());
                 match self.control_ports().await {
@@ -2125,35 +2200,12 @@ impl Suite {
                     }
                     Ok(ports) => {
                         let mine = ports[k];
-                        let peers: Vec<String> = ports
-                            .iter()
-                            .enumerate()
-                            .filter(|(i, _)| *i != k)
-                            .map(|(_, p)| p.to_string())
-                            .collect();
-                        let mark = crate::nft::next_mark();
-                        // Output: mark the victim's control connections —
-                        // anything to its port, and what its own sockets
-                        // (its gid) send from its port or to the peers'
-                        // ports. Input: drop every packet of a marked
-                        // connection, counted by which way it goes.
-                        let peers = peers.join(", ");
-                        let body = format!(
-                            "chain out {{ type filter hook output priority 0; policy accept;\n\
-                               tcp dport {mine} ct mark set {mark:#x}\n\
-                               meta skgid {gid} tcp sport {mine} ct mark set {mark:#x}\n\
-                               meta skgid {gid} tcp dport {{ {peers} }} ct mark set {mark:#x}\n\
-                             }}\n\
-                             chain in {{ type filter hook input priority 0; policy accept;\n\
-                               ct mark {mark:#x} ip daddr 127.0.0.2 counter drop comment \"probe\"\n\
-                               ct mark {mark:#x} tcp dport {mine} counter drop comment \"to_victim\"\n\
-                               ct mark {mark:#x} tcp sport {{ {peers} }} counter drop comment \"to_victim\"\n\
-                               ct mark {mark:#x} tcp sport {mine} counter drop comment \"from_victim\"\n\
-                               ct mark {mark:#x} tcp dport {{ {peers} }} counter drop comment \"from_victim\"\n\
-                               ct mark {mark:#x} counter drop comment \"other\"\n\
-                             }}"
+                        let (specs, probe_addr) = crate::cuts::partition_agent(
+                            &self.cut_view(&ports),
+                            k,
+                            crate::nft::next_mark(),
                         );
-                        let made = blocking(move || crate::nft::Table::create(&body)).await;
+                        let made = blocking(move || crate::nft::Tables::create(&specs)).await;
                         // The cut starts once nft has returned (the rules
                         // are in the kernel): `nft -f` can take a while on a
                         // loaded machine, and requests submitted before it
@@ -2168,12 +2220,10 @@ impl Suite {
                                 probe = Some(start_probe(&self, vec![k], t_f));
                                 // A connection from here to the victim's
                                 // control port must time out (its SYN
-                                // dropped): to 127.0.0.2, which no agent
-                                // uses, so that it has a counter of its own
-                                // and, were it not dropped, would be refused
-                                // (the agents bind 127.0.0.1) at once.
+                                // dropped, counted as "probe"; see
+                                // `cuts::partition_agent` for the address).
                                 tokio::time::sleep(Duration::from_millis(200)).await;
-                                let addr = SocketAddr::from(([127, 0, 0, 2], mine));
+                                let addr = probe_addr;
                                 let got = blocking(move || {
                                     match std::net::TcpStream::connect_timeout(
                                         &addr,
@@ -2207,13 +2257,9 @@ impl Suite {
                                     })
                                 })
                                 .await;
-                                let (table, listing) = blocking(move || {
-                                    let l = table.list();
-                                    (table, l)
-                                })
-                                .await;
+                                let (listing, deleted) = blocking(move || table.heal()).await;
                                 let t_heal = Instant::now();
-                                if let Err(e) = blocking(move || table.delete()).await {
+                                if let Err(e) = deleted {
                                     r.violations.push(format!("heal (nft delete): {e}"));
                                 }
                                 let listing = listing.unwrap_or_else(|e| {
@@ -2292,20 +2338,8 @@ impl Suite {
                     Ok(ports) => {
                         // The load's latency before the loss: 1.5 s more.
                         tokio::time::sleep(Duration::from_millis(1500)).await;
-                        let set = ports
-                            .iter()
-                            .map(|p| p.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ");
-                        let body = format!(
-                            "chain out {{ type filter hook output priority 0; policy accept;\n\
-                               tcp dport {{ {set} }} counter comment \"seen\"\n\
-                               tcp sport {{ {set} }} counter comment \"seen\"\n\
-                               tcp dport {{ {set} }} numgen random mod 100 < {pct} counter drop comment \"dropped\"\n\
-                               tcp sport {{ {set} }} numgen random mod 100 < {pct} counter drop comment \"dropped\"\n\
-                             }}"
-                        );
-                        let made = blocking(move || crate::nft::Table::create(&body)).await;
+                        let specs = crate::cuts::control_loss(&self.cut_view(&ports), pct);
+                        let made = blocking(move || crate::nft::Tables::create(&specs)).await;
                         let t_l = Instant::now();
                         match made {
                             Err(e) => {
@@ -2315,13 +2349,9 @@ impl Suite {
                             Ok(table) => {
                                 probe = Some(start_probe(&self, vec![], t_l));
                                 tokio::time::sleep(dur).await;
-                                let (table, listing) = blocking(move || {
-                                    let l = table.list();
-                                    (table, l)
-                                })
-                                .await;
+                                let (listing, deleted) = blocking(move || table.heal()).await;
                                 let t_end = Instant::now();
-                                if let Err(e) = blocking(move || table.delete()).await {
+                                if let Err(e) = deleted {
                                     r.violations.push(format!("nft delete: {e}"));
                                 }
                                 let listing = listing.unwrap_or_default();
@@ -2372,44 +2402,26 @@ impl Suite {
                     "agent {name} cut from etcd :{etcd_port} for {} s",
                     hold.as_secs()
                 );
-                let mark = crate::nft::next_mark();
-                // The victim's connections to etcd open now, by local port:
-                // `meta skgid` alone misses some of their packets (those the
-                // kernel sends outside the process's context — measured: a
-                // lease keep-alive got through a gid-only rule and renewed
-                // the lease mid-cut; with these port rules it expired on
-                // time). New connections are caught by the gid.
+                // The victim's connections to etcd open now, by local port
+                // (the loopback rules need them: see `cuts::partition_etcd`).
                 let ports = blocking(move || topo::tcp_local_ports(pid, etcd_port)).await;
-                let by_port = if ports.is_empty() {
-                    String::new()
-                } else {
-                    let set = ports
-                        .iter()
-                        .map(u16::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ");
-                    format!(
-                        "tcp sport {{ {set} }} tcp dport {etcd_port} counter drop comment \"from_victim\"\n\
-                         tcp sport {etcd_port} tcp dport {{ {set} }} counter drop comment \"to_victim\"\n"
-                    )
+                let specs = match self.control_ports().await {
+                    Ok(cp) => Ok(crate::cuts::partition_etcd(
+                        &self.cut_view(&cp),
+                        k,
+                        etcd_port,
+                        &ports,
+                        crate::nft::next_mark(),
+                    )),
+                    Err(e) => Err(format!("control ports: {e}")),
                 };
-                // Output: what the victim's sockets (its gid, or its open
-                // connections' ports) send to etcd is dropped right there,
-                // new connections marked; input: etcd's answers on them.
-                let body = format!(
-                    "chain out {{ type filter hook output priority 0; policy accept;\n\
-                       meta skgid {gid} tcp dport {etcd_port} ct mark set {mark:#x}\n\
-                       meta skgid {gid} tcp dport {etcd_port} counter drop comment \"from_victim\"\n\
-                       {by_port}\
-                     }}\n\
-                     chain in {{ type filter hook input priority 0; policy accept;\n\
-                       ct mark {mark:#x} tcp sport {etcd_port} counter drop comment \"to_victim\"\n\
-                     }}"
-                );
                 r.notes.push(format!(
                     "{name}'s open etcd connections: local ports {ports:?}"
                 ));
-                let made = blocking(move || crate::nft::Table::create(&body)).await;
+                let made = match specs {
+                    Ok(specs) => blocking(move || crate::nft::Tables::create(&specs)).await,
+                    Err(e) => Err(e),
+                };
                 let t_f = Instant::now();
                 match made {
                     Err(e) => {
@@ -2439,13 +2451,9 @@ impl Suite {
                         if let Some(left) = hold.checked_sub(t_f.elapsed()) {
                             tokio::time::sleep(left).await;
                         }
-                        let (table, listing) = blocking(move || {
-                            let l = table.list();
-                            (table, l)
-                        })
-                        .await;
+                        let (listing, deleted) = blocking(move || table.heal()).await;
                         let t_heal = Instant::now();
-                        if let Err(e) = blocking(move || table.delete()).await {
+                        if let Err(e) = deleted {
                             r.violations.push(format!("heal (nft delete): {e}"));
                         }
                         let listing = listing.unwrap_or_default();

@@ -267,6 +267,8 @@ impl Drop for Kube {
 pub struct Etcd {
     bin: PathBuf,
     dir: PathBuf,
+    /// The address clients reach it on (127.0.0.1, or the agents' bridge).
+    host: std::net::Ipv4Addr,
     port: u16,
     peer: u16,
     /// The running member.
@@ -274,14 +276,17 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts it in `dir` and waits (≤ 20 s) until it answers.
+    /// Starts it in `dir`, serving clients on `host` (127.0.0.1, or the
+    /// bridge address of [`crate::netns::Net`]), and waits (≤ 20 s) until
+    /// it answers.
     ///
     /// # Errors
     /// Spawn failures or no answer.
-    pub fn start(bin: &Path, dir: &Path) -> Result<Self, String> {
+    pub fn start(bin: &Path, dir: &Path, host: std::net::Ipv4Addr) -> Result<Self, String> {
         let mut e = Self {
             bin: bin.to_path_buf(),
             dir: dir.to_path_buf(),
+            host,
             port: free_port()?,
             peer: free_port()?,
             proc: None,
@@ -292,7 +297,7 @@ impl Etcd {
 
     /// The client endpoint.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 
     fn spawn(&mut self) -> Result<(), String> {
@@ -321,7 +326,7 @@ impl Etcd {
         });
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(20) {
-            let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+            let addr: SocketAddr = (self.host, self.port).into();
             if http_get(addr, "/health")
                 .map(|(_, b)| b.contains("true"))
                 .unwrap_or(false)
@@ -460,6 +465,9 @@ pub struct AgentConf {
     pub request_timeout_ms: u64,
     /// Where sockets and logs go.
     pub dir: PathBuf,
+    /// The network namespace of each agent (by logical id) when the suite
+    /// runs them in namespaces ([`crate::netns`]); empty on loopback.
+    pub netns: BTreeMap<String, crate::netns::Slot>,
 }
 
 /// A running `kvfabric agent`.
@@ -475,12 +483,16 @@ pub struct AgentProc {
     /// The group id it runs under (its own: see [`crate::nft`]); its
     /// sockets carry it (`meta skgid`).
     pub gid: u32,
+    /// Its network namespace (None: the suite's, on loopback).
+    pub netns: Option<crate::netns::Slot>,
 }
 
 impl AgentProc {
     /// Starts agent `logical` (pod `pod_uid`) of `side`, generation `gen`
-    /// (log file name), its HTTP API on 127.0.0.1:`port` (0 = ephemeral),
-    /// and waits (≤ 60 s) for its HTTP API and name.
+    /// (log file name), its HTTP API on `port` (0 = ephemeral) of
+    /// 127.0.0.1 — or, when `conf` gives it a network namespace, started
+    /// in that namespace, its HTTP API and control channel on the
+    /// namespace's address — and waits (≤ 60 s) for its HTTP API and name.
     ///
     /// # Errors
     /// The agent not coming up (its log tail).
@@ -493,14 +505,26 @@ impl AgentProc {
         port: u16,
     ) -> Result<Self, String> {
         let socket = conf.dir.join(format!("{logical}.sock"));
-        let listen = format!("127.0.0.1:{port}");
+        let netns = conf.netns.get(logical).cloned();
+        let (listen, control_bind) = match &netns {
+            Some(slot) => (format!("{}:{port}", slot.ip), slot.ip.to_string()),
+            None => (format!("127.0.0.1:{port}"), "loopback".to_string()),
+        };
+        let ns_fd = netns
+            .as_ref()
+            .map(|slot| crate::netns::open(&slot.ns))
+            .transpose()?;
         let log = conf.dir.join(format!("{logical}.{gen}.log"));
         let role = match side {
             Side::Prefill => "prefill",
             Side::Decode => "decode",
         };
         let gid = crate::nft::next_gid();
-        let mut child = Command::new(&conf.bin)
+        let mut cmd = Command::new(&conf.bin);
+        if let Some(fd) = &ns_fd {
+            crate::netns::enter_in_child(&mut cmd, fd);
+        }
+        let mut child = cmd
             .arg("agent")
             .args(["--etcd", &conf.etcd, "--fabric", &conf.fabric])
             .args([
@@ -512,7 +536,7 @@ impl AgentProc {
                 role,
             ])
             .args(["--listen", &listen, "--pool-size", "4MiB"])
-            .args(["--control-bind", "loopback"])
+            .args(["--control-bind", &control_bind])
             .args(["--lease-ttl", &conf.lease_ttl_s.to_string()])
             .arg("--engine-socket")
             .arg(&socket)
@@ -530,6 +554,7 @@ impl AgentProc {
             .stderr(Stdio::from(log_file(&log)?))
             .spawn()
             .map_err(|e| format!("spawn {}: {e}", conf.bin.display()))?;
+        drop(ns_fd);
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (tx, rx) = mpsc::channel();
         let log2 = log.clone();
@@ -582,6 +607,7 @@ impl AgentProc {
             name,
             socket,
             gid,
+            netns,
         })
     }
 
@@ -610,7 +636,8 @@ impl AgentProc {
 
 /// Local ports of process `pid`'s established TCP connections to remote
 /// port `remote_port` (IPv4 and IPv6), from `/proc/<pid>/fd` and
-/// `/proc/net/tcp{,6}`; empty when none (or `/proc` is unreadable).
+/// `/proc/<pid>/net/tcp{,6}` (its own network namespace's table); empty
+/// when none (or `/proc` is unreadable).
 pub fn tcp_local_ports(pid: u32, remote_port: u16) -> Vec<u16> {
     let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| {
@@ -631,8 +658,8 @@ pub fn tcp_local_ports(pid: u32, remote_port: u16) -> Vec<u16> {
             .and_then(|p| u16::from_str_radix(p, 16).ok())
     };
     let mut ports = Vec::new();
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(table) else {
+    for table in ["tcp", "tcp6"] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) else {
             continue;
         };
         for line in text.lines().skip(1) {

@@ -45,6 +45,11 @@ struct Cli {
     /// control-loss: % of control packets dropped (each direction).
     #[arg(long, default_value_t = 10)]
     loss_percent: u32,
+    /// Run the agents on loopback addresses instead of a network namespace
+    /// each (joined by veth to a bridge; the default where the machine
+    /// allows it).
+    #[arg(long)]
+    no_netns: bool,
     /// Only these fault kinds (comma-separated names).
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
@@ -101,6 +106,7 @@ fn main() {
     opts.lease_ttl_s = cli.lease_ttl;
     opts.probe_bound_ms = cli.probe_bound_ms;
     opts.loss_percent = cli.loss_percent;
+    opts.netns = !cli.no_netns;
     if let Some(t) = cli.trace {
         opts.trace = t;
     }
