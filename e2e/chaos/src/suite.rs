@@ -82,11 +82,20 @@ pub enum FaultKind {
     /// republish, be loaded again and carry traffic. Its control and data
     /// paths stay up throughout.
     PartitionEtcd,
+    /// A new decode agent dies in the middle of its handshake with the
+    /// prefill agents: it starts, a decode engine attaches to it, every
+    /// peer loads its record (the metadata half of the handshake), then it
+    /// is frozen (SIGSTOP) and hand-offs to its engine are submitted — the
+    /// first WANTs it would answer with its first GRANTs (the credit half)
+    /// go unanswered — and it is SIGKILLed 0–requestTimeout ms later, its
+    /// pods deleted. Every one of those hand-offs must resolve FAILURE
+    /// within requestTimeout + slack, every peer must forget it.
+    DiesMidHandshake,
 }
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [FaultKind; 16] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::DeletePrefillPod,
         FaultKind::KillPrefillEngine,
         FaultKind::KillPrefillAgent,
@@ -103,6 +112,7 @@ impl FaultKind {
         FaultKind::PartitionAgent,
         FaultKind::ControlLoss,
         FaultKind::PartitionEtcd,
+        FaultKind::DiesMidHandshake,
     ];
 
     /// Its name in reports and on the command line.
@@ -124,6 +134,7 @@ impl FaultKind {
             FaultKind::PartitionAgent => "partition-agent",
             FaultKind::ControlLoss => "control-loss",
             FaultKind::PartitionEtcd => "partition-etcd",
+            FaultKind::DiesMidHandshake => "dies-mid-handshake",
         }
     }
 
@@ -150,9 +161,7 @@ impl FaultKind {
 }
 
 /// Fault kinds of issue 16 this version does not inject, and why.
-pub const MISSING: &[&str] = &[
-    "a peer dying in the middle of the handshake: approximated by joiner-dies (a new agent SIGKILLed 0-300 ms after it answers, while its peers load it), not timed to a handshake message",
-];
+pub const MISSING: &[&str] = &[];
 
 /// Suite options.
 #[derive(Clone, Debug)]
@@ -660,7 +669,9 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         eprintln!("[chaos] removed {t} left by a suite that no longer runs");
     }
     let net = if opts.netns {
-        match crate::netns::Net::create(4) {
+        // Slot 4: the agents that join mid-run (joiner-dies,
+        // dies-mid-handshake), one at a time.
+        match crate::netns::Net::create(5) {
             Ok(n) => Some(n),
             Err(why) => {
                 let why = format!(
@@ -820,16 +831,6 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
         lease_ttl_s: opts.lease_ttl_s,
         request_timeout_ms: opts.request_timeout_ms,
         dir: logs.clone(),
-        netns: net
-            .as_ref()
-            .map(|n| {
-                ["agent-p0", "agent-p1", "agent-d0", "agent-d1"]
-                    .into_iter()
-                    .enumerate()
-                    .filter_map(|(i, a)| Some((a.to_string(), n.slot(i)?.clone())))
-                    .collect()
-            })
-            .unwrap_or_default(),
     };
     say(&opts, "starting 4 agents");
     let mut agents = Vec::new();
@@ -839,7 +840,8 @@ async fn run_async(opts: Options) -> Result<Report, RunError> {
     {
         let side = if i < 2 { Side::Prefill } else { Side::Decode };
         let (c, n, u) = (conf.clone(), name.to_string(), uids[name].clone());
-        let agent = match blocking(move || AgentProc::spawn(&c, &n, &u, side, 0, 0)).await {
+        let ns = net.as_ref().and_then(|n| n.slot(i)).cloned();
+        let agent = match blocking(move || AgentProc::spawn(&c, &n, &u, side, 0, 0, ns)).await {
             Ok(a) => a,
             Err(e) if e.contains("NIXL runtime") => {
                 return Err(RunError::Skip(format!("NIXL runtime not available: {e}")))
@@ -1148,6 +1150,12 @@ impl Suite {
         }
     }
 
+    /// The network namespace of an agent that joins mid-run (slot 4), when
+    /// the agents have namespaces.
+    fn joiner_netns(&self) -> Option<crate::netns::Slot> {
+        self.net.as_ref().and_then(|n| n.slot(4)).cloned()
+    }
+
     fn agent_http(&self, slot: usize) -> SocketAddr {
         lock(&self.agents)[slot].agent.http
     }
@@ -1178,8 +1186,14 @@ impl Suite {
 
     /// Attaches decode engine `decode-<j>` (pod UID `uid`) to agent 2 + j.
     async fn attach_decode(&self, j: usize, uid: &str) -> Result<Decode, String> {
-        let socket = self.socket(2 + j);
-        let id = format!("decode-{j}");
+        self.attach_decode_at(&self.socket(2 + j), &format!("decode-{j}"), uid)
+            .await
+    }
+
+    /// Attaches decode engine `id` (pod UID `uid`) to the agent of engine
+    /// socket `socket`.
+    async fn attach_decode_at(&self, socket: &Path, id: &str, uid: &str) -> Result<Decode, String> {
+        let id = id.to_string();
         let layout = self.opts.geometry.layout(self.decode_blocks);
         let deadline = Instant::now() + Duration::from_secs(30);
         let client = loop {
@@ -1190,11 +1204,7 @@ impl Suite {
             }
         };
         let pool = ShmPool::create(
-            &format!(
-                "/kvf-chaos-{}-decode-{j}-{}",
-                std::process::id(),
-                self.next_seq()
-            ),
+            &format!("/kvf-chaos-{}-{id}-{}", std::process::id(), self.next_seq()),
             kvfabric_client::pool_bytes(&layout),
         )
         .map_err(|e| e.to_string())?;
@@ -1646,8 +1656,11 @@ impl Suite {
                 s.port,
             )
         };
+        // The slot's namespace: a restarted agent (or its replacement pod)
+        // keeps its slot's address.
+        let ns = self.net.as_ref().and_then(|n| n.slot(slot)).cloned();
         let new =
-            blocking(move || AgentProc::spawn(&conf, &logical, &uid, side, gen, port)).await?;
+            blocking(move || AgentProc::spawn(&conf, &logical, &uid, side, gen, port, ns)).await?;
         let name = new.name.clone();
         {
             let mut a = lock(&self.agents);
@@ -2089,9 +2102,11 @@ impl Suite {
                 );
                 match uid {
                     Ok(uid) => {
-                        let (c, p2) = (self.conf.clone(), pod.clone());
-                        match blocking(move || AgentProc::spawn(&c, &p2, &uid, Side::Decode, 0, 0))
-                            .await
+                        let (c, p2, ns) = (self.conf.clone(), pod.clone(), self.joiner_netns());
+                        match blocking(move || {
+                            AgentProc::spawn(&c, &p2, &uid, Side::Decode, 0, 0, ns)
+                        })
+                        .await
                         {
                             Ok(mut joiner) => {
                                 tokio::time::sleep(delay).await;
@@ -2133,6 +2148,9 @@ impl Suite {
                         r.violations.push(format!("joiner pod: {e}"));
                     }
                 }
+            }
+            FaultKind::DiesMidHandshake => {
+                probe = self.clone().dies_mid_handshake(gen, rng, &mut r).await;
             }
             FaultKind::NodeNotReadyBlip => {
                 let node = self.kube.node();
@@ -2580,6 +2598,184 @@ impl Suite {
 
     /// The control-channel port of every agent slot (from its etcd
     /// record's handshake).
+    /// [`FaultKind::DiesMidHandshake`]; the survivors' probe, started at
+    /// the freeze.
+    async fn dies_mid_handshake(
+        self: Arc<Self>,
+        gen: u64,
+        rng: &mut Rng,
+        r: &mut FaultResult,
+    ) -> Option<tokio::task::JoinHandle<Result<f64, String>>> {
+        let start_probe = |s: &Arc<Self>, t: Instant| {
+            let s = s.clone();
+            Some(tokio::spawn(
+                async move { s.survivor_probe(vec![], t).await },
+            ))
+        };
+        let pod = format!("agent-dh-g{gen}");
+        let dpod = format!("decode-h-g{gen}");
+        let kill_after = Duration::from_millis(rng.below(self.opts.request_timeout_ms));
+        r.target = format!(
+            "new agent {pod}, frozen before its first GRANT, killed {} ms later",
+            kill_after.as_millis()
+        );
+        let (k, p2, d2) = (self.clone(), pod.clone(), dpod.clone());
+        let uids = blocking(move || {
+            let a = k.kube.create_pod(&p2, &[("app", FABRIC_LABEL)])?;
+            let d = k.kube.create_pod(&d2, &[("role", "kvf-chaos-decode")])?;
+            Ok::<_, String>((a, d))
+        })
+        .await;
+        let delete_pods = |s: &Arc<Self>| {
+            let (k, p2, d2) = (s.clone(), pod.clone(), dpod.clone());
+            blocking(move || {
+                let a = k.kube.delete_pod(&p2);
+                let d = k.kube.delete_pod(&d2);
+                a.and(d)
+            })
+        };
+        let (auid, duid) = match uids {
+            Ok(u) => u,
+            Err(e) => {
+                r.violations.push(format!("joiner pods: {e}"));
+                return start_probe(&self, Instant::now());
+            }
+        };
+        let (c, p2, ns) = (self.conf.clone(), pod.clone(), self.joiner_netns());
+        let mut joiner = match blocking(move || {
+            AgentProc::spawn(&c, &p2, &auid, Side::Decode, 0, 0, ns)
+        })
+        .await
+        {
+            Ok(j) => j,
+            Err(e) => {
+                r.violations.push(format!("joiner did not start: {e}"));
+                let _ = delete_pods(&self).await;
+                return start_probe(&self, Instant::now());
+            }
+        };
+        let engine = format!("decode-h{gen}");
+        let d = match self.attach_decode_at(&joiner.socket, &engine, &duid).await {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                r.violations
+                    .push(format!("decode engine on the joiner: {e}"));
+                joiner.proc.kill();
+                let _ = delete_pods(&self).await;
+                return start_probe(&self, Instant::now());
+            }
+        };
+        // The metadata half: the joiner's record (with its engine) is in
+        // etcd and both prefill agents have loaded it.
+        let (etcd, fabric, jname) = (
+            self.conf.etcd.clone(),
+            self.conf.fabric.clone(),
+            joiner.name.clone(),
+        );
+        let prefills = [self.agent_http(0), self.agent_http(1)];
+        let e2 = engine.clone();
+        let loaded = blocking(move || {
+            let t0 = Instant::now();
+            let quoted = format!("\"{jname}\"");
+            while t0.elapsed() < Duration::from_secs(15) {
+                let published = topo::agent_record(&etcd, &fabric, &jname)
+                    .map(|v| v["engines"].to_string().contains(&e2))
+                    .unwrap_or(false);
+                let listed = prefills.iter().all(|a| {
+                    topo::http_get(*a, "/v1/peers")
+                        .map(|(_, b)| b.contains(&quoted))
+                        .unwrap_or(false)
+                });
+                if published && listed {
+                    return Some(ms(t0.elapsed()));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            None
+        })
+        .await;
+        match loaded {
+            Some(t) => r.notes.push(format!(
+                "{} published with engine {engine} and loaded by both prefill agents {t:.0} ms after its engine attached",
+                joiner.name
+            )),
+            None => r.violations.push(format!(
+                "{} (engine {engine}) not published or not loaded by the prefill agents within 15 s",
+                joiner.name
+            )),
+        }
+        // Their records reach the prefill agents' engine lookup through the
+        // same watch: a moment more.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t_f = Instant::now();
+        topo::signal(joiner.proc.pid(), libc::SIGSTOP);
+        let probe = start_probe(&self, t_f);
+        // The credit half: hand-offs to its engine, whose WANTs it never
+        // answers.
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..4 {
+            let (s, p, d) = (
+                self.clone(),
+                lock_r(&self.prefill)[i % 2].clone(),
+                d.clone(),
+            );
+            tasks.spawn(async move {
+                let t0 = Instant::now();
+                let (o, v) = s.hand_off(p, d, 8, false, None).await;
+                (o, v, ms(t0.elapsed()))
+            });
+        }
+        tokio::time::sleep(kill_after).await;
+        joiner.proc.kill();
+        let t_kill = Instant::now();
+        if let Err(e) = delete_pods(&self).await {
+            r.violations.push(format!("delete pods: {e}"));
+        }
+        let mut took = Vec::new();
+        while let Some(j) = tasks.join_next().await {
+            let Ok((o, v, t)) = j else {
+                r.violations.push("a hand-off task panicked".into());
+                continue;
+            };
+            if o.success > 0 {
+                r.violations.push(format!(
+                    "a hand-off to the frozen joiner's engine {engine} resolved SUCCESS"
+                ));
+            }
+            if let Some(v) = v {
+                r.violations.push(v);
+            }
+            r.outcomes.add(&o);
+            took.push(t);
+        }
+        took.sort_by(f64::total_cmp);
+        r.notes.push(format!(
+            "{} hand-offs to {engine} resolved (outcomes above) after {:.0}..{:.0} ms (requestTimeout {} ms; killed {:.0} ms after the freeze)",
+            took.len(),
+            took.first().copied().unwrap_or(0.0),
+            took.last().copied().unwrap_or(0.0),
+            self.opts.request_timeout_ms,
+            ms(t_kill - t_f)
+        ));
+        let observers = (0..4).map(|s| self.agent_http(s)).collect();
+        let f = Forget {
+            name: joiner.name.clone(),
+            observers,
+            path: "operator",
+        };
+        r.forget_path = Some(f.path.into());
+        r.forget_ms =
+            Self::wait_forgotten(f, t_kill, Duration::from_secs(self.opts.lease_ttl_s + 10)).await;
+        if r.forget_ms.is_none() {
+            r.violations.push(format!(
+                "agents still list {} after it died mid-handshake",
+                joiner.name
+            ));
+        }
+        drop(d);
+        probe
+    }
+
     async fn control_ports(self: &Arc<Self>) -> Result<Vec<u16>, String> {
         let names: Vec<String> = (0..4).map(|i| self.agent_name(i)).collect();
         let (etcd, fabric) = (self.conf.etcd.clone(), self.conf.fabric.clone());

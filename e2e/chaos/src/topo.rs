@@ -397,13 +397,13 @@ pub fn http_post(addr: SocketAddr, path: &str, body: &str) -> Result<(String, St
     ))
 }
 
-/// The control-channel port of agent `name` of `fabric`: read from its
-/// discovery record in etcd (`/kvfabric/<fabric>/agents/`, the handshake's
-/// endpoint `tcp://ip:port`), through etcd's JSON gateway.
+/// The discovery record of agent `name` (its NIXL name) of `fabric` in
+/// etcd (`/kvfabric/<fabric>/agents/<name>`, JSON), read through etcd's
+/// JSON gateway.
 ///
 /// # Errors
-/// etcd unreachable, no record, no handshake or an endpoint without a port.
-pub fn control_port(etcd: &str, fabric: &str, name: &str) -> Result<u16, String> {
+/// etcd unreachable, or no (readable) record.
+pub fn agent_record(etcd: &str, fabric: &str, name: &str) -> Result<Value, String> {
     use base64::Engine as _;
     let b64 = base64::engine::general_purpose::STANDARD;
     let addr: SocketAddr = etcd
@@ -418,11 +418,23 @@ pub fn control_port(etcd: &str, fabric: &str, name: &str) -> Result<u16, String>
     let value = v["kvs"][0]["value"]
         .as_str()
         .ok_or_else(|| format!("no record at {key} ({status})"))?;
-    let rec: Value = serde_json::from_slice(&b64.decode(value).map_err(|e| e.to_string())?)
-        .map_err(|e| format!("record {key}: {e}"))?;
+    serde_json::from_slice(&b64.decode(value).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("record {key}: {e}"))
+}
+
+/// The control-channel port of agent `name` of `fabric`: from its
+/// discovery record ([`agent_record`]), the handshake's endpoint
+/// `tcp://ip:port`.
+///
+/// # Errors
+/// etcd unreachable, no record, no handshake or an endpoint without a port.
+pub fn control_port(etcd: &str, fabric: &str, name: &str) -> Result<u16, String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let rec = agent_record(etcd, fabric, name)?;
     let hs = rec["handshake"]
         .as_str()
-        .ok_or_else(|| format!("record {key} has no handshake (bounce off?)"))?;
+        .ok_or_else(|| format!("record of {name} has no handshake (bounce off?)"))?;
     let hs = kvfabric_core::wire::decode_handshake(&b64.decode(hs).map_err(|e| e.to_string())?)
         .map_err(|e| format!("handshake of {name}: {e:?}"))?;
     let ep = String::from_utf8_lossy(&hs.endpoint).into_owned();
@@ -465,9 +477,6 @@ pub struct AgentConf {
     pub request_timeout_ms: u64,
     /// Where sockets and logs go.
     pub dir: PathBuf,
-    /// The network namespace of each agent (by logical id) when the suite
-    /// runs them in namespaces ([`crate::netns`]); empty on loopback.
-    pub netns: BTreeMap<String, crate::netns::Slot>,
 }
 
 /// A running `kvfabric agent`.
@@ -490,9 +499,9 @@ pub struct AgentProc {
 impl AgentProc {
     /// Starts agent `logical` (pod `pod_uid`) of `side`, generation `gen`
     /// (log file name), its HTTP API on `port` (0 = ephemeral) of
-    /// 127.0.0.1 — or, when `conf` gives it a network namespace, started
-    /// in that namespace, its HTTP API and control channel on the
-    /// namespace's address — and waits (≤ 60 s) for its HTTP API and name.
+    /// 127.0.0.1 — or, given a network namespace `netns`, started in that
+    /// namespace, its HTTP API and control channel on the namespace's
+    /// address — and waits (≤ 60 s) for its HTTP API and name.
     ///
     /// # Errors
     /// The agent not coming up (its log tail).
@@ -503,9 +512,9 @@ impl AgentProc {
         side: Side,
         gen: u32,
         port: u16,
+        netns: Option<crate::netns::Slot>,
     ) -> Result<Self, String> {
         let socket = conf.dir.join(format!("{logical}.sock"));
-        let netns = conf.netns.get(logical).cloned();
         let (listen, control_bind) = match &netns {
             Some(slot) => (format!("{}:{port}", slot.ip), slot.ip.to_string()),
             None => (format!("127.0.0.1:{port}"), "loopback".to_string()),
