@@ -23,8 +23,7 @@
 //! conntrack because a packet is only dropped after it left the output
 //! path (where conntrack confirms the entry).
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 static NEXT: AtomicU32 = AtomicU32::new(1);
@@ -52,31 +51,7 @@ fn nft_in(ns: Option<&str>, args: &[&str], stdin: Option<&str>) -> Result<String
     if let Some(fd) = &fd {
         crate::netns::enter_in_child(&mut cmd, fd);
     }
-    let mut c = cmd
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("nft: {e}"))?;
-    drop(fd);
-    if let (Some(i), Some(mut s)) = (stdin, c.stdin.take()) {
-        s.write_all(i.as_bytes())
-            .map_err(|e| format!("nft stdin: {e}"))?;
-    }
-    let out = c.wait_with_output().map_err(|e| format!("nft: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "nft {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    crate::topo::run(cmd.args(args), stdin)
 }
 
 /// Whether nftables works here: the `nft` binary runs and a table with the

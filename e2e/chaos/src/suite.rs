@@ -2117,25 +2117,7 @@ impl Suite {
                                 if let Err(e) = blocking(move || k.kube.delete_pod(&p2)).await {
                                     r.violations.push(format!("delete pod: {e}"));
                                 }
-                                let observers = (0..4).map(|s| self.agent_http(s)).collect();
-                                let f = Forget {
-                                    name: joiner.name.clone(),
-                                    observers,
-                                    path: "operator",
-                                };
-                                r.forget_path = Some(f.path.into());
-                                r.forget_ms = Self::wait_forgotten(
-                                    f,
-                                    t_f,
-                                    Duration::from_secs(self.opts.lease_ttl_s + 10),
-                                )
-                                .await;
-                                if r.forget_ms.is_none() {
-                                    r.violations.push(format!(
-                                        "agents still list the dead joiner {}",
-                                        joiner.name
-                                    ));
-                                }
+                                self.joiner_forgotten(&joiner.name, t_f, &mut r).await;
                             }
                             Err(e) => {
                                 probe = Some(start_probe(&self, vec![], Instant::now()));
@@ -2598,6 +2580,24 @@ impl Suite {
 
     /// The control-channel port of every agent slot (from its etcd
     /// record's handshake).
+    /// Waits (≤ lease TTL + 10 s from `t0`) until the four agents no longer
+    /// list the dead joiner `name` (its pod deleted: the operator path);
+    /// the time, or a violation.
+    async fn joiner_forgotten(&self, name: &str, t0: Instant, r: &mut FaultResult) {
+        let f = Forget {
+            name: name.to_string(),
+            observers: (0..4).map(|s| self.agent_http(s)).collect(),
+            path: "operator",
+        };
+        r.forget_path = Some(f.path.into());
+        r.forget_ms =
+            Self::wait_forgotten(f, t0, Duration::from_secs(self.opts.lease_ttl_s + 10)).await;
+        if r.forget_ms.is_none() {
+            r.violations
+                .push(format!("agents still list the dead joiner {name}"));
+        }
+    }
+
     /// [`FaultKind::DiesMidHandshake`]; the survivors' probe, started at
     /// the freeze.
     async fn dies_mid_handshake(
@@ -2757,21 +2757,7 @@ impl Suite {
             self.opts.request_timeout_ms,
             ms(t_kill - t_f)
         ));
-        let observers = (0..4).map(|s| self.agent_http(s)).collect();
-        let f = Forget {
-            name: joiner.name.clone(),
-            observers,
-            path: "operator",
-        };
-        r.forget_path = Some(f.path.into());
-        r.forget_ms =
-            Self::wait_forgotten(f, t_kill, Duration::from_secs(self.opts.lease_ttl_s + 10)).await;
-        if r.forget_ms.is_none() {
-            r.violations.push(format!(
-                "agents still list {} after it died mid-handshake",
-                joiner.name
-            ));
-        }
+        self.joiner_forgotten(&joiner.name, t_kill, r).await;
         drop(d);
         probe
     }

@@ -21,6 +21,46 @@ pub fn signal(pid: u32, sig: libc::c_int) -> bool {
     unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
 }
 
+/// Runs `cmd` to completion, `stdin` written to it (or /dev/null): its
+/// stdout, or an error naming the program, its arguments and its stderr.
+///
+/// # Errors
+/// A spawn failure or a non-zero exit.
+pub fn run(cmd: &mut Command, stdin: Option<&str>) -> Result<String, String> {
+    let line = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let what = || line.as_str();
+    let mut c = cmd
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{}: {e}", what()))?;
+    if let (Some(i), Some(mut s)) = (stdin, c.stdin.take()) {
+        s.write_all(i.as_bytes())
+            .map_err(|e| format!("{} (stdin): {e}", what()))?;
+    }
+    let out = c
+        .wait_with_output()
+        .map_err(|e| format!("{}: {e}", what()))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "{}: {}",
+            what(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
 /// A free loopback TCP port (bound then released).
 pub fn free_port() -> Result<u16, String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
