@@ -7,8 +7,8 @@
 #     (vendored libzmq), python3-pip (the NIXL wheel download), python3-venv
 #     (agent/python/run-tests.sh's venv), prometheus (promtool: `promtool
 #     check metrics` on a live /metrics), openssl/curl/iproute2
-#     (e2e/kube/up.sh), and with --tests nftables (the chaos suite's
-#     partition and control-loss faults). Go (for e2e/kube/install.sh)
+#     (e2e/kube/up.sh; ip for the chaos suite's network namespaces), and
+#     with --tests nftables (the chaos suite's network faults). Go (for e2e/kube/install.sh)
 #     comes with the machine.
 #   - the NIXL runtime libraries (e2e/install-nixl.sh) into .nixl/lib.
 #   - with --tests (README's test command): also the Kubernetes control
@@ -47,7 +47,9 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 # health probes, port checks.
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v curl >/dev/null 2>&1 || need+=(curl)
-command -v ss >/dev/null 2>&1 || need+=(iproute2)
+# ss and ip (iproute2): e2e/kube/up.sh, and the chaos suite's network
+# namespaces (ip netns, veth, bridge).
+{ command -v ss && command -v ip; } >/dev/null 2>&1 || need+=(iproute2)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 # install-nixl.sh downloads the NIXL wheel with pip.
 command -v python3 >/dev/null 2>&1 || need+=(python3)
@@ -59,9 +61,6 @@ python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 # put nftables rules in (nft; the kernel's nf_tables).
 if [ "$tests" = 1 ]; then
   command -v nft >/dev/null 2>&1 || need+=(nftables)
-  # ip (iproute2): the chaos suite runs each agent in a network namespace
-  # of its own, joined by veth to a bridge.
-  command -v ip >/dev/null 2>&1 || need+=(iproute2)
 fi
 if [ "${#need[@]}" -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
