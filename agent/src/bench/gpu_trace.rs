@@ -20,6 +20,7 @@ use kvfabric_core::config::BounceConfig;
 use kvfabric_core::model::{parse_trace, KvLayout, ModelGeometry, TraceRecord};
 use kvfabric_core::Descriptor;
 
+use super::arrivals::{fixed_prompt_trace, Arrivals};
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
 use super::trace::{
     check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
@@ -40,8 +41,12 @@ const XFER_TIMEOUT: Duration = Duration::from_secs(120);
 pub struct GpuReplayOptions {
     /// KV layout (model, block tokens, TP, K/V split).
     pub layout: KvLayout,
-    /// Requests in flight.
+    /// Requests in flight (closed loop), or the most in flight (open
+    /// loop).
     pub concurrency: usize,
+    /// How requests arrive (closed loop, trace timestamps / speed, or
+    /// Poisson at a rate).
+    pub arrivals: Arrivals,
     /// Bytes of each KV pool (rounded down to whole blocks).
     pub pool_bytes: u64,
     /// The prefill agent's GPU.
@@ -244,12 +249,13 @@ fn run_in(
     let fill = PatternKernels::new(&gpu).map_err(|e| format!("pattern kernels: {e}"))?;
     eprintln!(
         "GPU replay: {} requests, prefill GPU {} → decode GPU {} (own process), {} B descriptors, \
-         {pool_blocks} blocks ({:.1} GiB) per pool, concurrency {}",
+         {pool_blocks} blocks ({:.1} GiB) per pool, {}, at most {} in flight",
         trace.len(),
         opts.device,
         opts.peer_device,
         layout.descriptor_bytes(),
         bytes as f64 / (1u64 << 30) as f64,
+        opts.arrivals.describe(),
         opts.concurrency
     );
     let decode = Mutex::new(peer);
@@ -267,7 +273,7 @@ fn run_in(
         &ReplayOptions {
             layout: layout.clone(),
             concurrency: opts.concurrency,
-            speed: None,
+            arrivals: opts.arrivals,
             pool_blocks,
             paths: opts.paths.clone(),
             progress: opts.progress,
@@ -297,14 +303,22 @@ fn run_in(
 /// The flags of `kvfabric-gpu bench`.
 #[derive(Clone, Debug)]
 pub struct GpuBenchArgs {
-    /// JSONL trace (Mooncake format).
-    pub trace: PathBuf,
+    /// JSONL trace (Mooncake format); `None` with `fixed_prompt`.
+    pub trace: Option<PathBuf>,
     /// First trace line (0-based).
     pub start: usize,
-    /// Requests to replay (at least 1).
+    /// Requests to replay (at least 1): of the trace, or synthetic ones
+    /// with `fixed_prompt`.
     pub requests: usize,
-    /// Requests in flight (0 counts as 1).
+    /// Synthetic workload: every request this many prompt tokens
+    /// (`--fixed-prompt`; no trace read).
+    pub fixed_prompt: Option<u64>,
+    /// Requests in flight (0 counts as 1): closed loop, the number in
+    /// flight; open loop, the most in flight.
     pub concurrency: usize,
+    /// How requests arrive (`--speed`, `--rate`/`--seed`, else closed
+    /// loop).
+    pub arrivals: Arrivals,
     /// Model geometry (a preset).
     pub model: ModelGeometry,
     /// Tensor-parallel degree (KV heads per rank = heads / tp).
@@ -323,37 +337,32 @@ pub struct GpuBenchArgs {
     pub json: Option<PathBuf>,
 }
 
-/// `kvfabric-gpu bench`: reads the trace slice, replays it with [`run`]
-/// (`exe` = this executable, bounce config from `KVFABRIC_BOUNCE_*`),
-/// prints the table and writes the JSON report.
+/// `kvfabric-gpu bench`: reads the trace slice (or builds the
+/// `--fixed-prompt` requests), replays it with [`run`] (`exe` = this
+/// executable, bounce config from `KVFABRIC_BOUNCE_*`), prints the table
+/// and writes the JSON report.
 ///
 /// # Errors
-/// A layout the flags make invalid, a trace that cannot be read or has no
-/// request at `start`, any setup failure of [`run`], a report that cannot
-/// be written, or failed requests (counted).
+/// A layout the flags make invalid, an arrival mode with a bad speed or
+/// rate, a trace that cannot be read or has no request at `start` (or
+/// neither a trace nor a fixed prompt), any setup failure of [`run`], a
+/// report that cannot be written, or failed requests (counted).
 pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
     let layout = KvLayout::new(a.model.clone(), a.block, a.tp, true)?;
-    let text = std::fs::read_to_string(&a.trace)
-        .map_err(|e| format!("--trace {}: {e}", a.trace.display()))?;
-    let trace = parse_trace(&text, a.start, a.requests)?;
-    if trace.is_empty() {
-        return Err(format!(
-            "--trace {}: no requests at line {}",
-            a.trace.display(),
-            a.start
-        ));
-    }
+    a.arrivals.check()?;
+    let trace = bench_trace(a)?;
     let (config, warnings) = BounceConfig::from_env();
     for w in warnings {
         eprintln!("warning: {w}");
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let report = run(
+    let mut report = run(
         &exe,
         &trace,
         &GpuReplayOptions {
             layout,
             concurrency: a.concurrency.max(1),
+            arrivals: a.arrivals,
             pool_bytes: a.pool_bytes,
             device: a.device,
             peer_device: a.peer_device,
@@ -363,6 +372,7 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
             progress: false,
         },
     )?;
+    report.fixed_prompt_tokens = a.fixed_prompt;
     print!("{}", report.table());
     if let Some(p) = &a.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
@@ -375,4 +385,27 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The requests of `kvfabric-gpu bench`: `--fixed-prompt` synthetic ones,
+/// or the slice of `--trace`.
+fn bench_trace(a: &GpuBenchArgs) -> Result<Vec<TraceRecord>, String> {
+    if let Some(tokens) = a.fixed_prompt {
+        return fixed_prompt_trace(tokens, a.requests);
+    }
+    let path = a
+        .trace
+        .as_deref()
+        .ok_or("--trace: a trace is required unless --fixed-prompt is given")?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--trace {}: {e}", path.display()))?;
+    let trace = parse_trace(&text, a.start, a.requests)?;
+    if trace.is_empty() {
+        return Err(format!(
+            "--trace {}: no requests at line {}",
+            path.display(),
+            a.start
+        ));
+    }
+    Ok(trace)
 }

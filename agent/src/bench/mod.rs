@@ -5,6 +5,7 @@
 //! parse arguments ([`cli`] holds the shared value parsers) and call in
 //! here.
 
+pub mod arrivals;
 pub mod cli;
 pub mod dataplane;
 #[cfg(feature = "cuda")]

@@ -9,7 +9,11 @@
 //! fragmented after warm-up), so a request's blocks are scattered.
 //! A request waits (FIFO) for free blocks on both sides, as an engine's
 //! scheduler would. Latency is measured from submit (prefill done, blocks
-//! held) to the transfer's resolution.
+//! held) to the transfer's resolution (the service time). Requests arrive
+//! closed loop (a fixed number in flight) or open loop, by the trace's
+//! timestamps or a Poisson process ([`super::arrivals`]); in open loop
+//! each request's latency is also counted from its scheduled arrival
+//! ([`ArrivalLatency`]), so the queueing for a worker and for blocks shows.
 //!
 //! The replay logic ([`replay_with`]) only allocates blocks ([`BlockPool`],
 //! which addresses a pool by its base address and owns no memory) and
@@ -36,6 +40,7 @@ use kvfabric_core::model::{KvLayout, TraceRecord};
 use kvfabric_core::Descriptor;
 use serde::Serialize;
 
+use super::arrivals::{achieved_rate, Arrivals};
 use super::pattern::{check_fast, fill_fast, permutation};
 use crate::runtime::arena::HostArena;
 use crate::runtime::fabric::FabricAgent;
@@ -245,14 +250,15 @@ pub fn check_prefill_path(prefill: &FabricAgent, path: BenchPath) -> Result<(), 
 pub struct ReplayOptions {
     /// KV layout.
     pub layout: KvLayout,
-    /// Concurrent requests (fixed-concurrency mode), or max in flight; at
-    /// least 1 (0 is an error of [`replay_with`]). One worker thread each,
-    /// at most one per replayed request.
+    /// Concurrent requests (closed loop), or the most requests in flight
+    /// (open loop: a request due while all workers are busy waits for
+    /// one); at least 1 (0 is an error of [`replay_with`]). One worker
+    /// thread each, at most one per replayed request.
     pub concurrency: usize,
-    /// Replay by timestamps divided by this factor (finite, > 0; anything
-    /// else is an error of [`replay_with`]); `None` = as fast as the
-    /// concurrency allows.
-    pub speed: Option<f64>,
+    /// How requests arrive: closed loop, by the trace's timestamps / a
+    /// speed factor, or a Poisson process at a rate (a speed or rate that
+    /// is not finite and > 0 is an error of [`replay_with`]).
+    pub arrivals: Arrivals,
     /// Blocks per pool.
     pub pool_blocks: u32,
     /// Paths in order.
@@ -277,7 +283,10 @@ pub struct FailedRequest {
     pub error: String,
 }
 
-/// Latency statistics of one path (ms).
+/// Latency statistics of one path (ms). `p50_ms` … `mean_ms` are the
+/// service time, submit → transfer resolution, in every arrival mode; in
+/// open loop [`PathStats::from_arrival`] adds the latency from each
+/// request's scheduled arrival.
 #[derive(Clone, Debug, Serialize)]
 pub struct PathStats {
     /// The path.
@@ -294,7 +303,7 @@ pub struct PathStats {
     pub wall_s: f64,
     /// Aggregate GB/s over the phase.
     pub gbps: f64,
-    /// Median transfer latency (ms).
+    /// Median service time, submit → transfer resolution (ms).
     pub p50_ms: f64,
     /// 90th percentile (ms).
     pub p90_ms: f64,
@@ -304,8 +313,64 @@ pub struct PathStats {
     pub max_ms: f64,
     /// Mean (ms).
     pub mean_ms: f64,
+    /// Requests completed (verified) per second of the phase's wall time
+    /// (req/s).
+    pub requests_per_s: f64,
+    /// Open loop only (`None` in closed loop): latency from the requests'
+    /// scheduled arrivals, queueing included.
+    pub from_arrival: Option<ArrivalLatency>,
     /// The requests that failed, in completion order.
     pub failed_requests: Vec<FailedRequest>,
+}
+
+/// Open-loop latency of one path's completed requests (ms), counted from
+/// each request's scheduled arrival: the wait for a free worker (all
+/// `concurrency` busy) and for free KV blocks, plus the service time
+/// (submit → transfer resolution). The bench's own fill of the source
+/// blocks (standing in for prefill) and the verification after the
+/// transfer are in neither, as in closed loop.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ArrivalLatency {
+    /// Median latency from the scheduled arrival (ms).
+    pub p50_ms: f64,
+    /// 90th percentile (ms).
+    pub p90_ms: f64,
+    /// 99th percentile (ms).
+    pub p99_ms: f64,
+    /// Maximum (ms).
+    pub max_ms: f64,
+    /// Mean (ms).
+    pub mean_ms: f64,
+    /// Median queueing delay, scheduled arrival → submit (ms).
+    pub queue_p50_ms: f64,
+    /// 99th percentile queueing delay (ms).
+    pub queue_p99_ms: f64,
+    /// Largest queueing delay (ms).
+    pub queue_max_ms: f64,
+}
+
+impl ArrivalLatency {
+    /// The statistics of `(queue_ms, service_ms)` pairs, one per completed
+    /// request; `None` when there are none.
+    pub fn of(samples: &[(f64, f64)]) -> Option<Self> {
+        if samples.is_empty() {
+            return None;
+        }
+        let mut lat: Vec<f64> = samples.iter().map(|(q, s)| q + s).collect();
+        let mut queue: Vec<f64> = samples.iter().map(|&(q, _)| q).collect();
+        lat.sort_by(|a, b| a.total_cmp(b));
+        queue.sort_by(|a, b| a.total_cmp(b));
+        Some(Self {
+            p50_ms: percentile(&lat, 50.0),
+            p90_ms: percentile(&lat, 90.0),
+            p99_ms: percentile(&lat, 99.0),
+            max_ms: lat.last().copied().unwrap_or(0.0),
+            mean_ms: lat.iter().sum::<f64>() / lat.len() as f64,
+            queue_p50_ms: percentile(&queue, 50.0),
+            queue_p99_ms: percentile(&queue, 99.0),
+            queue_max_ms: queue.last().copied().unwrap_or(0.0),
+        })
+    }
 }
 
 /// The replay report.
@@ -327,8 +392,20 @@ pub struct ReplayReport {
     /// Requests of the slice with 0 prompt tokens: nothing to move, not
     /// replayed.
     pub skipped_empty_requests: usize,
-    /// Concurrency.
+    /// Concurrency (closed loop) or the most requests in flight (open
+    /// loop).
     pub concurrency: usize,
+    /// How requests arrived: `{"mode": "closed"}`, `{"mode": "trace",
+    /// "speed": F}` or `{"mode": "poisson", "rate_per_s": R, "seed": S}`.
+    pub arrivals: Arrivals,
+    /// Open loop: the arrival rate the schedule achieved (req/s, the same
+    /// for every path): (n − 1) / (last − first scheduled arrival); `None`
+    /// in closed loop, or with fewer than two requests or all at once.
+    pub arrival_rate_per_s: Option<f64>,
+    /// Every request this many prompt tokens (`--fixed-prompt`: a
+    /// synthetic workload, no trace); `None` for a trace. Set by the
+    /// binaries, not by [`replay_with`].
+    pub fixed_prompt_tokens: Option<u64>,
     /// Pool blocks per side.
     pub pool_blocks: u32,
     /// Per-path statistics.
@@ -546,8 +623,8 @@ pub fn replay(
 /// tokens are skipped (counted in the report).
 ///
 /// # Errors
-/// Setup failures: invalid options (`concurrency` 0, a `speed` that is not
-/// finite and positive, no path), a slice without a request that has
+/// Setup failures: invalid options (`concurrency` 0, a speed or rate that
+/// is not finite and positive, no path), a slice without a request that has
 /// prompt tokens, a request larger than the pool ([`check_pool`]), a path
 /// that cannot run, no worker thread could start. Transfer failures and
 /// verification mismatches are counted per path (and listed in
@@ -564,9 +641,7 @@ pub fn replay_with(
     if opts.concurrency == 0 {
         return Err("concurrency: expected at least 1 request in flight, got 0".into());
     }
-    if let Some(speed) = opts.speed {
-        check_speed(speed)?;
-    }
+    opts.arrivals.check()?;
     if opts.paths.is_empty() {
         return Err("paths: expected at least one of bounce, standard".into());
     }
@@ -579,11 +654,23 @@ pub fn replay_with(
     }
     check_pool(layout, &demand, opts.pool_blocks)?;
     // (index in the slice, record) of the requests that move something.
-    let replayed: Vec<(usize, &TraceRecord)> = trace
+    let mut replayed: Vec<(usize, &TraceRecord)> = trace
         .iter()
         .enumerate()
         .filter(|(_, r)| layout.blocks_for(r.input_length) > 0)
         .collect();
+    // Open loop: each request's scheduled arrival (s from the phase's
+    // start, the same for every path), the requests in arrival order
+    // (stable: a trace's equal timestamps keep their order).
+    let schedule = opts
+        .arrivals
+        .schedule(&replayed.iter().map(|&(_, r)| r).collect::<Vec<_>>());
+    let schedule = schedule.map(|due| {
+        let mut order: Vec<usize> = (0..replayed.len()).collect();
+        order.sort_by(|&a, &b| due[a].total_cmp(&due[b]));
+        replayed = order.iter().map(|&k| replayed[k]).collect();
+        order.iter().map(|&k| due[k]).collect::<Vec<f64>>()
+    });
     let mut stats = Vec::new();
     for (pi, &path) in opts.paths.iter().enumerate() {
         hand_off.check_path(path)?;
@@ -592,6 +679,7 @@ pub fn replay_with(
             prefill_pool,
             decode_pool,
             &replayed,
+            schedule.as_deref(),
             opts,
             path,
             (pi as u64 + 1) << 40,
@@ -614,6 +702,9 @@ pub fn replay_with(
         requests: replayed.len(),
         skipped_empty_requests: trace.len() - replayed.len(),
         concurrency: opts.concurrency,
+        arrivals: opts.arrivals,
+        arrival_rate_per_s: schedule.as_deref().and_then(achieved_rate),
+        fixed_prompt_tokens: None,
         pool_blocks: opts.pool_blocks,
         p99_ratio_bounce_over_standard: ratio(|s| s.p99_ms),
         p50_ratio_bounce_over_standard: ratio(|s| s.p50_ms),
@@ -628,13 +719,7 @@ pub fn replay_with(
 /// # Errors
 /// Names the flag and the value otherwise.
 pub fn check_speed(speed: f64) -> Result<(), String> {
-    if speed.is_finite() && speed > 0.0 {
-        Ok(())
-    } else {
-        Err(format!(
-            "--speed: expected a finite factor > 0, got {speed}"
-        ))
-    }
+    Arrivals::Trace { speed }.check()
 }
 
 /// What a slice of a trace asks of the KV pools, in blocks of a layout.
@@ -753,6 +838,7 @@ fn run_phase(
     ppool: &BlockPool,
     dpool: &BlockPool,
     trace: &[(usize, &TraceRecord)],
+    schedule: Option<&[f64]>,
     opts: &ReplayOptions,
     path: BenchPath,
     seed_base: u64,
@@ -766,6 +852,8 @@ fn run_phase(
     let bytes = AtomicU64::new(0);
     let descs_total = AtomicU64::new(0);
     let latencies = Mutex::new(Vec::with_capacity(trace.len()));
+    // Open loop: (queue ms, service ms) of each completed request.
+    let open_loop = Mutex::new(Vec::with_capacity(schedule.map_or(0, <[f64]>::len)));
     let failed = Mutex::new(Vec::new());
     let fail = |index: usize, request_id: Option<u64>, error: String| {
         // The agent logs the request as `rid` (with its `agent` name), or
@@ -819,11 +907,14 @@ fn run_phase(
         let worker = || loop {
             let k = next.fetch_add(1, Ordering::Relaxed);
             let Some(&(i, rec)) = trace.get(k) else { break };
-            if let Some(speed) = opts.speed {
+            // Open loop: wait for the request's scheduled arrival; a
+            // request due while every worker was busy starts late (the
+            // lateness is its queueing).
+            let arrival = schedule.and_then(|s| s.get(k).copied());
+            if let Some(at) = arrival {
                 // A due time past Duration's range is "never": the wait is
                 // as long as the user asked for.
-                let due = Duration::try_from_secs_f64(rec.timestamp as f64 / 1e3 / speed)
-                    .unwrap_or(Duration::MAX);
+                let due = Duration::try_from_secs_f64(at).unwrap_or(Duration::MAX);
                 let now = start.elapsed();
                 if due > now {
                     std::thread::sleep(due - now);
@@ -861,12 +952,21 @@ fn run_phase(
             }
             let n = descs.len() as u64;
             let blocks = RequestBlocks { src: &pb, dst: &db };
+            // Scheduled arrival → hand-off (waits for a worker and for
+            // blocks), open loop only: closed loop stays as it was.
+            let queue_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
             let result = hand_off.hand_off(path, seed, blocks, descs);
             ppool.release(pb);
             dpool.release(db);
             match result.outcome {
                 Ok(ms) => {
                     latencies.lock().unwrap_or_else(|p| p.into_inner()).push(ms);
+                    if let Some(q) = queue_ms {
+                        open_loop
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((q, ms));
+                    }
                     bytes.fetch_add(n * desc_bytes, Ordering::Relaxed);
                     descs_total.fetch_add(n, Ordering::Relaxed);
                 }
@@ -928,6 +1028,10 @@ fn run_phase(
         } else {
             l.iter().sum::<f64>() / l.len() as f64
         },
+        requests_per_s: l.len() as f64 / wall,
+        from_arrival: schedule.and_then(|_| {
+            ArrivalLatency::of(&open_loop.into_inner().unwrap_or_else(|p| p.into_inner()))
+        }),
         failed_requests,
     })
 }
@@ -936,33 +1040,71 @@ impl ReplayReport {
     /// A plain-text summary table.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{} TP{} block {} {} ({} B descriptors), {} requests, concurrency {}, pool {} blocks\n",
+            "{} TP{} block {} {} ({} B descriptors), {} requests{}, {}, {} {}, pool {} blocks\n",
             self.model,
             self.tp,
             self.block_tokens,
             if self.kv_split { "K/V split" } else { "K+V" },
             self.descriptor_bytes,
             self.requests,
+            self.fixed_prompt_tokens
+                .map_or(String::new(), |t| format!(" of {t} tokens")),
+            self.arrivals.describe(),
+            if self.arrivals.is_open_loop() {
+                "at most in flight"
+            } else {
+                "concurrency"
+            },
             self.concurrency,
             self.pool_blocks
         );
+        if let Some(r) = self.arrival_rate_per_s {
+            s += &format!("arrival rate achieved by the schedule: {r:.2} req/s\n");
+        }
+        let open = self.arrivals.is_open_loop();
         s += &format!(
-            "{:>9} {:>5} {:>5} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9}\n",
-            "path", "ok", "fail", "GB", "GB/s", "p50 ms", "p90 ms", "p99 ms", "max ms"
+            "{:>9} {:>5} {:>5} {:>9} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9}\n",
+            "path", "ok", "fail", "GB", "GB/s", "req/s", "p50 ms", "p90 ms", "p99 ms", "max ms"
         );
         for p in &self.paths {
             s += &format!(
-                "{:>9} {:>5} {:>5} {:>9.2} {:>7.2} {:>9.1} {:>9.1} {:>9.1} {:>9.1}\n",
+                "{:>9} {:>5} {:>5} {:>9.2} {:>7.2} {:>7.2} {:>9.1} {:>9.1} {:>9.1} {:>9.1}\n",
                 format!("{:?}", p.path).to_lowercase(),
                 p.requests,
                 p.failures,
                 p.bytes as f64 / 1e9,
                 p.gbps,
+                p.requests_per_s,
                 p.p50_ms,
                 p.p90_ms,
                 p.p99_ms,
                 p.max_ms
             );
+        }
+        if open {
+            s += "(p50..max above: service time, submit -> done; below: from the scheduled arrival, queueing included)\n";
+            s += &format!(
+                "{:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n",
+                "path", "p50 ms", "p90 ms", "p99 ms", "max ms", "queue p50", "queue p99"
+            );
+            for p in &self.paths {
+                let name = format!("{:?}", p.path).to_lowercase();
+                match &p.from_arrival {
+                    Some(a) => {
+                        s += &format!(
+                            "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1}\n",
+                            name,
+                            a.p50_ms,
+                            a.p90_ms,
+                            a.p99_ms,
+                            a.max_ms,
+                            a.queue_p50_ms,
+                            a.queue_p99_ms
+                        );
+                    }
+                    None => s += &format!("{name:>9} (no completed request)\n"),
+                }
+            }
         }
         for p in &self.paths {
             for f in p.failed_requests.iter().take(TABLE_FAILURES) {
@@ -1121,7 +1263,7 @@ mod tests {
         ReplayOptions {
             layout: layout.clone(),
             concurrency: 3,
-            speed: None,
+            arrivals: Arrivals::Closed,
             pool_blocks,
             paths: vec![BenchPath::Bounce, BenchPath::Standard],
             progress: false,
@@ -1196,11 +1338,20 @@ mod tests {
         );
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let o = ReplayOptions {
-                speed: Some(bad),
+                arrivals: Arrivals::Trace { speed: bad },
                 ..opts(&layout, 8)
             };
             let e = run(&o, &trace[..1]).unwrap_err();
             assert!(e.starts_with("--speed"), "{e}");
+            let o = ReplayOptions {
+                arrivals: Arrivals::Poisson {
+                    rate_per_s: bad,
+                    seed: 1,
+                },
+                ..opts(&layout, 8)
+            };
+            let e = run(&o, &trace[..1]).unwrap_err();
+            assert!(e.starts_with("--rate"), "{e}");
         }
         let o = ReplayOptions {
             concurrency: 0,
@@ -1212,10 +1363,120 @@ mod tests {
         // A tiny positive speed waits "forever" for a late request, never
         // panics: only the due time of timestamp 0 is reached here.
         let o = ReplayOptions {
-            speed: Some(f64::MIN_POSITIVE),
+            arrivals: Arrivals::Trace {
+                speed: f64::MIN_POSITIVE,
+            },
             ..opts(&layout, 8)
         };
         assert!(run(&o, &trace[..1]).is_ok());
+        // The same for a tiny Poisson rate: the first request arrives at 0.
+        let o = ReplayOptions {
+            arrivals: Arrivals::Poisson {
+                rate_per_s: f64::MIN_POSITIVE,
+                seed: 1,
+            },
+            ..opts(&layout, 8)
+        };
+        assert!(run(&o, &trace[..1]).is_ok());
+    }
+
+    /// A hand-off that takes `ms` milliseconds (a sleep: never shorter)
+    /// and reports the time it took as the service time.
+    struct SlowHandOff {
+        ms: u64,
+    }
+
+    impl HandOff for SlowHandOff {
+        fn check_path(&self, _: BenchPath) -> Result<(), String> {
+            Ok(())
+        }
+        fn sender(&self) -> String {
+            "slow-prefill".into()
+        }
+        fn hand_off(
+            &self,
+            _: BenchPath,
+            _: u64,
+            _: RequestBlocks<'_>,
+            _: Vec<Descriptor>,
+        ) -> HandOffResult {
+            let t0 = Instant::now();
+            std::thread::sleep(Duration::from_millis(self.ms));
+            HandOffResult {
+                request_id: None,
+                outcome: Ok(t0.elapsed().as_secs_f64() * 1e3),
+            }
+        }
+    }
+
+    #[test]
+    fn open_loop_latency_counts_the_queueing_from_the_scheduled_arrival() {
+        // 20 requests arriving at 1000/s (all within ≈ 20 ms) into one
+        // worker that takes ≥ 20 ms each: request k cannot finish before
+        // (k + 1) × 20 ms, so its latency from arrival grows along the run
+        // while its service time stays one hand-off. Only lower bounds on
+        // time (a sleep is never shorter) and ratios that a loaded machine
+        // only widens.
+        let layout = llama8b();
+        let trace: Vec<TraceRecord> = (0..20).map(|_| rec(16)).collect();
+        let p = BlockPool::new(&layout, 8, 1 << 30, 1);
+        let d = BlockPool::new(&layout, 8, 2 << 30, 2);
+        let arrivals = Arrivals::Poisson {
+            rate_per_s: 1000.0,
+            seed: 5,
+        };
+        let o = ReplayOptions {
+            concurrency: 1,
+            arrivals,
+            paths: vec![BenchPath::Bounce],
+            ..opts(&layout, 8)
+        };
+        let r = replay_with(&SlowHandOff { ms: 20 }, &p, &d, &trace, &o).unwrap();
+        assert_eq!(r.arrivals, arrivals);
+        let rate = r.arrival_rate_per_s.unwrap();
+        assert!((200.0..5000.0).contains(&rate), "{rate}");
+        let ps = &r.paths[0];
+        assert_eq!((ps.requests, ps.failures), (20, 0));
+        assert!(ps.p50_ms >= 20.0, "service {}", ps.p50_ms);
+        let a = ps.from_arrival.as_ref().unwrap();
+        // The last request waited for the 19 before it.
+        let span_ms = 1e3 * poisson_span(20, 1000.0, 5);
+        assert!(a.max_ms >= 400.0 - span_ms, "{a:?}");
+        assert!(a.queue_max_ms >= 380.0 - span_ms, "{a:?}");
+        // The median request queued behind ≈ 10 others.
+        assert!(
+            a.p50_ms >= 5.0 * ps.p50_ms,
+            "{a:?} vs service {}",
+            ps.p50_ms
+        );
+        assert!(a.p99_ms >= a.p50_ms && a.max_ms >= a.p99_ms);
+        assert!(a.p50_ms >= a.queue_p50_ms);
+        let t = r.table();
+        assert!(t.contains("Poisson 1000 req/s (seed 5)"), "{t}");
+        assert!(t.contains("from the scheduled arrival"), "{t}");
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["arrivals"]["mode"], "poisson");
+        assert!(j["paths"][0]["from_arrival"]["p99_ms"].as_f64().unwrap() > 0.0);
+
+        // Closed loop: no arrival times, no latency from arrival.
+        let o = ReplayOptions {
+            concurrency: 2,
+            arrivals: Arrivals::Closed,
+            ..o
+        };
+        let r = replay_with(&SlowHandOff { ms: 1 }, &p, &d, &trace[..4], &o).unwrap();
+        assert_eq!(
+            (r.arrival_rate_per_s, &r.paths[0].from_arrival),
+            (None, &None)
+        );
+        assert!(r.paths[0].requests_per_s > 0.0);
+        assert!(!r.table().contains("scheduled arrival"));
+    }
+
+    fn poisson_span(n: usize, rate: f64, seed: u64) -> f64 {
+        *super::super::arrivals::poisson_schedule(n, rate, seed)
+            .last()
+            .unwrap()
     }
 
     #[test]

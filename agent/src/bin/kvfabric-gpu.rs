@@ -37,8 +37,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvfabric_agent::bench::arrivals::{Arrivals, DEFAULT_SEED};
 use kvfabric_agent::bench::cli::{
-    bench_path, byte_size, concurrency, model_preset, nonzero_byte_size,
+    bench_path, byte_size, concurrency, model_preset, nonzero_byte_size, positive_finite,
 };
 use kvfabric_agent::bench::direct;
 use kvfabric_agent::bench::gpu_kernel;
@@ -124,18 +125,37 @@ enum Cmd {
     /// Trace replay prefill (GPU --device) → decode (GPU --peer-device) with
     /// VRAM pools and arenas: bounce vs standard path, p50/p90/p99/max.
     Bench {
-        /// JSONL trace (Mooncake format).
-        #[arg(long)]
-        trace: PathBuf,
+        /// JSONL trace (Mooncake format); required unless --fixed-prompt.
+        #[arg(long, required_unless_present = "fixed_prompt")]
+        trace: Option<PathBuf>,
         /// First trace line (0-based).
         #[arg(long, default_value_t = 0)]
         start: usize,
-        /// Requests to replay (at least 1).
+        /// Requests to replay (at least 1; with --fixed-prompt: synthetic
+        /// requests, at most 10,000,000).
         #[arg(long, default_value_t = 500, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         requests: usize,
-        /// Requests in flight (1 to 4096).
+        /// Synthetic workload instead of a trace: every request TOKENS
+        /// prompt tokens (at least 1), --requests of them.
+        #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["trace", "start", "speed"])]
+        fixed_prompt: Option<u64>,
+        /// Requests in flight (1 to 4096): closed loop, the number in
+        /// flight; with --speed or --rate, the most in flight (a request
+        /// due while all are busy waits, and its latency counts from its
+        /// arrival).
         #[arg(long, default_value_t = 128, value_parser = concurrency)]
         concurrency: usize,
+        /// Open loop: replay by the trace's timestamps (ms) divided by this
+        /// factor (finite, > 0). Default: closed loop at --concurrency.
+        #[arg(long, value_name = "FACTOR", value_parser = positive_finite, conflicts_with = "rate")]
+        speed: Option<f64>,
+        /// Open loop: Poisson arrivals at this rate (requests/s; finite,
+        /// > 0), exponential inter-arrival times seeded by --seed.
+        #[arg(long, value_name = "REQ/S", value_parser = positive_finite)]
+        rate: Option<f64>,
+        /// Seed of --rate's Poisson arrivals (same seed, same schedule).
+        #[arg(long, default_value_t = DEFAULT_SEED, requires = "rate")]
+        seed: u64,
         /// Model preset (Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b).
         #[arg(long, default_value = "Llama-3.1-8B", value_parser = model_preset)]
         model: ModelGeometry,
@@ -280,7 +300,11 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             trace,
             start,
             requests,
+            fixed_prompt,
             concurrency,
+            speed,
+            rate,
+            seed,
             model,
             tp,
             block,
@@ -295,7 +319,9 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 trace,
                 start,
                 requests,
+                fixed_prompt,
                 concurrency,
+                arrivals: arrivals(speed, rate, seed),
                 model,
                 tp,
                 block,
@@ -309,6 +335,16 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
         Cmd::VramPeer { dir, pool_bytes } => {
             vram::run_peer(&gpu, &dir, pool_bytes, CudaCopyConfig::default())
         }
+    }
+}
+
+/// The arrival mode of `bench`'s --speed / --rate (clap keeps them
+/// exclusive) and --seed.
+fn arrivals(speed: Option<f64>, rate: Option<f64>, seed: u64) -> Arrivals {
+    match (speed, rate) {
+        (Some(speed), _) => Arrivals::Trace { speed },
+        (None, Some(rate_per_s)) => Arrivals::Poisson { rate_per_s, seed },
+        (None, None) => Arrivals::Closed,
     }
 }
 
@@ -337,6 +373,26 @@ mod tests {
             (&["bench", "--trace", "t", "--tp", "0"], "--tp"),
             (&["bench", "--trace", "t", "--model", "x"], "--model"),
             (&["bench", "--trace", "t", "--paths", "both"], "--paths"),
+            (&["bench", "--trace", "t", "--speed", "0"], "--speed"),
+            (&["bench", "--trace", "t", "--speed", "nan"], "--speed"),
+            (&["bench", "--trace", "t", "--rate", "0"], "--rate"),
+            (&["bench", "--trace", "t", "--rate=-2"], "--rate"),
+            (&["bench", "--trace", "t", "--rate", "inf"], "--rate"),
+            (
+                &["bench", "--trace", "t", "--rate", "1", "--speed", "1"],
+                "--speed",
+            ),
+            (&["bench", "--trace", "t", "--seed", "3"], "--rate"),
+            (&["bench", "--fixed-prompt", "0"], "--fixed-prompt"),
+            (
+                &["bench", "--fixed-prompt", "8192", "--speed", "2"],
+                "--speed",
+            ),
+            (
+                &["bench", "--fixed-prompt", "8192", "--trace", "t"],
+                "--trace",
+            ),
+            (&["bench", "--requests", "5"], "--trace"),
             (&["kernel-bench", "--iters", "0"], "--iters"),
             (&["vram-bench", "--block", "0"], "--block"),
             (&["vram-bench", "--chunks", "x"], "--chunks"),
@@ -349,5 +405,68 @@ mod tests {
             assert_eq!(e.exit_code(), 2, "{e}");
             assert!(e.to_string().contains(flag), "{args:?}: {e}");
         }
+    }
+
+    fn bench(args: &[&str]) -> Cmd {
+        Cli::try_parse_from(
+            ["kvfabric-gpu", "bench"]
+                .into_iter()
+                .chain(args.iter().copied()),
+        )
+        .unwrap()
+        .cmd
+    }
+
+    #[test]
+    fn the_seed_shaped_open_loop_run_parses() {
+        let Cmd::Bench {
+            trace,
+            fixed_prompt,
+            requests,
+            speed,
+            rate,
+            seed,
+            paths,
+            ..
+        } = bench(&[
+            "--fixed-prompt",
+            "8192",
+            "--model",
+            "gpt-oss-120b",
+            "--tp",
+            "4",
+            "--rate",
+            "13",
+            "--requests",
+            "500",
+            "--paths",
+            "bounce,standard",
+        ])
+        else {
+            unreachable!()
+        };
+        assert_eq!((trace, fixed_prompt, requests), (None, Some(8192), 500));
+        assert_eq!(
+            arrivals(speed, rate, seed),
+            Arrivals::Poisson {
+                rate_per_s: 13.0,
+                seed: DEFAULT_SEED
+            }
+        );
+        assert_eq!(paths, [BenchPath::Bounce, BenchPath::Standard]);
+        let Cmd::Bench {
+            speed, rate, seed, ..
+        } = bench(&["--trace", "t", "--speed", "4"])
+        else {
+            unreachable!()
+        };
+        assert_eq!(arrivals(speed, rate, seed), Arrivals::Trace { speed: 4.0 });
+        let Cmd::Bench {
+            speed, rate, seed, ..
+        } = bench(&["--trace", "t"])
+        else {
+            unreachable!()
+        };
+        assert_eq!(arrivals(speed, rate, seed), Arrivals::Closed);
     }
 }

@@ -21,6 +21,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvfabric_agent::bench::arrivals::{fixed_prompt_trace, Arrivals, DEFAULT_SEED};
 use kvfabric_agent::bench::cli::{
     bench_path, concurrency, geometry, model_preset, non_empty, nonzero_byte_size, positive_finite,
     ReportFile, MAX_WAIT_S,
@@ -120,9 +121,14 @@ struct BenchArgs {
     /// First trace line to replay (0-based).
     #[arg(long, default_value_t = 0)]
     start: usize,
-    /// Number of consecutive requests to replay (at least 1).
+    /// Number of consecutive requests to replay (at least 1; with
+    /// --fixed-prompt: synthetic requests, at most 10,000,000).
     #[arg(long, default_value = "40")]
     requests: NonZeroUsize,
+    /// Synthetic workload instead of a trace: every request TOKENS prompt
+    /// tokens (at least 1), --requests of them; no trace file read.
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["trace", "start", "speed"])]
+    fixed_prompt: Option<u64>,
     /// Model preset: Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b.
     #[arg(long, default_value = "Llama-3.1-8B", value_parser = model_preset)]
     model: ModelGeometry,
@@ -138,13 +144,23 @@ struct BenchArgs {
     /// K and V in one tensor (default: separate K and V tensors).
     #[arg(long)]
     no_kv_split: bool,
-    /// Concurrent requests (1 to 4096).
+    /// Concurrent requests (1 to 4096): closed loop, the number in flight;
+    /// with --speed or --rate, the most in flight (a request due while all
+    /// are busy waits, and its latency counts from its arrival).
     #[arg(long, default_value_t = 32, value_parser = concurrency)]
     concurrency: usize,
-    /// Replay by trace timestamps divided by this factor (finite, > 0;
-    /// default: fixed concurrency).
-    #[arg(long, value_parser = positive_finite)]
+    /// Open loop: replay by the trace's timestamps (ms) divided by this
+    /// factor (finite, > 0; 2 = twice as fast as recorded). Default:
+    /// closed loop at --concurrency.
+    #[arg(long, value_name = "FACTOR", value_parser = positive_finite, conflicts_with = "rate")]
     speed: Option<f64>,
+    /// Open loop: Poisson arrivals at this rate (requests/s; finite, > 0),
+    /// exponential inter-arrival times from a generator seeded by --seed.
+    #[arg(long, value_name = "REQ/S", value_parser = positive_finite)]
+    rate: Option<f64>,
+    /// Seed of --rate's Poisson arrivals (same seed, same schedule).
+    #[arg(long, default_value_t = DEFAULT_SEED, requires = "rate")]
+    seed: u64,
     /// KV pool size per side (prefill, decode); requests wait for free
     /// blocks. Default: what the slice's requests in flight hold at once,
     /// capped at 1GiB but at least its largest request (the memory is
@@ -364,6 +380,22 @@ fn load_trace(
     Ok(trace)
 }
 
+/// The requests to replay and where they came from (for the banner):
+/// `--fixed-prompt` synthetic requests, or the slice of the trace file.
+fn bench_trace(a: &BenchArgs) -> Result<(PathBuf, Vec<TraceRecord>), String> {
+    match a.fixed_prompt {
+        Some(tokens) => Ok((
+            PathBuf::from(format!("--fixed-prompt {tokens}")),
+            fixed_prompt_trace(tokens, a.requests.get())?,
+        )),
+        None => {
+            let path = a.trace.clone().unwrap_or_else(default_trace);
+            let trace = load_trace(&path, a.start, a.requests.get())?;
+            Ok((path, trace))
+        }
+    }
+}
+
 fn run_bench(a: BenchArgs) -> Result<(), String> {
     // Every flag is checked (here and by its value parser) before any
     // memory is allocated or agent started.
@@ -384,8 +416,7 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         );
     }
     let report_file = ReportFile::open("--json", &a.json)?;
-    let trace_path = a.trace.clone().unwrap_or_else(default_trace);
-    let trace = load_trace(&trace_path, a.start, a.requests.get())?;
+    let (trace_path, trace) = bench_trace(&a)?;
     let demand = SliceDemand::of(&layout, &trace, a.concurrency);
     if demand.requests == 0 {
         return Err(format!(
@@ -395,10 +426,11 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
             trace.len()
         ));
     }
-    let report = match distributed {
+    let mut report = match distributed {
         Some((p, d)) => run_distributed(&a, p, d, layout, &demand, &trace, &trace_path)?,
         None => run_embedded(&a, layout, &demand, &trace, &trace_path)?,
     };
+    report.fixed_prompt_tokens = a.fixed_prompt;
     print!("{}", report.table());
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let written = report_file.path().display().to_string();
@@ -627,6 +659,18 @@ fn run_distributed(
 }
 
 impl BenchArgs {
+    /// The arrival mode of --speed / --rate (clap keeps them exclusive).
+    fn arrivals(&self) -> Arrivals {
+        match (self.speed, self.rate) {
+            (Some(speed), _) => Arrivals::Trace { speed },
+            (None, Some(rate_per_s)) => Arrivals::Poisson {
+                rate_per_s,
+                seed: self.seed,
+            },
+            (None, None) => Arrivals::Closed,
+        }
+    }
+
     /// The replay options these flags give, for either mode.
     fn replay_options(
         &self,
@@ -636,7 +680,7 @@ impl BenchArgs {
         kvfabric_agent::bench::trace::ReplayOptions {
             layout,
             concurrency: self.concurrency,
-            speed: self.speed,
+            arrivals: self.arrivals(),
             pool_blocks,
             paths: self.paths.clone(),
             progress: !self.quiet,
@@ -824,6 +868,25 @@ mod tests {
             (&["--speed", "nan"], "--speed"),
             (&["--speed=-1"], "--speed"),
             (&["--speed", "inf"], "--speed"),
+            (&["--rate", "0"], "--rate"),
+            (&["--rate", "nan"], "--rate"),
+            (&["--rate=-1"], "--rate"),
+            (&["--rate", "inf"], "--rate"),
+            (&["--rate", "x"], "--rate"),
+            (&["--rate", "13", "--speed", "2"], "--speed"),
+            (&["--speed", "2", "--rate", "13"], "--rate"),
+            (&["--seed", "5"], "--rate"),
+            (&["--rate", "13", "--seed=-1"], "--seed"),
+            (&["--fixed-prompt", "0"], "--fixed-prompt"),
+            (&["--fixed-prompt=-5"], "--fixed-prompt"),
+            (&["--fixed-prompt", "x"], "--fixed-prompt"),
+            (&["--fixed-prompt", "8192", "--speed", "2"], "--speed"),
+            (
+                &["--speed", "2", "--fixed-prompt", "8192"],
+                "--fixed-prompt",
+            ),
+            (&["--fixed-prompt", "8192", "--trace", "t.jsonl"], "--trace"),
+            (&["--fixed-prompt", "8192", "--start", "3"], "--start"),
             (&["--geometry", "0,0,0,0"], "--geometry"),
             (&["--concurrency", "0"], "--concurrency"),
             (&["--concurrency", "100000000"], "--concurrency"),
@@ -843,6 +906,53 @@ mod tests {
         }
         let e = rejected(&["--model", "Qwen2.5-7B", "--geometry", "1,1,1,1"]);
         assert!(e.contains("--geometry") && e.contains("--model"), "{e}");
+    }
+
+    #[test]
+    fn arrival_flags_give_the_arrival_mode_and_fixed_prompt_needs_no_trace() {
+        let closed = bench(&[]).unwrap();
+        assert_eq!(closed.arrivals(), Arrivals::Closed);
+        assert_eq!(
+            bench(&["--speed", "2"]).unwrap().arrivals(),
+            Arrivals::Trace { speed: 2.0 }
+        );
+        assert_eq!(
+            bench(&["--rate", "13"]).unwrap().arrivals(),
+            Arrivals::Poisson {
+                rate_per_s: 13.0,
+                seed: DEFAULT_SEED
+            }
+        );
+        let a = bench(&[
+            "--fixed-prompt",
+            "8192",
+            "--requests",
+            "500",
+            "--rate",
+            "13",
+            "--seed",
+            "7",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.arrivals(),
+            Arrivals::Poisson {
+                rate_per_s: 13.0,
+                seed: 7
+            }
+        );
+        // No trace file is read (there is none at this path).
+        let (label, trace) = bench_trace(&a).unwrap();
+        assert_eq!(label.display().to_string(), "--fixed-prompt 8192");
+        assert_eq!(trace.len(), 500);
+        assert!(trace.iter().all(|r| r.input_length == 8192));
+        // Closed loop works with a fixed prompt too.
+        let a = bench(&["--fixed-prompt", "16", "--requests", "3"]).unwrap();
+        assert_eq!(bench_trace(&a).unwrap().1.len(), 3);
+        let a = bench(&["--fixed-prompt", "16", "--requests", "10000001"]).unwrap();
+        assert!(bench_trace(&a).unwrap_err().starts_with("--requests"));
+        let a = bench(&["--trace", "/nonexistent/t.jsonl"]).unwrap();
+        assert!(bench_trace(&a).unwrap_err().starts_with("--trace"));
     }
 
     #[test]
@@ -958,6 +1068,9 @@ mod tests {
             Just("--block"),
             Just("--concurrency"),
             Just("--speed"),
+            Just("--rate"),
+            Just("--seed"),
+            Just("--fixed-prompt"),
             Just("--wait"),
         ];
         prop_oneof![
@@ -993,6 +1106,10 @@ mod tests {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let Ok(a) = bench(&args) else { return Ok(()) };
             prop_assert!(a.speed.is_none_or(|s| s.is_finite() && s > 0.0));
+            prop_assert!(a.rate.is_none_or(|r| r.is_finite() && r > 0.0));
+            prop_assert!(a.speed.is_none() || a.rate.is_none());
+            prop_assert!(a.fixed_prompt.is_none_or(|t| t > 0) && (a.fixed_prompt.is_none() || a.speed.is_none()));
+            prop_assert!(a.arrivals().check().is_ok());
             prop_assert!((1..=kvfabric_agent::bench::cli::MAX_CONCURRENCY).contains(&a.concurrency));
             prop_assert!(a.tp > 0 && a.block > 0 && a.pool != Some(0) && !a.paths.is_empty());
             let Ok(layout) = bench_layout(&a) else { return Ok(()) };
