@@ -671,6 +671,15 @@ pub fn replay_with(
         replayed = order.iter().map(|&k| replayed[k]).collect();
         order.iter().map(|&k| due[k]).collect::<Vec<f64>>()
     });
+    let requests: Vec<Request<'_>> = replayed
+        .iter()
+        .enumerate()
+        .map(|(k, &(index, record))| Request {
+            index,
+            record,
+            arrival_s: schedule.as_ref().map(|s| s[k]),
+        })
+        .collect();
     let mut stats = Vec::new();
     for (pi, &path) in opts.paths.iter().enumerate() {
         hand_off.check_path(path)?;
@@ -678,8 +687,7 @@ pub fn replay_with(
             hand_off,
             prefill_pool,
             decode_pool,
-            &replayed,
-            schedule.as_deref(),
+            &requests,
             opts,
             path,
             (pi as u64 + 1) << 40,
@@ -830,6 +838,17 @@ pub fn human_bytes(bytes: u64) -> String {
     }
 }
 
+/// One request of a phase, in arrival order.
+#[derive(Clone, Copy)]
+struct Request<'a> {
+    /// Its position in the replayed slice (as reported).
+    index: usize,
+    /// The record.
+    record: &'a TraceRecord,
+    /// Open loop: its scheduled arrival, s from the phase's start.
+    arrival_s: Option<f64>,
+}
+
 /// Most failed requests the summary table lists (the report has all).
 const TABLE_FAILURES: usize = 10;
 
@@ -837,8 +856,7 @@ fn run_phase(
     hand_off: &dyn HandOff,
     ppool: &BlockPool,
     dpool: &BlockPool,
-    trace: &[(usize, &TraceRecord)],
-    schedule: Option<&[f64]>,
+    trace: &[Request<'_>],
     opts: &ReplayOptions,
     path: BenchPath,
     seed_base: u64,
@@ -853,7 +871,7 @@ fn run_phase(
     let descs_total = AtomicU64::new(0);
     let latencies = Mutex::new(Vec::with_capacity(trace.len()));
     // Open loop: (queue ms, service ms) of each completed request.
-    let open_loop = Mutex::new(Vec::with_capacity(schedule.map_or(0, <[f64]>::len)));
+    let open_loop = Mutex::new(Vec::new());
     let failed = Mutex::new(Vec::new());
     let fail = |index: usize, request_id: Option<u64>, error: String| {
         // The agent logs the request as `rid` (with its `agent` name), or
@@ -906,11 +924,17 @@ fn run_phase(
     let started = std::thread::scope(|scope| {
         let worker = || loop {
             let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&(i, rec)) = trace.get(k) else { break };
+            let Some(&Request {
+                index: i,
+                record: rec,
+                arrival_s: arrival,
+            }) = trace.get(k)
+            else {
+                break;
+            };
             // Open loop: wait for the request's scheduled arrival; a
             // request due while every worker was busy starts late (the
             // lateness is its queueing).
-            let arrival = schedule.and_then(|s| s.get(k).copied());
             if let Some(at) = arrival {
                 // A due time past Duration's range is "never": the wait is
                 // as long as the user asked for.
@@ -1029,9 +1053,9 @@ fn run_phase(
             l.iter().sum::<f64>() / l.len() as f64
         },
         requests_per_s: l.len() as f64 / wall,
-        from_arrival: schedule.and_then(|_| {
-            ArrivalLatency::of(&open_loop.into_inner().unwrap_or_else(|p| p.into_inner()))
-        }),
+        from_arrival: ArrivalLatency::of(
+            &open_loop.into_inner().unwrap_or_else(|p| p.into_inner()),
+        ),
         failed_requests,
     })
 }
@@ -1040,7 +1064,7 @@ impl ReplayReport {
     /// A plain-text summary table.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{} TP{} block {} {} ({} B descriptors), {} requests{}, {}, {} {}, pool {} blocks\n",
+            "{} TP{} block {} {} ({} B descriptors), {} requests{}, {}, {}, pool {} blocks\n",
             self.model,
             self.tp,
             self.block_tokens,
@@ -1051,11 +1075,10 @@ impl ReplayReport {
                 .map_or(String::new(), |t| format!(" of {t} tokens")),
             self.arrivals.describe(),
             if self.arrivals.is_open_loop() {
-                "at most in flight"
+                format!("at most {} in flight", self.concurrency)
             } else {
-                "concurrency"
+                format!("concurrency {}", self.concurrency)
             },
-            self.concurrency,
             self.pool_blocks
         );
         if let Some(r) = self.arrival_rate_per_s {
@@ -1452,7 +1475,10 @@ mod tests {
         assert!(a.p99_ms >= a.p50_ms && a.max_ms >= a.p99_ms);
         assert!(a.p50_ms >= a.queue_p50_ms);
         let t = r.table();
-        assert!(t.contains("Poisson 1000 req/s (seed 5)"), "{t}");
+        assert!(
+            t.contains("Poisson 1000 req/s (seed 5), at most 1 in flight"),
+            "{t}"
+        );
         assert!(t.contains("from the scheduled arrival"), "{t}");
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["arrivals"]["mode"], "poisson");
@@ -1474,7 +1500,7 @@ mod tests {
     }
 
     fn poisson_span(n: usize, rate: f64, seed: u64) -> f64 {
-        *super::super::arrivals::poisson_schedule(n, rate, seed)
+        *crate::bench::arrivals::poisson_schedule(n, rate, seed)
             .last()
             .unwrap()
     }
