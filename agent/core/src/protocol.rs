@@ -308,6 +308,15 @@ pub enum Input {
         /// `Ok` on SUCCESS.
         result: Result<(), String>,
     },
+    /// Write `write` could not be posted (the engine refused it
+    /// synchronously): like a failed [`Input::WriteDone`], with `why` as
+    /// the request's failure reason as it is.
+    PostFailed {
+        /// Write id from [`Action::PostWrite`].
+        write: u64,
+        /// The failure reason.
+        why: String,
+    },
     /// Scatter job `job` finished.
     ScatterDone {
         /// Job id from [`Action::StartScatter`].
@@ -480,6 +489,50 @@ pub enum Action {
     },
 }
 
+/// A stage of a chunk of a traced request ([`Machine::set_traced`]): the
+/// transitions the reactor records in a request's timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkStage {
+    /// The chunk was gathered into its staging region.
+    Gathered,
+    /// Its write landed and its DATA is being sent.
+    DataSent,
+    /// Its ACK was accepted: the receiver scattered the chunk.
+    Acked,
+}
+
+/// A note for the reactor that asks for nothing to be done for the
+/// protocol's sake: timelines and wake-up hints. [`Machine::poll_action`]
+/// skips them; [`Machine::poll`] returns them in order with the actions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// `stage` of chunk `chunk` of traced request `rid` happened now.
+    Stage {
+        /// Request id.
+        rid: u64,
+        /// Chunk index.
+        chunk: u32,
+        /// Which stage.
+        stage: ChunkStage,
+    },
+    /// A receiver flow was accepted (its GRANTs are queued): DATA for up
+    /// to `chunks` chunks may follow within a round trip (a hint to wake
+    /// idle scatter workers early).
+    FlowAccepted {
+        /// Chunks of the flow that may scatter soon (≤ W).
+        chunks: usize,
+    },
+}
+
+/// One item of the machine's output queue ([`Machine::poll`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Perform this action.
+    Action(Action),
+    /// Take note (nothing to perform for the protocol).
+    Event(Event),
+}
+
 /// Monotonic counters (the protocol-side subset of `TransportStats`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -515,6 +568,11 @@ pub struct Counters {
     pub rejects_received: u64,
     /// REJECTs sent (unknown or detached scope, refused WANT).
     pub rejects_sent: u64,
+    /// Ended flows forgotten early because the tombstone cap was reached
+    /// ([`Machine::set_tombstone_policy`]).
+    pub tombstones_evicted: u64,
+    /// Sum over requests of the credit wait, submit → first GRANT (µs).
+    pub credit_wait_us: u64,
 }
 
 /// A snapshot of the state sizes (for gauges, tests and the simulator's
@@ -584,6 +642,12 @@ struct SendRequest {
     acked: usize,
     total_bytes: u64,
     last_progress: Nanos,
+    /// When it was submitted (credit wait).
+    submitted_at: Nanos,
+    /// Whether a GRANT arrived yet (credit wait).
+    first_grant: bool,
+    /// Stage events are queued for it ([`Machine::set_traced`]).
+    traced: bool,
 }
 
 impl SendRequest {
@@ -674,8 +738,17 @@ pub struct Machine {
     quiesce: Vec<(u64, u64, u64)>,
     parked: bool,
     shut_down: bool,
-    actions: VecDeque<Action>,
+    actions: VecDeque<Step>,
     counters: Counters,
+    /// Most tombstones kept (oldest evicted first); `usize::MAX`: no cap.
+    max_tombstones: usize,
+    /// Tombstone a cancel for a flow this machine never had (the default).
+    tombstone_unknown: bool,
+    /// Peer-name buffers handed back by the reactor ([`Machine::recycle`]),
+    /// reused for the names actions carry.
+    spare_names: Vec<String>,
+    /// Name used in log lines.
+    log_name: String,
 }
 
 /// Destination bounds [start, end) of runs ((0, 0) for none).
@@ -753,6 +826,10 @@ impl Machine {
             shut_down: false,
             actions: VecDeque::new(),
             counters: Counters::default(),
+            max_tombstones: usize::MAX,
+            tombstone_unknown: true,
+            spare_names: Vec::new(),
+            log_name: String::new(),
         })
     }
 
@@ -774,7 +851,8 @@ impl Machine {
             }
             Input::SendFailed { to, msg } => self.on_send_failed(&to, &msg),
             Input::GatherDone { job, result } => self.on_gather_done(job, result),
-            Input::WriteDone { write, result } => self.on_write_done(write, result),
+            Input::WriteDone { write, result } => self.on_write_done(write, result, false),
+            Input::PostFailed { write, why } => self.on_write_done(write, Err(why), true),
             Input::ScatterDone { job, result } => self.on_scatter_done(job, result),
             Input::PeerAdded { peer } => {
                 self.peers.insert(peer);
@@ -822,9 +900,116 @@ impl Machine {
         self.answer_quiesce();
     }
 
-    /// The next queued action, oldest first.
+    /// The next queued action, oldest first ([`Event`]s are skipped).
     pub fn poll_action(&mut self) -> Option<Action> {
+        loop {
+            match self.actions.pop_front()? {
+                Step::Action(a) => return Some(a),
+                Step::Event(_) => {}
+            }
+        }
+    }
+
+    /// The next queued action or event, oldest first.
+    pub fn poll(&mut self) -> Option<Step> {
         self.actions.pop_front()
+    }
+
+    /// Caps the receiver's tombstones at `max` (the oldest is forgotten
+    /// first, counted in [`Counters::tombstones_evicted`]) and says whether
+    /// a cancel naming a flow this machine never had leaves one. The
+    /// default — no cap, unknown cancels tombstoned — guards against a
+    /// cancel overtaking its WANT (the simulator's reordering network);
+    /// the runtime, whose channels deliver in order per peer, keeps none
+    /// for an unknown flow (any peer could make it hold memory) and caps
+    /// them (`MAX_TOMBSTONES`).
+    pub fn set_tombstone_policy(&mut self, max: usize, tombstone_unknown_cancels: bool) {
+        self.max_tombstones = max.max(1);
+        self.tombstone_unknown = tombstone_unknown_cancels;
+    }
+
+    /// Marks request `rid` traced: its chunks' [`ChunkStage`]s are queued
+    /// as [`Event::Stage`].
+    pub fn set_traced(&mut self, rid: u64) {
+        if let Some(r) = self.requests.get_mut(&rid) {
+            r.traced = true;
+        }
+    }
+
+    /// The name put into this machine's log lines.
+    pub fn set_log_name(&mut self, name: &str) {
+        self.log_name = name.to_string();
+    }
+
+    /// Hands back a peer-name `String` taken from an action, so the next
+    /// action's name reuses its buffer (no allocation per chunk).
+    #[inline]
+    pub fn recycle(&mut self, mut name: String) {
+        if self.spare_names.len() < 64 {
+            name.clear();
+            self.spare_names.push(name);
+        }
+    }
+
+    /// `name` as an owned `String`, in a recycled buffer when there is one.
+    #[inline]
+    fn owned_name(&mut self, name: &str) -> String {
+        match self.spare_names.pop() {
+            Some(mut b) => {
+                b.push_str(name);
+                b
+            }
+            None => name.to_string(),
+        }
+    }
+
+    fn push(&mut self, action: Action) {
+        self.actions.push_back(Step::Action(action));
+    }
+
+    fn stage(&mut self, rid: u64, chunk: usize, stage: ChunkStage) {
+        self.actions.push_back(Step::Event(Event::Stage {
+            rid,
+            chunk: chunk as u32,
+            stage,
+        }));
+    }
+
+    /// Whether anything is in flight: requests, granted regions, copy jobs
+    /// or queued scatters (the reactor's busy-poll condition).
+    pub fn is_busy(&self) -> bool {
+        !self.requests.is_empty()
+            || !self.regions.is_empty()
+            || !self.jobs.is_empty()
+            || !self.scatter_queue.is_empty()
+    }
+
+    /// Sender requests in flight.
+    pub fn request_count(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Chunks of in-flight requests staged and not yet ACKed (gathering,
+    /// gathered, writing or DATA sent).
+    pub fn chunks_in_flight(&self) -> usize {
+        self.requests
+            .values()
+            .map(|r| r.next_stage.saturating_sub(r.acked))
+            .sum()
+    }
+
+    /// Live receiver flows of engine scope `scope` (those a
+    /// [`Input::ForgetScope`] tells).
+    pub fn flows_in_scope(&self, scope: u64) -> usize {
+        self.flow_scope
+            .iter()
+            .filter(|(f, s)| **s == scope && self.scheduler.contains_flow(f))
+            .count()
+    }
+
+    /// The bound of chunk `chunk` of in-flight request `rid`.
+    pub fn chunk_bound(&self, rid: u64, chunk: u32) -> Option<&ChunkBound> {
+        self.requests.get(&rid)?.chunks.get(chunk as usize)
     }
 
     /// The latest time (ns) at which [`Input::Tick`] must be fed: the
@@ -911,15 +1096,13 @@ impl Machine {
     }
 
     fn send(&mut self, to: &str, msg: Message) {
-        self.actions.push_back(Action::Send {
-            to: to.to_string(),
-            msg,
-        });
+        let to = self.owned_name(to);
+        self.push(Action::Send { to, msg });
     }
 
     fn release_local(&mut self, local: u64) {
         if self.scheduler.release_local(local).is_ok() {
-            self.actions.push_back(Action::ReleaseStaging { local });
+            self.push(Action::ReleaseStaging { local });
         }
     }
 
@@ -928,7 +1111,7 @@ impl Machine {
             Outcome::Success => self.counters.succeeded += 1,
             Outcome::Failure(_) => self.counters.failed += 1,
         }
-        self.actions.push_back(Action::Resolve {
+        self.push(Action::Resolve {
             rid,
             outcome,
             timed_out,
@@ -990,6 +1173,9 @@ impl Machine {
                 acked: 0,
                 total_bytes,
                 last_progress: self.now,
+                submitted_at: self.now,
+                first_grant: false,
+                traced: false,
             },
         );
         self.pump(rid);
@@ -1080,13 +1266,13 @@ impl Machine {
             c.state = ChunkState::Gathering(job);
             c.local = Some(local);
             c.eager = !credited;
-            self.actions.push_back(Action::StartGather {
+            self.actions.push_back(Step::Action(Action::StartGather {
                 job,
                 rid,
                 chunk: i as u32,
                 local,
                 bound: req.chunks[i],
-            });
+            }));
             req.next_stage += 1;
         }
         if parked {
@@ -1132,8 +1318,14 @@ impl Machine {
         }
         req.state[i].state = ChunkState::Writing(write);
         self.writes.insert(write, WriteRef::Live { rid, chunk: i });
-        let peer = req.peer.clone();
-        self.actions.push_back(Action::PostWrite {
+        let peer = match self.spare_names.pop() {
+            Some(mut b) => {
+                b.push_str(&req.peer);
+                b
+            }
+            None => req.peer.clone(),
+        };
+        self.actions.push_back(Step::Action(Action::PostWrite {
             write,
             peer,
             rid,
@@ -1141,11 +1333,11 @@ impl Machine {
             local,
             bytes,
             credit,
-        });
+        }));
         Ok(())
     }
 
-    fn on_write_done(&mut self, write: u64, result: Result<(), String>) {
+    fn on_write_done(&mut self, write: u64, result: Result<(), String>, post_failed: bool) {
         match self.writes.remove(&write) {
             Some(WriteRef::Live { rid, chunk: i }) => {
                 let Some(req) = self.requests.get_mut(&rid) else {
@@ -1168,13 +1360,28 @@ impl Machine {
                             region_handle: credit.region_handle,
                             runs: std::mem::take(&mut req.state[i].runs),
                         });
-                        let peer = req.peer.clone();
-                        self.send(&peer, data);
+                        let traced = req.traced;
+                        let to = match self.spare_names.pop() {
+                            Some(mut b) => {
+                                b.push_str(&req.peer);
+                                b
+                            }
+                            None => req.peer.clone(),
+                        };
+                        if traced {
+                            self.stage(rid, i, ChunkStage::DataSent);
+                        }
+                        self.push(Action::Send { to, msg: data });
                     }
                     Err(e) => {
                         // Terminal: the NIC no longer reads the staging.
                         req.state[i].state = ChunkState::Gathered;
-                        self.fail_request(rid, format!("write of chunk {i} failed: {e}"), false);
+                        let why = if post_failed {
+                            e
+                        } else {
+                            format!("write of chunk {i} failed: {e}")
+                        };
+                        self.fail_request(rid, why, false);
                     }
                 }
             }
@@ -1195,6 +1402,12 @@ impl Machine {
                 d.request_id,
                 format!("could not send DATA for chunk {}", d.chunk_index),
             ),
+            Message::Grant(g) => {
+                // Count only credits that left: a GRANT that did not is
+                // reclaimed with its flow by the silence timeout.
+                self.counters.grants = self.counters.grants.saturating_sub(g.credits.len() as u64);
+                return;
+            }
             _ => return,
         };
         if self.requests.get(&rid).is_some_and(|r| r.peer == to) {
@@ -1208,7 +1421,12 @@ impl Machine {
             return; // late GRANT for a resolved request
         };
         if req.peer != peer {
+            tracing::warn!(agent = %self.log_name, peer, rid = g.request_id, "GRANT from the wrong peer; ignored");
             return;
+        }
+        if !req.first_grant {
+            req.first_grant = true;
+            self.counters.credit_wait_us += self.now.saturating_sub(req.submitted_at) / 1_000;
         }
         req.last_progress = self.now;
         let n = req.chunks.len();
@@ -1221,6 +1439,7 @@ impl Machine {
             // A credit for a chunk already credited, or past the request,
             // is a replay or a forgery: never attach it to another chunk.
             if i >= n || i < req.next_attach || req.credits.contains_key(&c.chunk_index) {
+                tracing::warn!(agent = %self.log_name, peer, rid = g.request_id, chunk = c.chunk_index, "duplicate or out-of-range credit; dropped");
                 self.counters.credits_rejected += 1;
                 continue;
             }
@@ -1249,6 +1468,9 @@ impl Machine {
         req.acked += 1;
         req.last_progress = self.now;
         let done = req.acked == req.chunks.len();
+        if req.traced {
+            self.stage(rid, i, ChunkStage::Acked);
+        }
         if let Some(local) = local {
             self.release_local(local);
         }
@@ -1271,6 +1493,7 @@ impl Machine {
         let Some(req) = self.requests.remove(&rid) else {
             return;
         };
+        tracing::warn!(agent = %self.log_name, peer = %req.peer, rid, reason = %why, "bounce request failed");
         let m = self.cfg.mutations;
         let in_flight = req
             .state
@@ -1372,6 +1595,9 @@ impl Machine {
                             req.state[chunk].state = ChunkState::Gathered;
                             req.state[chunk].runs = runs;
                             req.last_progress = self.now;
+                            if req.traced {
+                                self.stage(rid, chunk, ChunkStage::Gathered);
+                            }
                         }
                         self.pump(rid);
                     }
@@ -1416,7 +1642,10 @@ impl Machine {
         for rid in expired {
             self.fail_request(
                 rid,
-                format!("no progress within the request timeout of {timeout} ns"),
+                format!(
+                    "no progress within the request timeout of {:?}",
+                    std::time::Duration::from_nanos(timeout)
+                ),
                 true,
             );
         }
@@ -1437,6 +1666,7 @@ impl Machine {
             .collect();
         for rid in overdue {
             if let Some((peer, _)) = self.deferred_cancels.remove(&rid) {
+                tracing::warn!(agent = %self.log_name, rid, "orphaned write still in flight after the request timeout; cancelling anyway");
                 self.counters.overdue_orphans += 1;
                 self.send_cancel(&peer, rid);
             }
@@ -1464,6 +1694,7 @@ impl Machine {
             if !still && !self.cfg.mutations.legacy_silence_sweep {
                 continue;
             }
+            tracing::warn!(agent = %self.log_name, flow = %flow, "flow silent for twice the request timeout; reclaiming its regions");
             self.counters.silent_flows += 1;
             self.flow_seen.remove(&flow);
             self.reclaim_flow(&flow);
@@ -1493,6 +1724,7 @@ impl Machine {
             return;
         }
         if route == Route::Unusable {
+            tracing::warn!(agent = %self.log_name, peer, rid = w.request_id, "WANT with an unusable endpoint; rejected");
             self.counters.wants_rejected += 1;
             return;
         }
@@ -1501,22 +1733,21 @@ impl Machine {
             // A sender sends one WANT per request: another one for a live
             // or recently ended flow is a replay.
             if self.ended.contains(&flow) || self.scheduler.contains_flow(&flow) {
+                tracing::warn!(agent = %self.log_name, peer, rid = w.request_id, "WANT for a live or recently ended flow; dropped as a replay");
                 self.counters.wants_stale += 1;
                 return;
             }
         }
         if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
             // The destination engine is not attached: refuse at once.
+            tracing::warn!(agent = %self.log_name, peer, rid = w.request_id, scope = w.scope, "WANT for an engine scope that is not attached; rejected");
             self.counters.wants_rejected += 1;
             self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
             return;
         }
         let live = self.scheduler.contains_flow(&flow);
-        if self
-            .scheduler
-            .on_want(flow.clone(), &w.chunk_bytes)
-            .is_err()
-        {
+        if let Err(e) = self.scheduler.on_want(flow.clone(), &w.chunk_bytes) {
+            tracing::warn!(agent = %self.log_name, peer, rid = w.request_id, error = %e, "WANT rejected");
             self.counters.wants_rejected += 1;
             if !live {
                 self.send_reject(peer, w.request_id, RejectReason::Refused);
@@ -1526,6 +1757,10 @@ impl Machine {
         self.flow_seen.insert(flow.clone(), self.now);
         self.flow_scope.insert(flow, w.scope);
         self.schedule_and_send();
+        // DATA for this flow follows within a control round trip.
+        self.actions.push_back(Step::Event(Event::FlowAccepted {
+            chunks: w.chunk_bytes.len().min(self.cfg.max_inflight_chunks),
+        }));
     }
 
     fn send_reject(&mut self, peer: &str, rid: u64, reason: RejectReason) {
@@ -1624,6 +1859,12 @@ impl Machine {
         if self.ended.insert(flow.clone()) {
             self.ended_order.push_back((self.now, flow));
         }
+        while self.ended_order.len() > self.max_tombstones {
+            if let Some((_, f)) = self.ended_order.pop_front() {
+                self.ended.remove(&f);
+                self.counters.tombstones_evicted += 1;
+            }
+        }
     }
 
     fn prune_tombstones(&mut self) {
@@ -1640,7 +1881,11 @@ impl Machine {
 
     fn reclaim_flow(&mut self, flow: &FlowKey) {
         self.flow_scope.remove(flow);
-        self.tombstone(flow.clone());
+        // Under the runtime's policy only a flow that existed: a cancel
+        // naming an unknown flow (any peer can send one) costs no memory.
+        if self.tombstone_unknown || self.scheduler.contains_flow(flow) {
+            self.tombstone(flow.clone());
+        }
         self.scheduler.reclaim_flow(flow);
         self.forget_regions(|f| f == flow);
         self.grant_index.remove(flow);
@@ -1698,7 +1943,12 @@ impl Machine {
             if !self.cfg.mutations.legacy_flow_silence {
                 // A GRANT restarts the sender's progress clock: restart
                 // the flow's silence clock too (deviation, module docs).
-                self.flow_seen.insert(g.flow.clone(), self.now);
+                match self.flow_seen.get_mut(&g.flow) {
+                    Some(t) => *t = self.now,
+                    None => {
+                        self.flow_seen.insert(g.flow.clone(), self.now);
+                    }
+                }
             }
             self.regions.insert(
                 g.region_offset,
@@ -1722,6 +1972,16 @@ impl Machine {
                     credits,
                 }),
             );
+        }
+    }
+
+    /// Restarts `flow`'s silence clock (no allocation when it has one).
+    fn touch_flow(&mut self, flow: &FlowKey) {
+        match self.flow_seen.get_mut(flow) {
+            Some(t) => *t = self.now,
+            None => {
+                self.flow_seen.insert(flow.clone(), self.now);
+            }
         }
     }
 
@@ -1752,7 +2012,9 @@ impl Machine {
             }
             let end = r.region_end().ok_or_else(|| format!("run {k} overflows"))?;
             if end > region_len {
-                return Err(format!("run {k} ends beyond the granted region"));
+                return Err(format!(
+                    "run {k} ends at region byte {end}, beyond the granted {region_len} bytes"
+                ));
             }
             let dst_end = u64::from(r.count - 1)
                 .checked_mul(r.addr_stride)
@@ -1763,12 +2025,24 @@ impl Machine {
                 .iter()
                 .any(|&(a, l)| r.addr >= a && dst_end <= a.saturating_add(l));
             if !inside {
-                return Err(format!("run {k} destination is outside registered memory"));
+                return Err(if scope == 0 {
+                    format!(
+                        "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
+                        r.addr
+                    )
+                } else {
+                    format!(
+                        "run {k} destination [{:#x}, {dst_end:#x}) is outside the pool of destination engine scope {scope}",
+                        r.addr
+                    )
+                });
             }
             total = total.saturating_add(r.total_bytes());
         }
         if total > region_len {
-            return Err(format!("runs move {total} bytes, more than {region_len}"));
+            return Err(format!(
+                "runs move {total} bytes, more than the granted {region_len}"
+            ));
         }
         Ok(())
     }
@@ -1779,6 +2053,7 @@ impl Machine {
         let held = self.scheduler.held_by_flow(&flow, d.region_handle);
         if !held && !m.no_held_by_flow_validation {
             // Late DATA after a cancel / forget: never scatter (seed §9).
+            tracing::warn!(agent = %self.log_name, peer, rid = d.request_id, region = d.region_handle, "DATA for a region the flow does not hold; dropped");
             self.counters.data_rejected += 1;
             return;
         }
@@ -1787,12 +2062,28 @@ impl Machine {
         let chunk_ok = region.is_some_and(|r| r.chunk == d.chunk_index);
         if held && !chunk_ok && !m.unchecked_data_chunk {
             // Replayed DATA for a region re-granted to a later chunk.
+            tracing::warn!(agent = %self.log_name, peer, rid = d.request_id, chunk = d.chunk_index, "DATA names another chunk than its region was granted for; dropped");
             self.counters.data_rejected += 1;
             return;
         }
         let len = if held { len } else { u64::MAX };
-        let scope = self.flow_scope.get(&flow).copied().unwrap_or(0);
-        if self.validate_runs(scope, len, &d.runs).is_err() {
+        // A live flow always has its WANT's scope; none: fail closed.
+        let scope = match self.flow_scope.get(&flow) {
+            Some(&s) => s,
+            None if held => u64::MAX,
+            None => 0,
+        };
+        if held && scope != 0 && !self.scopes.contains_key(&scope) && !m.unscoped_data_validation
+        {
+            // The flow's engine detached (or its scope is unknown): not
+            // scattered, and the sender is told why.
+            tracing::debug!(agent = %self.log_name, peer, rid = d.request_id, scope, "DATA for a closed engine scope; not scattered");
+            self.counters.data_rejected += 1;
+            self.send_reject(peer, d.request_id, RejectReason::ScopeDetached);
+            return;
+        }
+        if let Err(why) = self.validate_runs(scope, len, &d.runs) {
+            tracing::warn!(agent = %self.log_name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
             self.counters.data_rejected += 1;
             if held {
                 // The sender fails the request now; its cancel frees the
@@ -1810,7 +2101,7 @@ impl Machine {
             self.counters.data_rejected += 1;
             return;
         }
-        self.flow_seen.insert(flow.clone(), self.now);
+        self.touch_flow(&flow);
         let dst = scatter_bounds(&d.runs);
         self.scatter_queue.push_back(PendingScatter {
             flow,
@@ -1829,18 +2120,22 @@ impl Machine {
             };
             self.exec_free -= 1;
             let job = self.token();
+            let flow = FlowKey {
+                peer: self.owned_name(&s.flow.peer),
+                rid: s.flow.rid,
+            };
             self.jobs.insert(
                 job,
                 Job::Scatter {
-                    flow: s.flow.clone(),
+                    flow: s.flow,
                     offset: s.offset,
                     chunk: s.chunk,
                     dst: s.dst,
                 },
             );
-            self.actions.push_back(Action::StartScatter {
+            self.push(Action::StartScatter {
                 job,
-                flow: s.flow,
+                flow,
                 region: s.offset,
                 chunk: s.chunk,
                 runs: s.runs,
@@ -1865,7 +2160,7 @@ impl Machine {
                 k += 1;
             } else {
                 self.quiesce.remove(k);
-                self.actions.push_back(Action::Quiesced { id });
+                self.push(Action::Quiesced { id });
             }
         }
     }
@@ -1899,16 +2194,21 @@ impl Machine {
         if live && result.is_ok() {
             self.counters.chunks_scattered += 1;
             if !self.cfg.mutations.legacy_flow_silence && self.scheduler.contains_flow(&flow) {
-                self.flow_seen.insert(flow.clone(), self.now);
+                self.touch_flow(&flow);
             }
-            self.send(
-                &flow.peer,
-                Message::Ack(Ack {
-                    request_id: flow.rid,
+            let rid = flow.rid;
+            self.push(Action::Send {
+                to: flow.peer,
+                msg: Message::Ack(Ack {
+                    request_id: rid,
                     chunk_index: chunk,
                     region_handle: offset,
                 }),
-            );
+            });
+        } else if live {
+            if let Err(e) = &result {
+                tracing::warn!(agent = %self.log_name, flow = %flow, error = %e, "scatter failed; no ACK");
+            }
         }
         // A failed scatter never ACKs (seed §9); an orphan has nobody to ACK.
         self.schedule_and_send();
@@ -1928,7 +2228,7 @@ impl Machine {
         for rid in rids {
             self.fail_request(rid, format!("peer {peer:?} was forgotten"), false);
         }
-        self.actions.push_back(Action::ForgetRoute {
+        self.push(Action::ForgetRoute {
             peer: peer.to_string(),
         });
         self.peers.remove(peer);
@@ -1961,7 +2261,7 @@ impl Machine {
         if orphans.is_empty() {
             return;
         }
-        self.actions.push_back(Action::ArenaInDoubt {
+        self.push(Action::ArenaInDoubt {
             writes: orphans.len(),
         });
         for (w, rid) in orphans {
