@@ -30,16 +30,17 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
-use kvfabric_core::scheduler::CreditScheduler;
-use kvfabric_core::wire::{
-    self, Ack, Credit, Data, Grant, Message, Notice, Reject, RejectReason, Want,
+use kvfabric_core::protocol::{
+    Action, ChunkStage, Config, Counters, Event, Input, Machine, Mutations, Nanos, Outcome,
+    Route, Step,
 };
-use kvfabric_core::{Descriptor, FlowKey, ScatterRun};
+use kvfabric_core::wire::{self, Message, Notice};
+use kvfabric_core::Descriptor;
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
 use super::exec::{
-    CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, ExecPool, WorkerPrimer,
+    CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, WorkerPrimer,
 };
 use super::waker::Waker;
 
@@ -578,26 +579,6 @@ enum Command {
     Shutdown,
 }
 
-/// Destination bounds [start, end) of validated scatter runs (start =
-/// lowest run address, end = highest run end); (0, 0) for none.
-fn scatter_bounds(runs: &[ScatterRun]) -> (u64, u64) {
-    let mut lo = u64::MAX;
-    let mut hi = 0u64;
-    for r in runs {
-        let end = u64::from(r.count.saturating_sub(1))
-            .saturating_mul(r.addr_stride)
-            .saturating_add(r.addr)
-            .saturating_add(r.segment_len);
-        lo = lo.min(r.addr);
-        hi = hi.max(end);
-    }
-    if runs.is_empty() {
-        (0, 0)
-    } else {
-        (lo, hi)
-    }
-}
-
 /// The bounce transport: a handle to the IO thread. `Send + Sync`; every
 /// method is safe from any thread and never blocks longer than its stated
 /// bound.
@@ -670,35 +651,40 @@ impl BounceTransport {
         settings: TransportSettings,
     ) -> Result<Self, String> {
         let name = engine.agent_name().to_string();
-        let scheduler = CreditScheduler::new(
-            arena.len,
-            settings.granularity_bytes,
-            settings.max_inflight_chunks,
-        )
-        .map_err(|e| format!("bounce arena of {} bytes: {e}", arena.len))?;
-        if settings.max_chunk_size_bytes > scheduler.max_allocation() {
-            return Err(format!(
-                "max chunk size {} bytes exceeds the arena's max allocation {} bytes",
-                settings.max_chunk_size_bytes,
-                scheduler.max_allocation()
-            ));
-        }
-        // One max-size block kept back for credit-backed local staging (see
-        // `Io::reserve_block`); only when the arena holds at least two.
-        let reserve_block = scheduler
-            .arena()
-            .block_size(settings.max_chunk_size_bytes)
-            .filter(|&b| scheduler.capacity() >= 2 * b);
         let endpoint = channel.local_endpoint();
+        // The protocol: both roles over one credit scheduler of the arena
+        // (it keeps one max-size block back for credit-backed local
+        // staging while this agent sends: the bidirectional reserve).
+        let mut m = Machine::new(Config {
+            arena_bytes: arena.len,
+            granularity_bytes: settings.granularity_bytes,
+            max_chunk_size_bytes: settings.max_chunk_size_bytes,
+            max_inflight_chunks: settings.max_inflight_chunks,
+            copy_contexts: settings.copy_contexts.max(1),
+            request_timeout: u64::try_from(settings.request_timeout.as_nanos())
+                .unwrap_or(u64::MAX),
+            eager_gather: settings.eager_gather,
+            arena_base: arena.base,
+            device_id: arena.device_id as i32,
+            endpoint: endpoint.clone(),
+            mutations: Mutations::default(),
+        })?;
+        // Over in-order channels a cancel never precedes its WANT: no
+        // tombstone for an unknown flow (any peer could make it hold
+        // memory), and at most MAX_TOMBSTONES.
+        m.set_tombstone_policy(MAX_TOMBSTONES, false);
+        m.set_log_name(&name);
+        for &(addr, len) in &settings.allowed_scatter_ranges {
+            m.handle(0, Input::AllowScatter { addr, len });
+        }
+        for &(scope, addr, len) in &settings.scoped_ranges {
+            m.handle(0, Input::AllowScope { scope, addr, len });
+        }
+        while m.poll().is_some() {}
         let busy_poll = settings.busy_poll;
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
         let max_inflight = settings.max_inflight_chunks.max(1);
         let first_request_id = settings.first_request_id.max(1);
-        let initial_allowed = settings.allowed_scatter_ranges.clone();
-        let mut initial_scopes: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-        for &(scope, addr, len) in &settings.scoped_ranges {
-            initial_scopes.entry(scope).or_default().push((addr, len));
-        }
         let initial_sink = settings.notice_sink.clone();
         let closed = Arc::new(AtomicBool::new(false));
         let io_blocked = Arc::new(AtomicBool::new(false));
@@ -730,39 +716,29 @@ impl BounceTransport {
             name: name.clone(),
             engine,
             channel,
-            endpoint: endpoint.clone(),
             arena,
-            exec: ExecPool::new(vec![(); settings.copy_contexts.max(1)]),
             settings,
-            scheduler,
+            m,
+            origin: Instant::now(),
+            last_counters: Counters::default(),
+            deadline: None,
+            deadline_stale: true,
             workers: Some(workers),
             done_rx,
             cmd_rx,
             stats: stats.clone(),
             closed: closed.clone(),
             io_blocked: io_blocked.clone(),
-            peers: HashMap::new(),
+            peer_kinds: HashMap::new(),
             probes: HashMap::new(),
-            requests: HashMap::new(),
+            reqs: HashMap::new(),
             writes: Vec::new(),
-            jobs: HashMap::new(),
-            next_token: 1,
-            regions: HashMap::new(),
-            grant_index: HashMap::new(),
-            flow_seen: HashMap::new(),
-            scatter_queue: VecDeque::new(),
-            orphan_writes: Vec::new(),
-            deferred_cancels: HashMap::new(),
-            allowed: initial_allowed,
-            scopes: initial_scopes,
-            flow_scope: HashMap::new(),
-            ended: std::collections::HashSet::new(),
-            ended_order: VecDeque::new(),
-            disallowed: Vec::new(),
+            landed: Vec::new(),
+            queues: Vec::new(),
+            quiesce: HashMap::new(),
+            next_quiesce: 1,
             notice_sink: initial_sink,
             faults: FaultPlan::default(),
-            parked: false,
-            reserve_block,
             tx_buf: Vec::new(),
         };
         let handle = std::thread::Builder::new()
@@ -1149,40 +1125,30 @@ impl Drop for BounceTransport {
 }
 
 // ---------------------------------------------------------------------------
-// IO thread state
+// IO thread: the reactor around the protocol machine
 // ---------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChunkState {
-    /// Not staged yet.
-    Pending,
-    /// Gather job running.
-    Gathering,
-    /// Gathered, waiting for a credit.
-    Gathered,
-    /// RDMA write in flight.
-    Writing(XferHandle),
-    /// Write landed, DATA sent, waiting for ACK.
-    DataSent,
-    /// ACKed.
-    Acked,
+/// A sender request as the reactor knows it: what the machine's actions
+/// need besides protocol state (the machine owns every transition).
+struct ReqIo {
+    completion: Arc<Completion>,
+    /// The request's descriptors, shared with its chunks' gather jobs
+    /// (each plans its chunk on the worker).
+    descs: Arc<Vec<Descriptor>>,
+    /// The peer's arena memory, from its registration at submit.
+    remote_kind: MemKind,
 }
 
-struct SendChunk {
-    state: ChunkState,
-    /// Local staging region offset.
-    local: Option<u64>,
-    /// Still counted against the eager budget.
-    eager: bool,
-    credit: Option<Credit>,
-    /// When its credit's GRANT arrived: a credit older than the request
-    /// timeout is not written (the protocol simulator's bug 5).
-    credit_at: Option<Instant>,
-    /// When its write was posted (transport probe).
-    posted_at: Option<Instant>,
-    /// The chunk's scatter runs, from its gather job (planned on the
-    /// worker); moved into its DATA.
-    scatter_runs: Vec<ScatterRun>,
+/// A posted write (of a live request, or orphaned: its request resolved).
+struct WriteIo {
+    /// The machine's write id.
+    id: u64,
+    handle: XferHandle,
+    rid: u64,
+    chunk: u32,
+    peer: String,
+    /// Taken before the post (transport probe; an engine may copy inside it).
+    posted_at: Instant,
 }
 
 /// A peer's transport probe in progress (see [`TransportReport`]).
@@ -1194,99 +1160,13 @@ struct WriteProbe {
     best_bytes: u64,
 }
 
-struct SendRequest {
-    peer: String,
-    /// Destination scope named in the WANT (see [`BounceTransport::submit_scoped`]).
-    scope: u64,
-    remote_kind: MemKind,
-    /// The request's descriptors, shared with its chunks' gather jobs
-    /// (each plans its chunk on the worker).
-    descs: Arc<Vec<Descriptor>>,
-    /// The chunks from the sizing pass (no runs).
-    chunks: Vec<ChunkBound>,
-    state: Vec<SendChunk>,
-    /// Credits received and not yet attached, by chunk index (a credit
-    /// names its chunk: a duplicated or replayed GRANT cannot hand chunk
-    /// i's region to chunk i+1 — the protocol simulator's bug 1).
-    credits: std::collections::BTreeMap<u32, (Credit, Instant)>,
-    next_attach: usize,
-    next_stage: usize,
-    acked: usize,
-    total_bytes: u64,
-    submitted_at: Instant,
-    first_grant: bool,
-    last_progress: Instant,
-    completion: Arc<Completion>,
-}
-
-impl SendRequest {
-    fn staged_unacked(&self) -> usize {
-        self.state
-            .iter()
-            .filter(|c| {
-                matches!(
-                    c.state,
-                    ChunkState::Gathering
-                        | ChunkState::Gathered
-                        | ChunkState::Writing(_)
-                        | ChunkState::DataSent
-                )
-            })
-            .count()
-    }
-}
-
-enum JobRef {
-    Gather {
-        rid: u64,
-        chunk: usize,
-        local: u64,
-    },
-    /// Gather of a request that failed meanwhile: free its staging on done.
-    OrphanGather {
-        local: u64,
-    },
-    Scatter {
-        flow: FlowKey,
-        offset: u64,
-        chunk: u32,
-        /// Destination bounds [start, end) of the runs.
-        dst: (u64, u64),
-    },
-}
-
-/// A write of a failed request still in flight (send-side orphan, seed §9):
-/// its staging region is freed, and the request's cancel sent, only once
-/// the write is terminal — otherwise the receiver could re-grant the target
-/// region while our write still lands in it.
-struct OrphanWrite {
-    handle: XferHandle,
-    local: u64,
-    rid: u64,
-    since: Instant,
-}
-
-struct RecvRegion {
-    flow: FlowKey,
-    len: u64,
-    /// The chunk the region was granted for (DATA must name it — the
-    /// protocol simulator's bug 2).
-    chunk: u32,
-}
-
-struct PendingScatter {
-    flow: FlowKey,
-    offset: u64,
-    chunk: u32,
-    runs: Vec<ScatterRun>,
-    /// Destination bounds [start, end) of the runs.
-    dst: (u64, u64),
-}
-
-struct PeerRoute {
-    kind: MemKind,
-}
-
+/// The IO thread's state. Every protocol decision — the sender's request
+/// and chunk table, credits, staging, the receiver's grants, regions,
+/// DATA validation, scatter queue, orphans, deferred cancels, timeouts,
+/// flow silence, tombstones, engine scopes — is the [`Machine`]'s; `Io`
+/// turns commands, control messages, copy completions, engine polls and
+/// the clock into [`Input`]s and performs the [`Action`]s the machine
+/// emits.
 struct Io {
     name: String,
     /// See [`BounceTransport::closed`].
@@ -1295,71 +1175,41 @@ struct Io {
     io_blocked: Arc<AtomicBool>,
     engine: Arc<dyn TransferEngine>,
     channel: Box<dyn ControlChannel>,
-    endpoint: Vec<u8>,
     /// Reused encode buffer for outgoing control messages.
     tx_buf: Vec<u8>,
     arena: ArenaSpec,
-    exec: ExecPool<()>,
     settings: TransportSettings,
-    scheduler: CreditScheduler,
+    /// The protocol (both roles).
+    m: Machine,
+    /// The machine's time origin (its `now` is ns since this instant).
+    origin: Instant,
+    /// The machine's counters as last added to `stats`.
+    last_counters: Counters,
+    /// The machine's next deadline; recomputed after inputs.
+    deadline: Option<Nanos>,
+    deadline_stale: bool,
     workers: Option<CopyWorkers>,
     done_rx: Receiver<CopyDone>,
     cmd_rx: Receiver<Command>,
     stats: Arc<TransportStats>,
-    peers: HashMap<String, PeerRoute>,
+    /// Registered bounce peers and their arena memory.
+    peer_kinds: HashMap<String, MemKind>,
     /// Transport probes of peers whose report is not made yet.
     probes: HashMap<String, WriteProbe>,
-    requests: HashMap<u64, SendRequest>,
-    /// In-flight writes: (rid, chunk).
-    writes: Vec<(u64, usize)>,
-    jobs: HashMap<u64, JobRef>,
-    next_token: u64,
-    /// Receiver regions granted: offset → owner.
-    regions: HashMap<u64, RecvRegion>,
-    /// Next chunk index to grant per flow.
-    grant_index: HashMap<FlowKey, u32>,
-    /// Receiver side: last WANT / DATA / scatter of each live flow. A flow
-    /// silent for twice the request timeout is reclaimed (its sender
-    /// vanished or its cancel was lost; the reverse-path bootstrap means we
-    /// may never be told to forget that sender).
-    flow_seen: HashMap<FlowKey, Instant>,
-    scatter_queue: VecDeque<PendingScatter>,
-    /// Send-side orphans: writes of failed requests still in flight
-    /// (handle, local staging offset).
-    orphan_writes: Vec<OrphanWrite>,
-    /// Cancels held back until the failed request's writes are terminal:
-    /// rid → (peer, orphan writes outstanding).
-    deferred_cancels: HashMap<u64, (String, usize)>,
-    /// Ranges scatters of scope-0 flows (the agent's own memory) may write to.
-    allowed: Vec<(u64, u64)>,
-    /// Engine scopes: scope → the ranges its flows may scatter into.
-    scopes: HashMap<u64, Vec<(u64, u64)>>,
-    /// Receiver side: the destination scope of each live flow (from its WANT).
-    flow_scope: HashMap<FlowKey, u64>,
-    /// Receiver flows that ended (finished, cancelled — even before their
-    /// WANT —, reclaimed, forgotten), kept for 2 × the request timeout: a
-    /// replayed or late WANT must not bring one back (the protocol
-    /// simulator's bug 6, docs/protocol.md).
-    ended: std::collections::HashSet<FlowKey>,
-    ended_order: VecDeque<(Instant, FlowKey)>,
-    /// Ranges taken out of `allowed`, each answered once no queued or
-    /// running scatter writes into it (then its memory may be unmapped).
-    disallowed: Vec<(u64, u64, Sender<()>)>,
+    /// Requests in flight (exactly those in the machine's table).
+    reqs: HashMap<u64, ReqIo>,
+    /// Posted writes not yet terminal.
+    writes: Vec<WriteIo>,
+    /// Reused buffer of writes found terminal by one poll pass.
+    landed: Vec<(WriteIo, Result<(), String>, Duration)>,
+    /// Reused action queues (one per nesting level of `perform_all`).
+    queues: Vec<VecDeque<Step>>,
+    /// Disallow / quiesce requests waiting for the machine's answer.
+    quiesce: HashMap<u64, Sender<()>>,
+    next_quiesce: u64,
     /// Where NOTICE messages go (the service layer), if anywhere.
     notice_sink: Option<Sender<(String, Notice)>>,
     faults: FaultPlan,
-    /// Some request could not stage (arena / exec full): retry each tick.
-    parked: bool,
-    /// Bidirectional deadlock guard. Both roles share the arena, so a
-    /// receiver that grants all of it to a remote peer's flows leaves its own
-    /// credited chunks nowhere to stage; with the peer doing the same, each
-    /// side's grants wait on the other's staging forever. While this agent
-    /// has send requests, one block of this size (a max-size chunk) stays
-    /// free of remote grants and of eager staging, so a credit-backed
-    /// chunk can always stage, and every credit-backed chunk completes
-    /// without further arena space. `None` when the arena holds fewer than
-    /// two such blocks.
-    reserve_block: Option<u64>,
     /// See [`BounceTransport::heard`].
     heard: Arc<Mutex<HashMap<String, i64>>>,
     /// When `heard` was last updated per peer (throttle).
@@ -1391,7 +1241,7 @@ impl Io {
             // commands — wakes the blocking receive (the channel waits on
             // the IO thread's waker too), so waiting never takes CPU from
             // the copy workers.
-            let must_poll = !self.writes.is_empty() || !self.orphan_writes.is_empty();
+            let must_poll = !self.writes.is_empty();
             // Progress the engine (with the notification channel, its recv
             // does that and owns the notifications).
             if !self.channel.progresses_engine() {
@@ -1410,18 +1260,13 @@ impl Io {
             // Control messages: up to a batch per tick. Block (bounded:
             // timeouts are checked at least every IDLE_WAIT) only after a
             // short spin without events (a GPU chunk completes in tens of
-            // µs; a wake-up from poll(2) costs about as much).
-            // A parked request is retried every tick while spinning; after
-            // that only events (which wake the receive) or the 1 ms bound
-            // retry it. Without a busy-poll window (the default below 8
-            // CPUs) a request waiting for arena space or a copy slot thus
-            // never spins a core the copies need; with one, the IO thread
-            // keeps a core for up to `busy_poll` after each event.
+            // µs; a wake-up from poll(2) costs about as much). Without a
+            // busy-poll window (the default below 8 CPUs) a request waiting
+            // for arena space or a copy slot thus never spins a core the
+            // copies need; with one, the IO thread keeps a core for up to
+            // `busy_poll` after each event.
             let busy = !self.settings.busy_poll.is_zero()
-                && (!self.requests.is_empty()
-                    || !self.regions.is_empty()
-                    || !self.jobs.is_empty()
-                    || !self.scatter_queue.is_empty())
+                && self.m.is_busy()
                 && last_event.elapsed() < self.settings.busy_poll;
             let timeout = if must_poll || busy || idle_spins <= SPIN_BEFORE_BACKOFF {
                 Duration::ZERO
@@ -1445,7 +1290,7 @@ impl Io {
                 match received {
                     Ok(Some((peer, bytes))) => {
                         got += 1;
-                        self.on_message(&peer, &bytes);
+                        self.on_message(peer, &bytes);
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -1455,18 +1300,8 @@ impl Io {
                 }
             }
             let done = self.drain_copies();
-            self.answer_disallowed();
             let polled = self.poll_writes();
-            self.drain_scatter_queue();
-            if self.parked {
-                self.parked = false;
-                let rids: Vec<u64> = self.requests.keys().copied().collect();
-                for rid in rids {
-                    self.pump(rid);
-                }
-            }
-            self.drain_orphan_writes();
-            self.check_timeouts();
+            self.check_deadline();
             self.update_gauges();
             if got == 0 && done == 0 && polled == 0 {
                 // Adaptive poll (seed §7): with writes in flight spin
@@ -1487,29 +1322,404 @@ impl Io {
         self.shutdown();
     }
 
+    /// The machine's clock: ns since `origin`.
+    fn now(&self) -> Nanos {
+        self.origin.elapsed().as_nanos() as Nanos
+    }
+
+    /// Feeds `input` to the machine and performs what it asks for.
+    fn feed(&mut self, input: Input) {
+        let now = self.now();
+        self.m.handle(now, input);
+        self.after_input();
+    }
+
+    /// After an input: counters to `stats` (before any action: a peer may
+    /// act on a GRANT, a waiter on a resolution, before this thread runs
+    /// again), then the actions.
+    fn after_input(&mut self) {
+        self.sync_stats();
+        self.deadline_stale = true;
+        self.perform_all();
+    }
+
+    /// Adds what the machine's counters gained since the last call to the
+    /// shared `stats` (a rebuilt transport's start from its predecessor's).
+    fn sync_stats(&mut self) {
+        let c = self.m.counters();
+        let last = &mut self.last_counters;
+        let stats = &self.stats;
+        macro_rules! sync {
+            ($($f:ident),*) => {$(
+                if c.$f != last.$f {
+                    // Wrapping: a GRANT that did not leave is taken back.
+                    stats.$f.fetch_add(c.$f.wrapping_sub(last.$f), Ordering::Relaxed);
+                    last.$f = c.$f;
+                }
+            )*};
+        }
+        sync!(
+            succeeded,
+            failed,
+            timeouts,
+            bytes_sent,
+            chunks_written,
+            grants,
+            chunks_scattered,
+            data_rejected,
+            wants_rejected,
+            cancels_received,
+            wants_stale,
+            tombstones_evicted,
+            rejects_received,
+            credit_wait_us
+        );
+    }
+
+    /// Performs the machine's queued actions in order. An action whose
+    /// performing feeds an input (a send that failed, a write found
+    /// terminal between posts) performs that input's actions first, as
+    /// `Io` did inline.
+    fn perform_all(&mut self) {
+        let mut q = self.queues.pop().unwrap_or_default();
+        while let Some(s) = self.m.poll() {
+            q.push_back(s);
+        }
+        while let Some(step) = q.pop_front() {
+            match step {
+                Step::Event(e) => self.on_event(e),
+                Step::Action(a) => {
+                    let post = matches!(a, Action::PostWrite { .. });
+                    self.perform(a);
+                    // A post can take a while (the engine may copy
+                    // synchronously): send DATA for writes that landed
+                    // meanwhile before posting the next, so the receiver's
+                    // scatters overlap our writes.
+                    if post && matches!(q.front(), Some(Step::Action(Action::PostWrite { .. }))) {
+                        self.poll_writes();
+                    }
+                }
+            }
+        }
+        self.queues.push(q);
+    }
+
+    fn on_event(&mut self, e: Event) {
+        match e {
+            Event::Stage { rid, chunk, stage } => {
+                if let Some(r) = self.reqs.get(&rid) {
+                    let stage = match stage {
+                        ChunkStage::Gathered => Stage::Gathered,
+                        ChunkStage::DataSent => Stage::DataSent,
+                        ChunkStage::Acked => Stage::Acked,
+                    };
+                    r.completion.note(stage, chunk as usize, Instant::now());
+                }
+            }
+            Event::FlowAccepted { chunks } => {
+                // DATA for this flow follows within a control round trip:
+                // wake as many idle scatter workers as it can use now
+                // (after the GRANT went out) rather than on the first DATA.
+                if let Some(w) = &self.workers {
+                    w.prime(chunks);
+                }
+            }
+        }
+    }
+
+    fn perform(&mut self, a: Action) {
+        match a {
+            Action::Send { to, msg } => self.perform_send(to, msg),
+            Action::StartGather {
+                job,
+                rid,
+                chunk,
+                local,
+                bound,
+            } => {
+                let Some(r) = self.reqs.get(&rid) else {
+                    // Resolved before its gather started: nothing to copy.
+                    return self.feed(Input::GatherDone {
+                        job,
+                        result: Err("request resolved".into()),
+                    });
+                };
+                tracing::trace!(rid, chunk, "gather");
+                if let Some(w) = &self.workers {
+                    w.submit(CopyJob {
+                        token: job,
+                        kind: CopyKind::Gather,
+                        region_addr: self.arena.base + local,
+                        plan: CopyPlan::Chunk {
+                            descs: r.descs.clone(),
+                            bound,
+                            max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
+                            merge_runs: self.settings.merge_runs,
+                        },
+                    });
+                }
+            }
+            Action::PostWrite {
+                write,
+                peer,
+                rid,
+                chunk,
+                local,
+                bytes,
+                credit,
+            } => self.post_write(write, peer, rid, chunk, local, bytes, credit),
+            Action::StartScatter {
+                job,
+                flow,
+                region,
+                chunk: _,
+                runs,
+            } => {
+                if let Some(w) = &self.workers {
+                    w.submit(CopyJob {
+                        token: job,
+                        kind: CopyKind::Scatter,
+                        region_addr: self.arena.base + region,
+                        plan: CopyPlan::Runs(runs),
+                    });
+                }
+                self.m.recycle(flow.peer);
+            }
+            Action::ReleaseStaging { .. } => {}
+            Action::Resolve { rid, outcome, .. } => {
+                if let Some(r) = self.reqs.remove(&rid) {
+                    r.completion.resolve(match outcome {
+                        Outcome::Success => TransferOutcome::Success,
+                        Outcome::Failure(why) => TransferOutcome::Failure(why),
+                    });
+                }
+            }
+            Action::ForgetRoute { peer } => {
+                self.channel.remove_peer(&peer);
+                self.peer_kinds.remove(&peer);
+                let _ = self.engine.forget_peer(&peer);
+            }
+            Action::Quiesced { id } => {
+                if let Some(reply) = self.quiesce.remove(&id) {
+                    let _ = reply.send(());
+                }
+            }
+            Action::ArenaInDoubt { writes } => {
+                // Anything left may still read the arena: tell the arena's
+                // owner not to free or reuse the memory.
+                tracing::error!(
+                    agent = %self.name, writes,
+                    "writes still in flight at shutdown after 5 s; the arena must not be freed"
+                );
+                self.stats.arena_in_doubt.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Sends `msg` to `to`; a WANT or DATA that does not leave goes back to
+    /// the machine ([`Input::SendFailed`]), as does a GRANT (its credits
+    /// were counted before it left). A cancel goes only where a route is.
+    fn perform_send(&mut self, to: String, msg: Message) {
+        let (cancel, want_rid) = match &msg {
+            Message::Want(w) => (w.is_cancel(), Some(w.request_id)),
+            _ => (false, None),
+        };
+        if cancel && !self.channel.has_peer(&to) {
+            return self.m.recycle(to);
+        }
+        // One warm encode buffer (a 16,384-run DATA is 786 KB).
+        let mut bytes = std::mem::take(&mut self.tx_buf);
+        bytes.clear();
+        msg.encode_into(&mut bytes);
+        let sent = self.channel.send_to(&to, &bytes);
+        self.tx_buf = bytes;
+        match sent {
+            Ok(()) => {
+                if let (false, Some(rid)) = (cancel, want_rid) {
+                    if let Some(r) = self.reqs.get(&rid) {
+                        r.completion.note(Stage::Want, 0, Instant::now());
+                    }
+                }
+                self.m.recycle(to);
+            }
+            Err(e) => {
+                if matches!(e, ControlError::Dropped(_)) {
+                    self.stats.control_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(agent = %self.name, peer = %to, error = %e, msg = ?msg.message_type(), "control send failed");
+                if !cancel {
+                    self.feed(Input::SendFailed { to, msg });
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_write(
+        &mut self,
+        write: u64,
+        peer: String,
+        rid: u64,
+        chunk: u32,
+        local: u64,
+        bytes: u64,
+        credit: wire::Credit,
+    ) {
+        let Some(r) = self.reqs.get(&rid) else {
+            // Resolved before its write was posted: nothing reads staging.
+            self.m.recycle(peer);
+            return self.feed(Input::PostFailed {
+                write,
+                why: "request resolved".into(),
+            });
+        };
+        tracing::trace!(rid, chunk, "post write");
+        // Timed from before the post: an engine may copy inside it.
+        let posted_at = Instant::now();
+        let posted = self.engine.post_write(
+            &peer,
+            self.arena.kind,
+            &[MemDesc {
+                addr: self.arena.base + local,
+                len: bytes,
+                device_id: self.arena.device_id,
+            }],
+            r.remote_kind,
+            &[MemDesc {
+                addr: credit.addr,
+                len: bytes,
+                device_id: credit.device_id.max(0) as u64,
+            }],
+        );
+        match posted {
+            Ok(handle) => {
+                r.completion.note(Stage::WritePosted, chunk as usize, posted_at);
+                self.writes.push(WriteIo {
+                    id: write,
+                    handle,
+                    rid,
+                    chunk,
+                    peer,
+                    posted_at,
+                });
+            }
+            Err(e) => {
+                self.m.recycle(peer);
+                self.feed(Input::PostFailed {
+                    write,
+                    why: format!("posting write of chunk {chunk}: {e}"),
+                });
+            }
+        }
+    }
+
+    /// Polls every posted write; terminal ones (handle released) go to the
+    /// machine. Returns how many were terminal.
+    fn poll_writes(&mut self) -> usize {
+        if self.writes.is_empty() {
+            return 0;
+        }
+        let mut landed = std::mem::take(&mut self.landed);
+        let mut k = 0;
+        while k < self.writes.len() {
+            let w = &self.writes[k];
+            let live = self.reqs.contains_key(&w.rid);
+            let polled = if live && self.faults.fail_writes {
+                Err("injected engine failure".to_string())
+            } else if self.faults.hang_writes {
+                Ok(XferState::InProgress)
+            } else {
+                self.engine.poll(w.handle).map_err(|e| e.to_string())
+            };
+            match polled {
+                Ok(XferState::InProgress) => k += 1,
+                Ok(XferState::Success) => {
+                    let w = self.writes.swap_remove(k);
+                    self.engine.release(w.handle);
+                    let took = w.posted_at.elapsed();
+                    landed.push((w, Ok(()), took));
+                }
+                Err(e) => {
+                    // The handle is terminal (failed): release it; the
+                    // staging region is no longer read by the NIC.
+                    let w = self.writes.swap_remove(k);
+                    self.engine.release(w.handle);
+                    landed.push((w, Err(e), Duration::ZERO));
+                }
+            }
+        }
+        let n = landed.len();
+        for (w, result, took) in landed.drain(..) {
+            if result.is_ok() {
+                tracing::trace!(rid = w.rid, chunk = w.chunk, "write landed");
+                // A live request's write feeds its peer's transport probe.
+                if let Some(kind) = self.reqs.get(&w.rid).map(|r| r.remote_kind) {
+                    let payload = self.m.chunk_bound(w.rid, w.chunk).map(|b| b.payload_bytes);
+                    if let Some(payload) = payload {
+                        self.probe_write(&w.peer, kind, payload, took);
+                    }
+                }
+            }
+            self.feed(Input::WriteDone {
+                write: w.id,
+                result,
+            });
+            self.m.recycle(w.peer);
+        }
+        self.landed = landed;
+        n
+    }
+
+    fn drain_copies(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(done) = self.done_rx.try_recv() {
+            n += 1;
+            let result = done.result.map_err(|e| e.to_string());
+            match done.kind {
+                CopyKind::Gather => self.feed(Input::GatherDone {
+                    job: done.token,
+                    result: result.map(|()| done.scatter_runs),
+                }),
+                CopyKind::Scatter => self.feed(Input::ScatterDone {
+                    job: done.token,
+                    result,
+                }),
+            }
+        }
+        n
+    }
+
+    /// Feeds [`Input::Tick`] once the machine's next deadline passed.
+    fn check_deadline(&mut self) {
+        if self.deadline_stale {
+            self.deadline = self.m.next_deadline();
+            self.deadline_stale = false;
+        }
+        let Some(d) = self.deadline else { return };
+        if self.now() >= d {
+            self.feed(Input::Tick);
+        }
+    }
+
     fn update_gauges(&self) {
-        let cap = self.scheduler.capacity();
+        let s = self.m.scheduler();
+        let cap = s.capacity();
         self.stats
             .arena_bytes_in_use
-            .store(cap - self.scheduler.free_bytes(), Ordering::Relaxed);
-        let drain = u64::from(self.scheduler.in_drain_mode());
+            .store(cap - s.free_bytes(), Ordering::Relaxed);
+        let drain = u64::from(s.in_drain_mode());
         if self.stats.drain_mode.swap(drain, Ordering::Relaxed) < drain {
             self.stats.drain_entries.fetch_add(1, Ordering::Relaxed);
         }
-        let chunks: usize = self
-            .requests
-            .values()
-            .map(|r| r.next_stage.saturating_sub(r.acked))
-            .sum();
         self.stats
             .chunks_in_flight
-            .store(chunks as u64, Ordering::Relaxed);
+            .store(self.m.chunks_in_flight() as u64, Ordering::Relaxed);
         self.stats
             .recv_flows
-            .store(self.scheduler.flow_count() as u64, Ordering::Relaxed);
+            .store(s.flow_count() as u64, Ordering::Relaxed);
         self.stats
             .send_flows
-            .store(self.requests.len() as u64, Ordering::Relaxed);
+            .store(self.m.request_count() as u64, Ordering::Relaxed);
     }
 
     fn handle_command(&mut self, cmd: Command) -> bool {
@@ -1522,7 +1732,33 @@ impl Io {
                 descs,
                 chunks,
                 completion,
-            } => self.on_submit(rid, peer, scope, descs, chunks, completion),
+            } => {
+                tracing::trace!(rid, scope, descriptors = descs.len(), "submit");
+                let traced = completion.timeline.is_some();
+                let remote_kind = self.peer_kinds.get(&peer).copied().unwrap_or(MemKind::Dram);
+                self.reqs.insert(
+                    rid,
+                    ReqIo {
+                        completion,
+                        descs: Arc::new(descs),
+                        remote_kind,
+                    },
+                );
+                let now = self.now();
+                self.m.handle(
+                    now,
+                    Input::Submit {
+                        rid,
+                        peer,
+                        scope,
+                        chunks,
+                    },
+                );
+                if traced {
+                    self.m.set_traced(rid);
+                }
+                self.after_input();
+            }
             Command::AddPeer {
                 peer,
                 endpoint,
@@ -1534,7 +1770,8 @@ impl Io {
                     // A (re)added peer may sit behind another transport now:
                     // probe it afresh.
                     self.drop_transport_report(&peer);
-                    self.peers.insert(peer, PeerRoute { kind });
+                    self.peer_kinds.insert(peer.clone(), kind);
+                    self.feed(Input::PeerAdded { peer });
                 }
                 let _ = reply.send(r);
             }
@@ -1544,37 +1781,38 @@ impl Io {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(&peer);
-                self.forget_peer(&peer);
+                self.feed(Input::PeerForgotten { peer: peer.clone() });
                 self.drop_transport_report(&peer);
                 let _ = reply.send(());
             }
-            Command::AllowScatter { addr, len } => self.allowed.push((addr, len)),
+            Command::AllowScatter { addr, len } => self.feed(Input::AllowScatter { addr, len }),
             Command::AllowScope { scope, addr, len } => {
-                self.scopes.entry(scope).or_default().push((addr, len));
+                self.feed(Input::AllowScope { scope, addr, len })
             }
             Command::ForgetScope { scope, reply } => {
-                let n = self.forget_scope(scope);
+                let n = self.m.flows_in_scope(scope);
+                if n > 0 {
+                    tracing::info!(agent = %self.name, scope, flows = n, "destination engine detached; senders told");
+                }
+                self.feed(Input::ForgetScope { scope });
                 let _ = reply.send(n);
             }
             Command::DisallowScatter { addr, len, reply } => {
-                let end = addr.saturating_add(len);
-                let apart = |&(a, l): &(u64, u64)| a.saturating_add(l) <= addr || a >= end;
-                self.allowed.retain(apart);
-                for ranges in self.scopes.values_mut() {
-                    ranges.retain(apart);
-                }
-                self.disallowed.push((addr, end, reply));
-                self.answer_disallowed();
+                let id = self.next_quiesce;
+                self.next_quiesce += 1;
+                self.quiesce.insert(id, reply);
+                self.feed(Input::DisallowScatter { id, addr, len });
             }
             Command::Quiesce { addr, len, reply } => {
-                self.disallowed
-                    .push((addr, addr.saturating_add(len), reply));
-                self.answer_disallowed();
+                let id = self.next_quiesce;
+                self.next_quiesce += 1;
+                self.quiesce.insert(id, reply);
+                self.feed(Input::QuiesceScatter { id, addr, len });
             }
             Command::Cancel { rid, why, reply } => {
-                let known = self.requests.contains_key(&rid);
+                let known = self.m.has_request(rid);
                 if known {
-                    self.fail_request(rid, why);
+                    self.feed(Input::Cancel { rid, why });
                 }
                 let _ = reply.send(known);
             }
@@ -1600,442 +1838,18 @@ impl Io {
     }
 
     fn snapshot(&self) -> ArenaSnapshot {
+        let s = self.m.scheduler();
         ArenaSnapshot {
-            capacity: self.scheduler.capacity(),
-            free_bytes: self.scheduler.free_bytes(),
-            held_bytes: self.scheduler.held_bytes(),
-            local_held_bytes: self.scheduler.local_held_bytes(),
-            orphaned_bytes: self.scheduler.orphaned_bytes(),
-            flows: self.scheduler.flow_count(),
-            send_requests: self.requests.len(),
-            send_orphans: self.orphan_writes.len()
-                + self
-                    .jobs
-                    .values()
-                    .filter(|j| matches!(j, JobRef::OrphanGather { .. }))
-                    .count(),
-            conservation: self.scheduler.check_conservation(),
+            capacity: s.capacity(),
+            free_bytes: s.free_bytes(),
+            held_bytes: s.held_bytes(),
+            local_held_bytes: s.local_held_bytes(),
+            orphaned_bytes: s.orphaned_bytes(),
+            flows: s.flow_count(),
+            send_requests: self.m.request_count(),
+            send_orphans: self.m.snapshot().send_orphans,
+            conservation: s.check_conservation(),
         }
-    }
-
-    fn send(&mut self, peer: &str, msg: &Message) -> bool {
-        // One warm encode buffer (a 16,384-run DATA is 786 KB).
-        let mut bytes = std::mem::take(&mut self.tx_buf);
-        bytes.clear();
-        msg.encode_into(&mut bytes);
-        let sent = self.channel.send_to(peer, &bytes);
-        self.tx_buf = bytes;
-        match sent {
-            Ok(()) => true,
-            Err(e) => {
-                if matches!(e, ControlError::Dropped(_)) {
-                    self.stats.control_dropped.fetch_add(1, Ordering::Relaxed);
-                }
-                tracing::warn!(agent = %self.name, peer, error = %e, msg = ?msg.message_type(), "control send failed");
-                false
-            }
-        }
-    }
-
-    fn token(&mut self) -> u64 {
-        let t = self.next_token;
-        self.next_token += 1;
-        t
-    }
-
-    // ---------------- sender role ----------------
-
-    fn on_submit(
-        &mut self,
-        rid: u64,
-        peer: String,
-        scope: u64,
-        descs: Vec<Descriptor>,
-        chunks: Vec<ChunkBound>,
-        completion: Arc<Completion>,
-    ) {
-        tracing::trace!(rid, scope, descriptors = descs.len(), "submit");
-        let fail = |c: &Arc<Completion>, stats: &TransportStats, why: String| {
-            stats.failed.fetch_add(1, Ordering::Relaxed);
-            c.resolve(TransferOutcome::Failure(why));
-        };
-        let Some(route) = self.peers.get(&peer) else {
-            return fail(
-                &completion,
-                &self.stats,
-                format!("peer {peer:?} is not a registered bounce peer"),
-            );
-        };
-        let remote_kind = route.kind;
-        let t_plan = Instant::now();
-        // The submitting thread ran the sizing pass (chunk sizes for the
-        // WANT and where each chunk starts); each chunk's runs are built
-        // on a copy worker right before its gather (`CopyPlan::Chunk`).
-        if chunks.is_empty() {
-            self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
-            completion.resolve(TransferOutcome::Success);
-            return;
-        }
-        let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
-        let want = Message::Want(Want {
-            request_id: rid,
-            scope,
-            chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
-            endpoint: self.endpoint.clone(),
-        });
-        if !self.send(&peer, &want) {
-            return fail(&completion, &self.stats, "could not send WANT".into());
-        }
-        tracing::trace!(
-            rid,
-            chunks = chunks.len(),
-            plan_us = t_plan.elapsed().as_micros() as u64,
-            "planned"
-        );
-        let now = Instant::now();
-        completion.note(Stage::Want, 0, now);
-        let state = chunks
-            .iter()
-            .map(|_| SendChunk {
-                credit_at: None,
-                state: ChunkState::Pending,
-                local: None,
-                eager: false,
-                credit: None,
-                posted_at: None,
-                scatter_runs: Vec::new(),
-            })
-            .collect();
-        self.requests.insert(
-            rid,
-            SendRequest {
-                peer: peer.clone(),
-                scope,
-                remote_kind,
-                descs: Arc::new(descs),
-                chunks,
-                state,
-                credits: std::collections::BTreeMap::new(),
-                next_attach: 0,
-                next_stage: 0,
-                acked: 0,
-                total_bytes,
-                submitted_at: t_plan,
-                first_grant: false,
-                last_progress: now,
-                completion,
-            },
-        );
-        self.pump(rid);
-    }
-
-    /// Attach credits in chunk order, stage gathers within the window,
-    /// post writes for gathered chunks holding a credit.
-    fn pump(&mut self, rid: u64) {
-        let w = self.settings.max_inflight_chunks;
-        let eager_ok = self.settings.eager_gather;
-        let Some(req) = self.requests.get_mut(&rid) else {
-            return;
-        };
-        // 1. Attach credits (strict chunk order).
-        while req.next_attach < req.chunks.len() {
-            let Some((credit, at)) = req.credits.remove(&(req.next_attach as u32)) else {
-                break;
-            };
-            let c = &mut req.state[req.next_attach];
-            c.credit = Some(credit);
-            c.credit_at = Some(at);
-            if c.eager {
-                if let Some(off) = c.local {
-                    let _ = self.scheduler.promote_local(off);
-                }
-                c.eager = false;
-            }
-            req.next_attach += 1;
-        }
-        // 2. Stage gathers within the window.
-        let mut parked = false;
-        while req.next_stage < req.chunks.len() && req.staged_unacked() < w {
-            let i = req.next_stage;
-            let credited = req.state[i].credit.is_some();
-            if !credited && !eager_ok {
-                break;
-            }
-            let bytes = req.chunks[i].packed_bytes;
-            let Some(local) = self.scheduler.acquire_local(bytes, !credited) else {
-                parked = credited;
-                break;
-            };
-            if let (false, Some(b)) = (credited, self.reserve_block) {
-                // Eager staging never takes the block kept for credited
-                // chunks, nor the last block a peer's flow could be granted
-                // beside it: two agents sending to each other over small
-                // arenas would otherwise each hold all but the reserve and
-                // grant nothing until the timeout (the protocol
-                // simulator's bug 3, docs/protocol.md).
-                let room = match self.scheduler.acquire_local(b, false) {
-                    Some(hold) => {
-                        let ok = self.scheduler.arena().largest_free_block() >= b;
-                        let _ = self.scheduler.release_local(hold);
-                        ok
-                    }
-                    None => false,
-                };
-                if !room {
-                    let _ = self.scheduler.release_local(local);
-                    break;
-                }
-            }
-            let Some(()) = self.exec.try_acquire() else {
-                let _ = self.scheduler.release_local(local);
-                parked = true;
-                break;
-            };
-            let token = self.next_token;
-            self.next_token += 1;
-            self.jobs.insert(
-                token,
-                JobRef::Gather {
-                    rid,
-                    chunk: i,
-                    local,
-                },
-            );
-            let c = &mut req.state[i];
-            c.state = ChunkState::Gathering;
-            c.local = Some(local);
-            c.eager = !credited;
-            if let Some(w) = &self.workers {
-                w.submit(CopyJob {
-                    token,
-                    kind: CopyKind::Gather,
-                    region_addr: self.arena.base + local,
-                    plan: CopyPlan::Chunk {
-                        descs: req.descs.clone(),
-                        bound: req.chunks[i],
-                        max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
-                        merge_runs: self.settings.merge_runs,
-                    },
-                });
-            }
-            req.next_stage += 1;
-        }
-        if parked {
-            self.parked = true;
-        }
-        // 3. Post writes for gathered + credited chunks.
-        let ready: Vec<usize> = (0..req.next_attach)
-            .filter(|&i| req.state[i].state == ChunkState::Gathered)
-            .collect();
-        for i in ready {
-            if let Err(why) = self.post_chunk(rid, i) {
-                self.fail_request(rid, why);
-                return;
-            }
-            // A post can take a while (the engine may copy synchronously):
-            // send DATA for writes that landed meanwhile before posting the
-            // next, so the receiver's scatters overlap our writes.
-            self.poll_writes();
-            if !self.requests.contains_key(&rid) {
-                return;
-            }
-        }
-    }
-
-    fn post_chunk(&mut self, rid: u64, i: usize) -> Result<(), String> {
-        tracing::trace!(rid, chunk = i, "post write");
-        let req = self.requests.get_mut(&rid).expect("request exists");
-        let c = &req.state[i];
-        let credit = c.credit.expect("credited");
-        let local = c.local.expect("staged");
-        let bytes = req.chunks[i].packed_bytes;
-        if credit.len < bytes {
-            return Err(format!(
-                "GRANT for chunk {i} is {} bytes, chunk needs {bytes}",
-                credit.len
-            ));
-        }
-        // The receiver reclaims a flow silent for 2 × the timeout since its
-        // last GRANT: a write posted past one timeout after the GRANT could
-        // land after that, in a freed or re-granted region (the protocol
-        // simulator's bug 5, docs/protocol.md).
-        let age = c.credit_at.map_or(Duration::ZERO, |t| t.elapsed());
-        if age > self.settings.request_timeout {
-            return Err(format!(
-                "the GRANT for chunk {i} is {} ms old, past the request timeout",
-                age.as_millis()
-            ));
-        }
-        // Timed from before the post: an engine may copy inside it.
-        let posted_at = Instant::now();
-        let h = self
-            .engine
-            .post_write(
-                &req.peer,
-                self.arena.kind,
-                &[MemDesc {
-                    addr: self.arena.base + local,
-                    len: bytes,
-                    device_id: self.arena.device_id,
-                }],
-                req.remote_kind,
-                &[MemDesc {
-                    addr: credit.addr,
-                    len: bytes,
-                    device_id: credit.device_id.max(0) as u64,
-                }],
-            )
-            .map_err(|e| format!("posting write of chunk {i}: {e}"))?;
-        req.state[i].state = ChunkState::Writing(h);
-        req.state[i].posted_at = Some(posted_at);
-        req.completion.note(Stage::WritePosted, i, posted_at);
-        self.writes.push((rid, i));
-        Ok(())
-    }
-
-    fn poll_writes(&mut self) -> usize {
-        let mut progressed = 0;
-        let mut k = 0;
-        while k < self.writes.len() {
-            let (rid, i) = self.writes[k];
-            let Some(req) = self.requests.get(&rid) else {
-                self.writes.swap_remove(k);
-                continue;
-            };
-            let ChunkState::Writing(h) = req.state[i].state else {
-                self.writes.swap_remove(k);
-                continue;
-            };
-            let polled = if self.faults.fail_writes {
-                Err("injected engine failure".to_string())
-            } else if self.faults.hang_writes {
-                Ok(XferState::InProgress)
-            } else {
-                self.engine.poll(h).map_err(|e| e.to_string())
-            };
-            match polled {
-                Ok(XferState::InProgress) => k += 1,
-                Ok(XferState::Success) => {
-                    tracing::trace!(rid, chunk = i, "write landed");
-                    self.writes.swap_remove(k);
-                    self.engine.release(h);
-                    progressed += 1;
-                    self.stats.chunks_written.fetch_add(1, Ordering::Relaxed);
-                    let req = self.requests.get_mut(&rid).expect("checked");
-                    req.state[i].state = ChunkState::DataSent;
-                    let now = Instant::now();
-                    req.last_progress = now;
-                    req.completion.note(Stage::DataSent, i, now);
-                    if let Some(t) = req.state[i].posted_at.take() {
-                        let (peer, kind, bytes) = (
-                            req.peer.clone(),
-                            req.remote_kind,
-                            req.chunks[i].payload_bytes,
-                        );
-                        self.probe_write(&peer, kind, bytes, t.elapsed());
-                    }
-                    let req = self.requests.get_mut(&rid).expect("checked");
-                    let credit = req.state[i].credit.expect("credited");
-                    let data = Message::Data(Data {
-                        request_id: rid,
-                        chunk_index: i as u32,
-                        region_handle: credit.region_handle,
-                        runs: std::mem::take(&mut req.state[i].scatter_runs),
-                    });
-                    let peer = req.peer.clone();
-                    if !self.send(&peer, &data) {
-                        self.fail_request(rid, format!("could not send DATA for chunk {i}"));
-                    }
-                }
-                Err(e) => {
-                    self.writes.swap_remove(k);
-                    progressed += 1;
-                    // The handle is terminal (failed): release it; the
-                    // staging region is no longer read by the NIC.
-                    self.engine.release(h);
-                    if let Some(req) = self.requests.get_mut(&rid) {
-                        req.state[i].state = ChunkState::Gathered;
-                    }
-                    self.fail_request(rid, format!("write of chunk {i} failed: {e}"));
-                }
-            }
-        }
-        progressed
-    }
-
-    fn on_grant(&mut self, peer: &str, g: Grant) {
-        tracing::trace!(rid = g.request_id, credits = g.credits.len(), "grant");
-        let Some(req) = self.requests.get_mut(&g.request_id) else {
-            tracing::debug!(agent = %self.name, peer, rid = g.request_id, "GRANT for unknown request (late); ignored");
-            return;
-        };
-        if req.peer != peer {
-            tracing::warn!(agent = %self.name, peer, rid = g.request_id, "GRANT from the wrong peer; ignored");
-            return;
-        }
-        if !req.first_grant {
-            req.first_grant = true;
-            self.stats.credit_wait_us.fetch_add(
-                req.submitted_at.elapsed().as_micros() as u64,
-                Ordering::Relaxed,
-            );
-        }
-        let now = Instant::now();
-        req.last_progress = now;
-        for c in g.credits {
-            let i = c.chunk_index as usize;
-            // A chunk already credited, or past the request: dropped.
-            if i < req.next_attach
-                || i >= req.chunks.len()
-                || req.credits.contains_key(&c.chunk_index)
-            {
-                tracing::warn!(agent = %self.name, peer, rid = g.request_id, chunk = c.chunk_index, "duplicate or out-of-range credit; dropped");
-                continue;
-            }
-            req.credits.insert(c.chunk_index, (c, now));
-        }
-        self.pump(g.request_id);
-    }
-
-    fn on_ack(&mut self, peer: &str, a: Ack) {
-        let rid = a.request_id;
-        let Some(req) = self.requests.get_mut(&rid) else {
-            return;
-        };
-        let i = a.chunk_index as usize;
-        if req.peer != peer || i >= req.state.len() {
-            tracing::warn!(agent = %self.name, peer, rid, chunk = i, "ACK does not match a request; ignored");
-            return;
-        }
-        let c = &mut req.state[i];
-        if c.state != ChunkState::DataSent
-            || c.credit.map(|cr| cr.region_handle) != Some(a.region_handle)
-        {
-            tracing::warn!(agent = %self.name, peer, rid, chunk = i, "unexpected ACK; ignored");
-            return;
-        }
-        c.state = ChunkState::Acked;
-        tracing::trace!(rid, chunk = i, "ack");
-        if let Some(local) = c.local.take() {
-            let _ = self.scheduler.release_local(local);
-        }
-        req.acked += 1;
-        let now = Instant::now();
-        req.last_progress = now;
-        req.completion.note(Stage::Acked, i, now);
-        if req.acked == req.chunks.len() {
-            let req = self.requests.remove(&rid).expect("exists");
-            self.stats.succeeded.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .bytes_sent
-                .fetch_add(req.total_bytes, Ordering::Relaxed);
-            req.completion.resolve(TransferOutcome::Success);
-            // Freed staging may unblock a parked request.
-            self.parked = true;
-        } else {
-            self.pump(rid);
-        }
-        self.schedule_and_send();
     }
 
     /// Forgets `peer`'s transport probe and report.
@@ -2052,10 +1866,10 @@ impl Io {
     /// [`PROBE_CHUNKS`] writes, records and logs its [`TransportReport`]
     /// (once per peer) and warns on a likely silent fallback.
     fn probe_write(&mut self, peer: &str, remote_kind: MemKind, bytes: u64, took: Duration) {
-        let p = self.probes.entry(peer.to_string()).or_default();
-        if p.chunks >= PROBE_CHUNKS {
+        if self.probes.get(peer).is_some_and(|p| p.chunks >= PROBE_CHUNKS) {
             return;
         }
+        let p = self.probes.entry(peer.to_string()).or_default();
         let mbps = (bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6) as u64;
         p.chunks += 1;
         p.bytes += bytes;
@@ -2098,669 +1912,6 @@ impl Io {
             .insert(peer.to_string(), r);
     }
 
-    /// Resolves `rid` FAILURE now and cleans up: cancel (empty WANT) to the
-    /// receiver, staging freed at once where no copy/NIC still uses it,
-    /// deferred (send-side orphans) where one does (seed §9).
-    fn fail_request(&mut self, rid: u64, why: String) {
-        let Some(req) = self.requests.remove(&rid) else {
-            return;
-        };
-        tracing::warn!(agent = %self.name, peer = %req.peer, rid, reason = %why, "bounce request failed");
-        self.stats.failed.fetch_add(1, Ordering::Relaxed);
-        let in_flight = req
-            .state
-            .iter()
-            .filter(|c| matches!(c.state, ChunkState::Writing(_)))
-            .count();
-        if in_flight == 0 {
-            self.send_cancel(&req.peer, rid);
-        } else {
-            self.deferred_cancels
-                .insert(rid, (req.peer.clone(), in_flight));
-        }
-        let now = Instant::now();
-        for (i, c) in req.state.iter().enumerate() {
-            match c.state {
-                ChunkState::Gathering => {
-                    // The gather job still writes the staging region: free on done.
-                    if let Some((_, job)) = self.jobs.iter_mut().find(|(_, j)| {
-                        matches!(j, JobRef::Gather { rid: r, chunk, .. } if *r == rid && *chunk == i)
-                    }) {
-                        *job = JobRef::OrphanGather {
-                            local: c.local.expect("staged"),
-                        };
-                    }
-                }
-                ChunkState::Writing(h) => {
-                    self.orphan_writes.push(OrphanWrite {
-                        handle: h,
-                        local: c.local.expect("staged"),
-                        rid,
-                        since: now,
-                    });
-                }
-                ChunkState::Gathered | ChunkState::DataSent => {
-                    if let Some(local) = c.local {
-                        let _ = self.scheduler.release_local(local);
-                    }
-                }
-                ChunkState::Pending | ChunkState::Acked => {}
-            }
-        }
-        self.writes.retain(|(r, _)| *r != rid);
-        req.completion.resolve(TransferOutcome::Failure(why));
-        self.parked = true;
-        self.schedule_and_send();
-    }
-
-    /// Sends the empty WANT that lets the receiver reclaim flow `rid`.
-    fn send_cancel(&mut self, peer: &str, rid: u64) {
-        if self.channel.has_peer(peer) {
-            let cancel = wire::encode_cancel(rid, &self.endpoint);
-            if let Err(e) = self.channel.send_to(peer, &cancel) {
-                if matches!(e, ControlError::Dropped(_)) {
-                    self.stats.control_dropped.fetch_add(1, Ordering::Relaxed);
-                }
-                tracing::warn!(agent = %self.name, peer, rid, error = %e, "cancel not sent");
-            }
-        }
-    }
-
-    /// One orphan write of `rid` is terminal (or overdue): send the deferred
-    /// cancel once none is left.
-    fn orphan_write_settled(&mut self, rid: u64) {
-        if let Some((peer, left)) = self.deferred_cancels.get_mut(&rid) {
-            *left -= 1;
-            if *left == 0 {
-                let peer = peer.clone();
-                self.deferred_cancels.remove(&rid);
-                self.send_cancel(&peer, rid);
-            }
-        }
-    }
-
-    fn drain_orphan_writes(&mut self) {
-        let mut freed = false;
-        let mut k = 0;
-        let overdue = self.settings.request_timeout;
-        while k < self.orphan_writes.len() {
-            let o = &self.orphan_writes[k];
-            let (h, local, rid) = (o.handle, o.local, o.rid);
-            let polled = if self.faults.hang_writes {
-                Ok(XferState::InProgress)
-            } else {
-                self.engine.poll(h)
-            };
-            match polled {
-                Ok(XferState::InProgress) => {
-                    // A write that never finishes must not hold the receiver's
-                    // flow forever: cancel after the request timeout (staging
-                    // stays held while the NIC may still read it).
-                    if o.since.elapsed() > overdue && self.deferred_cancels.contains_key(&rid) {
-                        tracing::warn!(agent = %self.name, rid, "orphaned write still in flight after the request timeout; cancelling anyway");
-                        if let Some((peer, _)) = self.deferred_cancels.remove(&rid) {
-                            self.send_cancel(&peer, rid);
-                        }
-                    }
-                    k += 1;
-                }
-                _ => {
-                    self.engine.release(h);
-                    let _ = self.scheduler.release_local(local);
-                    self.orphan_writes.swap_remove(k);
-                    self.orphan_write_settled(rid);
-                    self.parked = true;
-                    freed = true;
-                }
-            }
-        }
-        if freed {
-            // Freed bytes may go to a waiting flow.
-            self.schedule_and_send();
-        }
-    }
-
-    fn check_timeouts(&mut self) {
-        let timeout = self.settings.request_timeout;
-        let now = Instant::now();
-        let expired: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, r)| now.duration_since(r.last_progress) > timeout)
-            .map(|(rid, _)| *rid)
-            .collect();
-        for rid in expired {
-            self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-            self.fail_request(
-                rid,
-                format!("no progress within the request timeout of {timeout:?}"),
-            );
-        }
-        // Receiver side: drop records of finished flows, reclaim silent ones.
-        let sched = &self.scheduler;
-        self.flow_seen.retain(|f, _| sched.contains_flow(f));
-        self.flow_scope.retain(|f, _| sched.contains_flow(f));
-        let silent: Vec<FlowKey> = self
-            .flow_seen
-            .iter()
-            .filter(|(_, t)| now.duration_since(**t) > 2 * timeout)
-            .map(|(f, _)| f.clone())
-            .collect();
-        for flow in silent {
-            // Reclaiming one flow frees regions the next schedule grants,
-            // perhaps to another flow of this list (restarting its clock):
-            // re-check, or its fresh GRANT would point at a region freed
-            // right after (the protocol simulator's bug 7).
-            let still = self
-                .flow_seen
-                .get(&flow)
-                .is_some_and(|t| now.duration_since(*t) > 2 * timeout);
-            if !still {
-                continue;
-            }
-            tracing::warn!(agent = %self.name, flow = %flow, "flow silent for twice the request timeout; reclaiming its regions");
-            self.flow_seen.remove(&flow);
-            self.reclaim_flow(&flow);
-        }
-    }
-
-    // ---------------- receiver role ----------------
-
-    fn on_want(&mut self, peer: &str, w: Want) {
-        if self.faults.ignore_wants {
-            return;
-        }
-        let flow = FlowKey::new(peer, w.request_id);
-        // Reverse-path bootstrap (seed §5): route to the sender's endpoint.
-        if !self.channel.has_peer(peer) {
-            if let Err(e) = self.channel.add_peer(peer, &w.endpoint) {
-                tracing::warn!(agent = %self.name, peer, error = %e, "WANT with an unusable endpoint; rejected");
-                if w.is_cancel() {
-                    // A cancel is honoured anyway (reclaims earlier state).
-                    self.stats.cancels_received.fetch_add(1, Ordering::Relaxed);
-                    self.reclaim_flow(&flow);
-                } else {
-                    self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
-                }
-                return;
-            }
-        }
-        if w.is_cancel() {
-            self.stats.cancels_received.fetch_add(1, Ordering::Relaxed);
-            self.reclaim_flow(&flow);
-            return;
-        }
-        // First (as the protocol machine): a replay naming a bogus scope
-        // must not REJECT — and so fail — the live request.
-        // A sender sends one WANT per request: another for a live or a
-        // recently ended flow is a replay (it would re-create a reclaimed
-        // flow and re-grant regions a stale DATA could then match).
-        self.prune_tombstones();
-        if self.ended.contains(&flow) || self.scheduler.contains_flow(&flow) {
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, "WANT for a live or recently ended flow; dropped as a replay");
-            self.stats.wants_stale.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        if w.scope != 0 && !self.scopes.contains_key(&w.scope) {
-            // The destination engine is not attached (detached, never
-            // attached here, or this agent restarted): refuse at once.
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, scope = w.scope, "WANT for an engine scope that is not attached; rejected");
-            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
-            self.send_reject(peer, w.request_id, RejectReason::UnknownScope);
-            return;
-        }
-        if let Err(e) = self.scheduler.on_want(flow.clone(), &w.chunk_bytes) {
-            tracing::warn!(agent = %self.name, peer, rid = w.request_id, error = %e, "WANT rejected");
-            self.stats.wants_rejected.fetch_add(1, Ordering::Relaxed);
-            // Fail the sender now, not at its timeout.
-            self.send_reject(peer, w.request_id, RejectReason::Refused);
-            return;
-        }
-        self.flow_seen.insert(flow.clone(), Instant::now());
-        self.flow_scope.insert(flow, w.scope);
-        self.schedule_and_send();
-        // DATA for this flow follows within a control round trip: wake as
-        // many idle scatter workers as it can use now (after the GRANT went
-        // out) rather than on the first DATA.
-        if let Some(workers) = &self.workers {
-            workers.prime(w.chunk_bytes.len().min(self.settings.max_inflight_chunks));
-        }
-    }
-
-    fn reclaim_flow(&mut self, flow: &FlowKey) {
-        // Only a flow that existed: a cancel naming an unknown flow (any
-        // peer can send one) must not cost memory.
-        if self.scheduler.contains_flow(flow) {
-            self.tombstone(flow.clone());
-        }
-        self.flow_scope.remove(flow);
-        self.scheduler.reclaim_flow(flow);
-        self.forget_regions(|f| f == flow);
-        self.grant_index.remove(flow);
-        self.schedule_and_send();
-    }
-
-    /// Remembers that `flow` ended (see `ended`). At most
-    /// [`MAX_TOMBSTONES`] are kept: past that the oldest goes first.
-    fn tombstone(&mut self, flow: FlowKey) {
-        self.prune_tombstones();
-        if self.ended.insert(flow.clone()) {
-            self.ended_order.push_back((Instant::now(), flow));
-        }
-        while self.ended_order.len() > MAX_TOMBSTONES {
-            if let Some((_, f)) = self.ended_order.pop_front() {
-                self.ended.remove(&f);
-                self.stats
-                    .tombstones_evicted
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Forgets flows that ended more than 2 × the request timeout ago.
-    fn prune_tombstones(&mut self) {
-        let keep = self.settings.request_timeout * 2;
-        while let Some((t, _)) = self.ended_order.front() {
-            if t.elapsed() <= keep {
-                break;
-            }
-            if let Some((_, f)) = self.ended_order.pop_front() {
-                self.ended.remove(&f);
-            }
-        }
-    }
-
-    /// Closes engine scope `scope`: its flows' DATA stops scattering, their
-    /// senders get a REJECT (see [`BounceTransport::forget_scope`]).
-    /// Returns the number of flows.
-    fn forget_scope(&mut self, scope: u64) -> usize {
-        self.scopes.remove(&scope);
-        let flows: Vec<FlowKey> = self
-            .flow_scope
-            .iter()
-            .filter(|(f, s)| **s == scope && self.scheduler.contains_flow(f))
-            .map(|(f, _)| f.clone())
-            .collect();
-        // The flows are not reclaimed here: their senders may still have
-        // writes in flight into the granted regions, so a region freed now
-        // could be re-granted and overwritten by a late write. The scope's
-        // ranges are gone, so their DATA no longer scatters; the sender,
-        // told by the REJECT, fails the request and cancels once its
-        // writes are terminal (seed §9), which frees the regions — or the
-        // silence timeout does.
-        for flow in &flows {
-            tracing::info!(agent = %self.name, flow = %flow, scope, "destination engine detached; sender told");
-            self.send_reject(&flow.peer, flow.rid, RejectReason::ScopeDetached);
-        }
-        // Their DATA already queued (validated, not yet started) would
-        // scatter into the detached engine's pool after the detach — and be
-        // ACKed: dropped, its region freed (the write into it is done).
-        let mut dropped = Vec::new();
-        self.scatter_queue.retain(|q| {
-            let keep = !flows.contains(&q.flow);
-            if !keep {
-                dropped.push((q.flow.clone(), q.offset));
-            }
-            keep
-        });
-        for (flow, offset) in dropped {
-            let _ = self.scheduler.scatter_done(offset);
-            if self.regions.get(&offset).is_some_and(|r| r.flow == flow) {
-                self.regions.remove(&offset);
-            }
-            if !self.scheduler.contains_flow(&flow) {
-                self.grant_index.remove(&flow);
-                self.tombstone(flow);
-            }
-        }
-        self.schedule_and_send();
-        flows.len()
-    }
-
-    /// Tells `peer` its request `rid` will not be served (best effort).
-    fn send_reject(&mut self, peer: &str, rid: u64, reason: RejectReason) {
-        let msg = Message::Reject(Reject {
-            request_id: rid,
-            reason,
-        });
-        self.send(peer, &msg);
-    }
-
-    /// Drops region records whose flow matches and which are no longer held
-    /// (reclaimed); scattering ones stay until their scatter completes.
-    fn forget_regions(&mut self, pred: impl Fn(&FlowKey) -> bool) {
-        let sched = &self.scheduler;
-        self.regions
-            .retain(|off, r| !pred(&r.flow) || sched.held_by_flow(&r.flow, *off));
-        // A queued (not yet started) scatter of a reclaimed flow will never
-        // run: its region is an orphan now, free it here or it leaks.
-        let mut dropped = Vec::new();
-        self.scatter_queue.retain(|s| {
-            let keep = !pred(&s.flow) || sched.held_by_flow(&s.flow, s.offset);
-            if !keep {
-                dropped.push(s.offset);
-            }
-            keep
-        });
-        for offset in dropped {
-            let _ = self.scheduler.scatter_done(offset);
-        }
-    }
-
-    fn schedule_and_send(&mut self) {
-        // Keep `reserve_block` out of the grants while we send; if it is not
-        // free right now, grant nothing (every free reschedules).
-        let hold = match self.reserve_block {
-            Some(b) if !self.requests.is_empty() => match self.scheduler.acquire_local(b, false) {
-                Some(off) => Some(off),
-                None => return,
-            },
-            _ => None,
-        };
-        let grants = self.scheduler.schedule();
-        if let Some(off) = hold {
-            let _ = self.scheduler.release_local(off);
-        }
-        if grants.is_empty() {
-            return;
-        }
-        // Group per flow, preserving grant order.
-        let mut batches: Vec<(FlowKey, Vec<Credit>)> = Vec::new();
-        for g in grants {
-            let idx = self.grant_index.entry(g.flow.clone()).or_insert(0);
-            let credit = Credit {
-                chunk_index: *idx,
-                region_handle: g.region_offset,
-                addr: self.arena.base + g.region_offset,
-                len: g.len,
-                device_id: self.arena.device_id as i32,
-            };
-            *idx += 1;
-            self.regions.insert(
-                g.region_offset,
-                RecvRegion {
-                    flow: g.flow.clone(),
-                    len: g.len,
-                    chunk: credit.chunk_index,
-                },
-            );
-            match batches.iter_mut().find(|(f, _)| *f == g.flow) {
-                Some((_, v)) => v.push(credit),
-                None => batches.push((g.flow, vec![credit])),
-            }
-        }
-        for (flow, credits) in batches {
-            let n = credits.len() as u64;
-            let msg = Message::Grant(Grant {
-                request_id: flow.rid,
-                credits,
-            });
-            // Count only credits that left: a GRANT dropped on a full queue
-            // (or to a vanished route) is reclaimed with its flow by the
-            // silence timeout, it was never granted to the sender.
-            // Counted before it leaves (taken back if it does not): the
-            // peer may act on it before this thread runs again.
-            self.stats.grants.fetch_add(n, Ordering::Relaxed);
-            if !self.send(&flow.peer, &msg) {
-                self.stats.grants.fetch_sub(n, Ordering::Relaxed);
-            } else {
-                // A GRANT restarts the sender's no-progress clock, so it
-                // restarts the flow's silence clock too: a flow granted
-                // late under backpressure is not reclaimed while its
-                // sender writes into it (the simulator's bug 4).
-                if let Some(t) = self.flow_seen.get_mut(&flow) {
-                    *t = Instant::now();
-                }
-            }
-        }
-    }
-
-    fn validate_runs(
-        &self,
-        scope: u64,
-        region_len: u64,
-        runs: &[ScatterRun],
-    ) -> Result<(), String> {
-        let allowed: &[(u64, u64)] = if scope == 0 {
-            &self.allowed
-        } else {
-            self.scopes.get(&scope).map_or(&[], Vec::as_slice)
-        };
-        let mut total: u64 = 0;
-        for (k, r) in runs.iter().enumerate() {
-            if r.segment_len == 0 || r.count == 0 {
-                return Err(format!("run {k} is empty"));
-            }
-            let end = r.region_end().ok_or_else(|| format!("run {k} overflows"))?;
-            if end > region_len {
-                return Err(format!(
-                    "run {k} ends at region byte {end}, beyond the granted {region_len} bytes"
-                ));
-            }
-            let dst_end = u64::from(r.count - 1)
-                .checked_mul(r.addr_stride)
-                .and_then(|x| x.checked_add(r.addr))
-                .and_then(|x| x.checked_add(r.segment_len))
-                .ok_or_else(|| format!("run {k} destination overflows"))?;
-            let inside = allowed
-                .iter()
-                .any(|&(a, l)| r.addr >= a && dst_end <= a + l);
-            if !inside {
-                return Err(if scope == 0 {
-                    format!(
-                        "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
-                        r.addr
-                    )
-                } else {
-                    format!(
-                        "run {k} destination [{:#x}, {dst_end:#x}) is outside the pool of destination engine scope {scope}",
-                        r.addr
-                    )
-                });
-            }
-            total = total.saturating_add(r.total_bytes());
-        }
-        if total > region_len {
-            return Err(format!(
-                "runs move {total} bytes, more than the granted {region_len}"
-            ));
-        }
-        Ok(())
-    }
-
-    fn on_data(&mut self, peer: &str, d: Data) {
-        tracing::trace!(
-            rid = d.request_id,
-            chunk = d.chunk_index,
-            runs = d.runs.len(),
-            "data"
-        );
-        let flow = FlowKey::new(peer, d.request_id);
-        if !self.scheduler.held_by_flow(&flow, d.region_handle) {
-            // Late DATA after a cancel / forget: never scatter (seed §9).
-            tracing::warn!(agent = %self.name, peer, rid = d.request_id, region = d.region_handle, "DATA for a region the flow does not hold; dropped");
-            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let (len, chunk) = self
-            .regions
-            .get(&d.region_handle)
-            .map_or((0, None), |r| (r.len, Some(r.chunk)));
-        if chunk != Some(d.chunk_index) {
-            // A replayed DATA of an earlier chunk whose region was granted
-            // again to this flow: scattering it would race the write that
-            // fills the region now.
-            tracing::warn!(agent = %self.name, peer, rid = d.request_id, chunk = d.chunk_index, granted_for = ?chunk, "DATA names another chunk than its region was granted for; dropped");
-            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        // A live flow always has its WANT's scope; none: fail closed.
-        let scope = self.flow_scope.get(&flow).copied().unwrap_or(u64::MAX);
-        if scope != 0 && !self.scopes.contains_key(&scope) {
-            tracing::debug!(agent = %self.name, peer, rid = d.request_id, scope, "DATA for a closed engine scope; not scattered");
-            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
-            self.send_reject(peer, d.request_id, RejectReason::ScopeDetached);
-            return;
-        }
-        if let Err(why) = self.validate_runs(scope, len, &d.runs) {
-            tracing::warn!(agent = %self.name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
-            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
-            // The sender fails the request now (its cancel, sent once its
-            // writes are terminal, frees the flow's regions).
-            self.send_reject(peer, d.request_id, RejectReason::InvalidRuns);
-            return;
-        }
-        if let Err(e) = self.scheduler.begin_scatter(&flow, d.region_handle) {
-            tracing::warn!(agent = %self.name, peer, error = %e, "DATA rejected");
-            self.stats.data_rejected.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        self.flow_seen.insert(flow.clone(), Instant::now());
-        let dst = scatter_bounds(&d.runs);
-        self.scatter_queue.push_back(PendingScatter {
-            flow,
-            offset: d.region_handle,
-            chunk: d.chunk_index,
-            runs: d.runs,
-            dst,
-        });
-        self.drain_scatter_queue();
-    }
-
-    fn drain_scatter_queue(&mut self) {
-        while !self.scatter_queue.is_empty() {
-            let Some(()) = self.exec.try_acquire() else {
-                return;
-            };
-            let s = self.scatter_queue.pop_front().expect("non-empty");
-            let token = self.token();
-            let region_addr = self.arena.base + s.offset;
-            self.jobs.insert(
-                token,
-                JobRef::Scatter {
-                    flow: s.flow,
-                    offset: s.offset,
-                    chunk: s.chunk,
-                    dst: s.dst,
-                },
-            );
-            if let Some(w) = &self.workers {
-                w.submit(CopyJob {
-                    token,
-                    kind: CopyKind::Scatter,
-                    region_addr,
-                    plan: CopyPlan::Runs(s.runs),
-                });
-            }
-        }
-    }
-
-    /// Answers every [`Command::DisallowScatter`] whose range no queued or
-    /// running scatter writes into any more.
-    fn answer_disallowed(&mut self) {
-        if self.disallowed.is_empty() {
-            return;
-        }
-        let busy = |a: u64, e: u64, (s0, s1): (u64, u64)| s0 < e && a < s1;
-        let mut k = 0;
-        while k < self.disallowed.len() {
-            let (a, e, _) = self.disallowed[k];
-            let in_use = self.scatter_queue.iter().any(|p| busy(a, e, p.dst))
-                || self.jobs.values().any(|j| match j {
-                    JobRef::Scatter { dst, .. } => busy(a, e, *dst),
-                    _ => false,
-                });
-            if in_use {
-                k += 1;
-            } else {
-                let (_, _, reply) = self.disallowed.swap_remove(k);
-                let _ = reply.send(());
-            }
-        }
-    }
-
-    fn drain_copies(&mut self) -> usize {
-        let mut n = 0;
-        while let Ok(done) = self.done_rx.try_recv() {
-            n += 1;
-            self.exec.release(());
-            match self.jobs.remove(&done.token) {
-                Some(JobRef::Gather { rid, chunk, local }) => {
-                    match done.result {
-                        Ok(()) => {
-                            if let Some(req) = self.requests.get_mut(&rid) {
-                                tracing::trace!(rid, chunk, "gathered");
-                                req.state[chunk].state = ChunkState::Gathered;
-                                req.state[chunk].scatter_runs = done.scatter_runs;
-                                let now = Instant::now();
-                                req.last_progress = now;
-                                req.completion.note(Stage::Gathered, chunk, now);
-                                self.pump(rid);
-                            } else {
-                                let _ = self.scheduler.release_local(local);
-                            }
-                        }
-                        Err(e) => {
-                            if let Some(req) = self.requests.get_mut(&rid) {
-                                // Region is no longer written: free it with the request.
-                                req.state[chunk].state = ChunkState::Gathered;
-                            }
-                            self.fail_request(rid, format!("gather of chunk {chunk}: {e}"));
-                        }
-                    }
-                }
-                Some(JobRef::OrphanGather { local }) => {
-                    let _ = self.scheduler.release_local(local);
-                    self.parked = true;
-                    self.schedule_and_send();
-                }
-                Some(JobRef::Scatter {
-                    flow,
-                    offset,
-                    chunk,
-                    dst: _,
-                }) => {
-                    let live = self.scheduler.held_by_flow(&flow, offset);
-                    let _ = self.scheduler.scatter_done(offset);
-                    self.regions.remove(&offset);
-                    if !self.scheduler.contains_flow(&flow) {
-                        self.grant_index.remove(&flow);
-                        if live {
-                            // Its last chunk: the flow finished.
-                            self.tombstone(flow.clone());
-                        }
-                    }
-                    match (live, done.result) {
-                        (true, Ok(())) => {
-                            tracing::trace!(rid = flow.rid, chunk, "scattered");
-                            self.stats.chunks_scattered.fetch_add(1, Ordering::Relaxed);
-                            let ack = Message::Ack(Ack {
-                                request_id: flow.rid,
-                                chunk_index: chunk,
-                                region_handle: offset,
-                            });
-                            self.send(&flow.peer, &ack);
-                            // Our ACK restarts the sender's no-progress
-                            // clock: the flow is not silent (the protocol
-                            // simulator's bug 4, docs/protocol.md).
-                            if let Some(t) = self.flow_seen.get_mut(&flow) {
-                                *t = Instant::now();
-                            }
-                        }
-                        (true, Err(e)) => {
-                            // Never report landed on a failed scatter (seed §9).
-                            tracing::warn!(agent = %self.name, flow = %flow, error = %e, "scatter failed; no ACK");
-                        }
-                        (false, _) => {} // orphan: freed, nothing to ACK
-                    }
-                    self.schedule_and_send();
-                }
-                None => {}
-            }
-        }
-        n
-    }
-
     /// Records that `peer` was heard now (at most every
     /// [`HEARD_GRANULARITY`] per peer: no lock or allocation otherwise).
     fn note_heard(&mut self, peer: &str) {
@@ -2782,87 +1933,65 @@ impl Io {
             .insert(peer.to_string(), ms);
     }
 
-    fn on_message(&mut self, peer: &str, bytes: &[u8]) {
+    fn on_message(&mut self, peer: String, bytes: &[u8]) {
         tracing::trace!(bytes = bytes.len(), "message in");
-        self.note_heard(peer);
-        match Message::decode(bytes) {
-            Ok(Message::Want(w)) => self.on_want(peer, w),
-            Ok(Message::Grant(g)) => self.on_grant(peer, g),
-            Ok(Message::Data(d)) => self.on_data(peer, d),
-            Ok(Message::Ack(a)) => self.on_ack(peer, a),
-            Ok(Message::Reject(r)) => self.on_reject(peer, r),
+        self.note_heard(&peer);
+        let msg = match Message::decode(bytes) {
             Ok(Message::Handshake(_)) => {
-                tracing::warn!(agent = %self.name, peer, "handshake on the control channel; ignored")
+                return tracing::warn!(agent = %self.name, %peer, "handshake on the control channel; ignored");
             }
-            Ok(Message::Notice(n)) => match &self.notice_sink {
-                Some(tx) => {
-                    if tx.try_send((peer.to_string(), n)).is_err() {
-                        tracing::warn!(agent = %self.name, peer, "notice queue full or closed; notice dropped");
+            Ok(Message::Notice(n)) => {
+                match &self.notice_sink {
+                    Some(tx) => {
+                        if tx.try_send((peer.clone(), n)).is_err() {
+                            tracing::warn!(agent = %self.name, %peer, "notice queue full or closed; notice dropped");
+                        }
+                    }
+                    None => {
+                        tracing::debug!(agent = %self.name, %peer, "notice without a sink; dropped")
                     }
                 }
-                None => tracing::debug!(agent = %self.name, peer, "notice without a sink; dropped"),
-            },
-            Err(e) => {
-                tracing::warn!(agent = %self.name, peer, error = %e, "undecodable control message; dropped")
+                return;
             }
-        }
-    }
-
-    /// The receiver refused request `r.request_id`: fail it now (only if
-    /// it is ours to `peer` — a REJECT names no other peer's request).
-    fn on_reject(&mut self, peer: &str, r: Reject) {
-        let ours = self
-            .requests
-            .get(&r.request_id)
-            .is_some_and(|q| q.peer == peer);
-        if !ours {
-            tracing::debug!(agent = %self.name, peer, rid = r.request_id, "REJECT for no request of ours to that peer; ignored");
-            return;
-        }
-        self.stats.rejects_received.fetch_add(1, Ordering::Relaxed);
-        let scope = self.requests.get(&r.request_id).map_or(0, |q| q.scope);
-        self.fail_request(
-            r.request_id,
-            format!(
-                "receiver {peer:?} refused the request (destination scope {scope}): {}",
-                r.reason
-            ),
-        );
-    }
-
-    // ---------------- lifecycle ----------------
-
-    fn forget_peer(&mut self, peer: &str) {
-        // Fail our requests first, while the route still exists, so their
-        // cancels reach a receiver that is alive (it never forgets us).
-        let rids: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, r)| r.peer == peer)
-            .map(|(rid, _)| *rid)
-            .collect();
-        for rid in rids {
-            self.fail_request(rid, format!("peer {peer:?} was forgotten"));
-        }
-        self.channel.remove_peer(peer);
-        self.peers.remove(peer);
-        let _ = self.engine.forget_peer(peer);
-        for flow in self.scheduler.reclaim_by_prefix(peer).flows {
-            self.tombstone(flow);
-        }
-        self.forget_regions(|f| f.peer == peer);
-        self.grant_index.retain(|f, _| f.peer != peer);
-        self.schedule_and_send();
+            Ok(msg) => msg,
+            Err(e) => {
+                return tracing::warn!(agent = %self.name, %peer, error = %e, "undecodable control message; dropped");
+            }
+        };
+        let route = match &msg {
+            Message::Want(w) => {
+                if self.faults.ignore_wants {
+                    return;
+                }
+                // Reverse-path bootstrap (seed §5): route to the sender's
+                // endpoint.
+                if self.channel.has_peer(&peer) {
+                    Route::Usable
+                } else {
+                    match self.channel.add_peer(&peer, &w.endpoint) {
+                        Ok(()) => Route::Usable,
+                        Err(e) => {
+                            tracing::warn!(agent = %self.name, %peer, error = %e, "WANT with an unusable endpoint");
+                            Route::Unusable
+                        }
+                    }
+                }
+            }
+            _ => Route::Usable,
+        };
+        self.feed(Input::Message {
+            from: peer,
+            msg,
+            route,
+        });
     }
 
     fn shutdown(&mut self) {
-        let rids: Vec<u64> = self.requests.keys().copied().collect();
-        for rid in rids {
-            self.fail_request(rid, "transport shut down".into());
-        }
+        // Every request fails; copies and writes still complete.
+        self.feed(Input::Shutdown);
         // Finish copies already queued (bounded), then join workers.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !self.jobs.is_empty() && Instant::now() < deadline {
+        while self.m.snapshot().jobs > 0 && Instant::now() < deadline {
             if self.drain_copies() == 0 {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -2872,24 +2001,21 @@ impl Io {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let _ = self.engine.progress();
-            self.drain_orphan_writes();
-            if self.orphan_writes.is_empty() || Instant::now() >= deadline {
+            self.poll_writes();
+            if self.writes.is_empty() || Instant::now() >= deadline {
                 break;
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        // Anything left may still read the arena: release the handles, but
-        // tell the arena's owner not to free or reuse the memory.
-        if !self.orphan_writes.is_empty() {
-            tracing::error!(
-                agent = %self.name, writes = self.orphan_writes.len(),
-                "writes still in flight at shutdown after 5 s; the arena must not be freed"
-            );
-            self.stats.arena_in_doubt.store(true, Ordering::SeqCst);
-        }
-        for o in std::mem::take(&mut self.orphan_writes) {
-            self.engine.release(o.handle);
-            self.orphan_write_settled(o.rid);
+        // Anything left may still read the arena: the machine gives the
+        // writes up (the arena is marked in doubt), the handles are
+        // released.
+        if !self.writes.is_empty() {
+            let left = std::mem::take(&mut self.writes);
+            self.feed(Input::AbandonInFlight);
+            for w in left {
+                self.engine.release(w.handle);
+            }
         }
         // Resolve commands that raced with shutdown. A submit queued after
         // this drain sees `closed` and resolves its own handle.
