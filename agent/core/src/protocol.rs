@@ -14,18 +14,25 @@
 //! deterministic simulator in `agent/core/tests/protocol_sim.rs` drives
 //! several machines through a faulty virtual network (docs/protocol.md).
 //!
-//! The rules are those of `Io` in `agent/src/runtime/transport.rs`, method
-//! for method; where the simulator found a rule wrong the machine deviates
-//! on purpose (listed under "Deviations" below, each with a
-//! [`Mutations`] switch restoring the old rule for the regression tests).
+//! The runtime runs this machine: `Io` in `agent/src/runtime/transport.rs`
+//! is a reactor that feeds it inputs and performs its actions (issue 17
+//! step 2) and holds no protocol state of its own. The rules were first
+//! ported from `Io`'s methods; where the simulator found a rule wrong the
+//! machine deviates from that first form (listed under "Deviations" below,
+//! each with a [`Mutations`] switch restoring the old rule for the
+//! regression tests). [`Event`]s ([`Machine::poll`]) carry what the
+//! reactor records but the protocol does not need: chunk stages of traced
+//! requests ([`Machine::set_traced`]) and a hint that a flow's DATA will
+//! follow. The runtime keeps tombstones only for flows that existed and at
+//! most `MAX_TOMBSTONES` ([`Machine::set_tombstone_policy`]).
 //!
-//! # Which input / action replaces which `Io` method
+//! # Which input / action replaced which method of the former `Io`
 //!
-//! | `Io` (transport.rs) | machine |
+//! | former `Io` (transport.rs) | machine |
 //! |---|---|
 //! | `on_submit` | [`Input::Submit`] (chunks already sized by `TransferPlan::chunk_bounds`); WANT as [`Action::Send`]; an unsendable WANT comes back as [`Input::SendFailed`] |
 //! | `pump` | internal; runs after every input that can stage or post |
-//! | `post_chunk` | [`Action::PostWrite`]; a synchronous post error is fed back as [`Input::WriteDone`] with `Err` |
+//! | `post_chunk` | [`Action::PostWrite`]; a synchronous post error is fed back as [`Input::PostFailed`] |
 //! | `poll_writes` (SUCCESS / FAILED) | the reactor polls every write id it holds and feeds terminal ones as [`Input::WriteDone`]; DATA follows as [`Action::Send`] |
 //! | `on_grant`, `on_ack`, `on_want`, `on_data` | [`Input::Message`] (the reactor decodes; WANT route bootstrap result in [`Route`]) |
 //! | `fail_request`, `send_cancel`, `orphan_write_settled` | internal; [`Action::Resolve`], cancel as [`Action::Send`] of an empty WANT, [`Action::ReleaseStaging`] |
@@ -44,18 +51,22 @@
 //!
 //! Left with the reactor (not protocol decisions): the engine, its handles
 //! and `progress()`, the control channel and its routes (`has_peer`,
-//! reverse-path `add_peer`), copy workers and their plans, completions and
-//! stage timelines, transport probes / reports, `heard` times, notices,
-//! the `FaultPlan` test hooks, wake-ups and the adaptive poll.
+//! reverse-path `add_peer`; a cancel is sent only where a route is),
+//! copy workers and their plans, completions and the timestamps of stage
+//! timelines, transport probes / reports, `heard` times, notices, the
+//! `FaultPlan` test hooks, wake-ups and the adaptive poll, and the 5 s
+//! bounds of a shutdown.
 //!
 //! # Differences of form (same rules)
 //!
 //! * Copy contexts (`ExecPool`) are a counter here: a gather or a scatter
 //!   takes one, its completion input returns it.
-//! * `Io` retries a parked request on every loop tick; the machine retries
-//!   after every input (an input is a tick's worth of events).
-//! * `pump` in `Io` polls writes between posts; here writes complete only
-//!   through [`Input::WriteDone`].
+//! * The former `Io` retried a parked request on every loop tick; the
+//!   machine retries after every input (an input is a tick's worth of
+//!   events).
+//! * The former `Io::pump` polled writes between posts; here writes
+//!   complete only through [`Input::WriteDone`] (the reactor polls its
+//!   writes between two queued posts and feeds what landed at once).
 //! * Collections are ordered (`BTreeMap`), so a run is a pure function of
 //!   its inputs (the simulator replays seeds exactly).
 //!
@@ -2073,8 +2084,7 @@ impl Machine {
             None if held => u64::MAX,
             None => 0,
         };
-        if held && scope != 0 && !self.scopes.contains_key(&scope) && !m.unscoped_data_validation
-        {
+        if held && scope != 0 && !self.scopes.contains_key(&scope) && !m.unscoped_data_validation {
             // The flow's engine detached (or its scope is unknown): not
             // scattered, and the sender is told why.
             tracing::debug!(agent = %self.log_name, peer, rid = d.request_id, scope, "DATA for a closed engine scope; not scattered");
@@ -3034,5 +3044,282 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    fn want(rid: u64, sizes: &[u64], scope: u64) -> Message {
+        Message::Want(Want {
+            request_id: rid,
+            scope,
+            chunk_bytes: sizes.to_vec(),
+            endpoint: b"a".to_vec(),
+        })
+    }
+
+    fn cancel(rid: u64) -> Message {
+        want(rid, &[], 0)
+    }
+
+    fn rejects(acts: &[Action]) -> Vec<RejectReason> {
+        acts.iter()
+            .filter_map(|x| match x {
+                Action::Send {
+                    msg: Message::Reject(r),
+                    ..
+                } => Some(r.reason),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The runtime's tombstone policy (transport.rs over in-order
+    /// channels): no tombstone for a cancel naming a flow never seen, and
+    /// at most `max` kept, the oldest evicted first and counted.
+    #[test]
+    fn the_runtime_tombstone_policy_skips_unknown_cancels_and_caps() {
+        // Default (the simulator's): a cancel ahead of its WANT tombstones
+        // the flow, so the late WANT is dropped.
+        let mut b = machine("b");
+        from_a(&mut b, 1, cancel(1));
+        assert!(grants(&from_a(&mut b, 2, want(1, &[256], 0))).is_empty());
+        assert_eq!(b.counters().wants_stale, 1);
+        // The runtime's: the unknown cancel leaves nothing behind.
+        let mut b = machine("b");
+        b.set_tombstone_policy(2, false);
+        from_a(&mut b, 1, cancel(1));
+        assert_eq!(grants(&from_a(&mut b, 2, want(1, &[256], 0))).len(), 1);
+        from_a(&mut b, 3, cancel(1));
+        // Two more flows end: three tombstones, cap 2: flow 1 goes.
+        for rid in [2, 3] {
+            assert_eq!(grants(&from_a(&mut b, 4, want(rid, &[256], 0))).len(), 1);
+            from_a(&mut b, 5, cancel(rid));
+        }
+        assert_eq!(b.counters().tombstones_evicted, 1);
+        assert_eq!(grants(&from_a(&mut b, 6, want(1, &[256], 0))).len(), 1);
+        assert!(grants(&from_a(&mut b, 6, want(3, &[256], 0))).is_empty());
+        assert_eq!(b.counters().wants_stale, 1);
+    }
+
+    /// A GRANT that did not leave is not counted (its credits are
+    /// reclaimed with the flow by the silence timeout).
+    #[test]
+    fn a_grant_that_did_not_leave_is_taken_back_from_the_counter() {
+        let mut b = machine("b");
+        let acts = from_a(&mut b, 1, want(1, &[256, 256], 0));
+        assert_eq!(b.counters().grants, 2);
+        for act in acts {
+            if let Action::Send { to, msg } = act {
+                b.handle(2, Input::SendFailed { to, msg });
+            }
+        }
+        assert_eq!(b.counters().grants, 0);
+    }
+
+    /// A synchronous post error fails the request with its own reason, frees
+    /// the staging at once (nothing reads it) and cancels at once.
+    #[test]
+    fn a_post_failure_fails_the_request_with_its_reason() {
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 0,
+                chunks: chunks(&[512]),
+            },
+        );
+        let mut acts = drain(&mut a);
+        let mut resolved = Vec::new();
+        let mut cancels = 0;
+        while let Some(act) = acts.pop() {
+            match act {
+                Action::Send { msg, .. } if matches!(&msg, Message::Want(w) if w.is_cancel()) => {
+                    cancels += 1;
+                    acts.extend(from_a(&mut b, 2, msg));
+                }
+                Action::Send { msg, to } if to == "b" => acts.extend(from_a(&mut b, 1, msg)),
+                Action::Send { msg, .. } => {
+                    a.handle(
+                        1,
+                        Input::Message {
+                            from: "b".into(),
+                            msg,
+                            route: Route::Usable,
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::StartGather { job, .. } => {
+                    a.handle(
+                        1,
+                        Input::GatherDone {
+                            job,
+                            result: Ok(run(512)),
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::PostWrite { write, .. } => {
+                    a.handle(
+                        1,
+                        Input::PostFailed {
+                            write,
+                            why: "posting write of chunk 0: boom".into(),
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::Resolve { outcome, .. } => resolved.push(outcome),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            resolved,
+            vec![Outcome::Failure("posting write of chunk 0: boom".into())]
+        );
+        assert_eq!(cancels, 1);
+        quiet(&a);
+        quiet(&b);
+    }
+
+    /// DATA of a flow whose engine scope closed is not scattered and its
+    /// sender is told the scope detached (not that its runs were invalid).
+    #[test]
+    fn data_of_a_closed_scope_is_rejected_as_detached() {
+        let mut b = machine("b");
+        b.handle(
+            0,
+            Input::AllowScope {
+                scope: 5,
+                addr: 0x1000,
+                len: 1 << 20,
+            },
+        );
+        let g = grants(&from_a(&mut b, 1, want(1, &[256], 5)));
+        assert_eq!(g.len(), 1);
+        b.handle(2, Input::ForgetScope { scope: 5 });
+        assert_eq!(rejects(&drain(&mut b)), vec![RejectReason::ScopeDetached]);
+        let acts = from_a(
+            &mut b,
+            3,
+            Message::Data(Data {
+                request_id: 1,
+                chunk_index: 0,
+                region_handle: g[0].region_handle,
+                runs: run(256),
+            }),
+        );
+        assert_eq!(rejects(&acts), vec![RejectReason::ScopeDetached]);
+        assert!(!acts
+            .iter()
+            .any(|x| matches!(x, Action::StartScatter { .. })));
+        assert_eq!(b.counters().data_rejected, 1);
+    }
+
+    /// A traced request's chunks report their stages, in order, with the
+    /// actions; an untraced one's report none. The first GRANT's wait is
+    /// counted once.
+    #[test]
+    fn traced_requests_queue_their_chunk_stages() {
+        for traced in [false, true] {
+            let (mut a, mut b) = (machine("a"), machine("b"));
+            a.handle(0, Input::PeerAdded { peer: "b".into() });
+            a.handle(
+                0,
+                Input::Submit {
+                    rid: 1,
+                    peer: "b".into(),
+                    scope: 0,
+                    chunks: chunks(&[512, 512]),
+                },
+            );
+            if traced {
+                a.set_traced(1);
+            }
+            let mut stages = Vec::new();
+            let mut accepted = 0;
+            let mut t = 1_000_000;
+            loop {
+                let mut steps: Vec<(bool, Step)> =
+                    std::iter::from_fn(|| a.poll()).map(|x| (true, x)).collect();
+                steps.extend(std::iter::from_fn(|| b.poll()).map(|x| (false, x)));
+                if steps.is_empty() {
+                    break;
+                }
+                t += 1_000_000;
+                for (from_a, step) in steps {
+                    let (me, other, my_name) = if from_a {
+                        (&mut a, &mut b, "a")
+                    } else {
+                        (&mut b, &mut a, "b")
+                    };
+                    let act = match step {
+                        Step::Event(Event::Stage { rid, chunk, stage }) => {
+                            assert!(from_a);
+                            stages.push((rid, chunk, stage));
+                            continue;
+                        }
+                        Step::Event(Event::FlowAccepted { chunks }) => {
+                            assert!(!from_a);
+                            accepted += chunks;
+                            continue;
+                        }
+                        Step::Action(act) => act,
+                    };
+                    match act {
+                        Action::Send { msg, .. } => other.handle(
+                            t,
+                            Input::Message {
+                                from: my_name.into(),
+                                msg,
+                                route: Route::Usable,
+                            },
+                        ),
+                        Action::StartGather { job, bound, .. } => me.handle(
+                            t,
+                            Input::GatherDone {
+                                job,
+                                result: Ok(run(bound.packed_bytes)),
+                            },
+                        ),
+                        Action::PostWrite { write, .. } => me.handle(
+                            t,
+                            Input::WriteDone {
+                                write,
+                                result: Ok(()),
+                            },
+                        ),
+                        Action::StartScatter { job, .. } => me.handle(
+                            t,
+                            Input::ScatterDone {
+                                job,
+                                result: Ok(()),
+                            },
+                        ),
+                        Action::Resolve { outcome, .. } => assert_eq!(outcome, Outcome::Success),
+                        _ => {}
+                    }
+                }
+            }
+            use ChunkStage::*;
+            if traced {
+                let mut per_chunk: Vec<Vec<ChunkStage>> = vec![Vec::new(); 2];
+                for (rid, chunk, stage) in stages {
+                    assert_eq!(rid, 1);
+                    per_chunk[chunk as usize].push(stage);
+                }
+                assert_eq!(per_chunk, vec![vec![Gathered, DataSent, Acked]; 2]);
+            } else {
+                assert!(stages.is_empty());
+            }
+            // The flow's two chunks, W = 2.
+            assert_eq!(accepted, 2);
+            // WANT at 0 (submit), its GRANT delivered in the third round.
+            assert_eq!(a.counters().credit_wait_us, 3_000);
+            assert_eq!(a.counters().succeeded, 1);
+            quiet(&a);
+            quiet(&b);
+        }
     }
 }

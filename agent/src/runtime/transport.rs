@@ -1,13 +1,18 @@
 //! The bounce reactor (seed §4 `BounceTransport`, §6–§9): one IO thread per
-//! agent owns the credit scheduler, the sender request table and the
-//! receiver region table; copy workers run gathers and scatters and report
-//! back. Both roles share one arena.
+//! agent owns the protocol machine (the credit scheduler, the sender
+//! request table and the receiver region table); copy workers run gathers
+//! and scatters and report back. Both roles share one arena.
 //!
-//! Per tick (seed §7): drain commands (submit / add peer / forget peer /
-//! shutdown); receive control messages and dispatch them; drain copy
-//! completions (gather ready → post write; scatter done → ACK + free +
-//! reschedule); poll in-flight writes (SUCCESS → DATA); retry parked work;
-//! drain send-side orphans; check no-progress timeouts. Polling is adaptive:
+//! The protocol itself — both roles' state and every transition — is
+//! [`kvfabric_core::protocol::Machine`] (sans-IO, issue 17); the IO thread
+//! is its reactor. Per tick (seed §7): drain commands (submit / add peer /
+//! forget peer / scopes / shutdown); receive control messages; drain copy
+//! completions; poll in-flight writes (live and orphaned); feed the
+//! machine's timer when its next deadline passed. Each event becomes an
+//! [`Input`]; the [`Action`]s the machine then emits are performed in order
+//! (sends, gather / scatter jobs, write posts, resolutions, route drops,
+//! quiesce answers), and its counters are added to [`TransportStats`]
+//! before any action. Polling is adaptive:
 //! while writes are in flight the thread polls the engine (spinning briefly,
 //! then yielding); otherwise it blocks in the control channel's receive for
 //! at most 1 ms, and a control message, a copy completion (workers signal
@@ -31,17 +36,15 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::protocol::{
-    Action, ChunkStage, Config, Counters, Event, Input, Machine, Mutations, Nanos, Outcome,
-    Route, Step,
+    Action, ChunkStage, Config, Counters, Event, Input, Machine, Mutations, Nanos, Outcome, Route,
+    Step,
 };
 use kvfabric_core::wire::{self, Message, Notice};
 use kvfabric_core::Descriptor;
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
-use super::exec::{
-    CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, WorkerPrimer,
-};
+use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, WorkerPrimer};
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -661,8 +664,7 @@ impl BounceTransport {
             max_chunk_size_bytes: settings.max_chunk_size_bytes,
             max_inflight_chunks: settings.max_inflight_chunks,
             copy_contexts: settings.copy_contexts.max(1),
-            request_timeout: u64::try_from(settings.request_timeout.as_nanos())
-                .unwrap_or(u64::MAX),
+            request_timeout: u64::try_from(settings.request_timeout.as_nanos()).unwrap_or(u64::MAX),
             eager_gather: settings.eager_gather,
             arena_base: arena.base,
             device_id: arena.device_id as i32,
@@ -1593,7 +1595,8 @@ impl Io {
         );
         match posted {
             Ok(handle) => {
-                r.completion.note(Stage::WritePosted, chunk as usize, posted_at);
+                r.completion
+                    .note(Stage::WritePosted, chunk as usize, posted_at);
                 self.writes.push(WriteIo {
                     id: write,
                     handle,
@@ -1866,7 +1869,11 @@ impl Io {
     /// [`PROBE_CHUNKS`] writes, records and logs its [`TransportReport`]
     /// (once per peer) and warns on a likely silent fallback.
     fn probe_write(&mut self, peer: &str, remote_kind: MemKind, bytes: u64, took: Duration) {
-        if self.probes.get(peer).is_some_and(|p| p.chunks >= PROBE_CHUNKS) {
+        if self
+            .probes
+            .get(peer)
+            .is_some_and(|p| p.chunks >= PROBE_CHUNKS)
+        {
             return;
         }
         let p = self.probes.entry(peer.to_string()).or_default();
