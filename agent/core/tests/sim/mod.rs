@@ -334,6 +334,8 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.wants_stale += b.wants_stale;
     a.rejects_received += b.rejects_received;
     a.rejects_sent += b.rejects_sent;
+    a.tombstones_evicted += b.tombstones_evicted;
+    a.credit_wait_us += b.credit_wait_us;
 }
 
 impl Stats {
