@@ -1898,6 +1898,9 @@ impl Machine {
             self.tombstone(flow.clone());
         }
         self.scheduler.reclaim_flow(flow);
+        if !self.scheduler.contains_flow(flow) {
+            self.flow_seen.remove(flow);
+        }
         self.forget_regions(|f| f == flow);
         self.grant_index.remove(flow);
         self.schedule_and_send();
@@ -2197,6 +2200,11 @@ impl Machine {
         }
         if !self.scheduler.contains_flow(&flow) {
             self.grant_index.remove(&flow);
+            // Its records go now, not at the next silence sweep: a busy
+            // receiver ends flows faster than the sweep (fed by deadlines)
+            // comes, and every record kept is rescanned by next_deadline.
+            self.flow_seen.remove(&flow);
+            self.flow_scope.remove(&flow);
             if live {
                 self.tombstone(flow.clone());
             }
@@ -2693,6 +2701,9 @@ mod tests {
             m.scheduler().check_conservation().unwrap();
         }
         assert_eq!(a.next_deadline(), None);
+        // The receiver forgets the finished flow's silence clock at once
+        // (it lingered until a Tick came, and every input rescanned it).
+        assert_eq!(b.next_deadline(), None);
         assert_eq!(b.counters().chunks_scattered, 3);
     }
 

@@ -1395,9 +1395,12 @@ impl Io {
                     self.perform(a);
                     // A post can take a while (the engine may copy
                     // synchronously): send DATA for writes that landed
-                    // meanwhile before posting the next, so the receiver's
-                    // scatters overlap our writes.
-                    if post && matches!(q.front(), Some(Step::Action(Action::PostWrite { .. }))) {
+                    // meanwhile — before posting the next, so the
+                    // receiver's scatters overlap our writes, and after a
+                    // lone post (the steady state: ACK, one-credit GRANT,
+                    // one post), so its DATA does not wait for the rest of
+                    // the loop pass.
+                    if post {
                         self.poll_writes();
                     }
                 }
