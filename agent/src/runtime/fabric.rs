@@ -122,6 +122,20 @@ pub struct PeerState {
     pub draining: bool,
     /// The peer's KV memory (the standard path's remote kind and device).
     pub memory: PeerMemory,
+    /// [`metadata_fingerprint`] of the NIXL metadata loaded for it (which
+    /// memory registrations of the peer NIXL knows).
+    pub metadata: u64,
+}
+
+/// A fingerprint of a peer's NIXL metadata blob (64-bit SipHash with fixed
+/// keys: equal blobs, equal fingerprints, in every process): tells whether
+/// the metadata NIXL has loaded for a peer is the one a discovery record
+/// carries.
+pub fn metadata_fingerprint(blob: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    blob.hash(&mut h);
+    h.finish()
 }
 
 /// Kind and device of a peer's KV memory, as the standard path names its
@@ -986,6 +1000,30 @@ impl FabricAgent {
         }
     }
 
+    /// Whether the NIXL metadata loaded for `peer` is the blob of
+    /// fingerprint `metadata` ([`metadata_fingerprint`]), waiting up to
+    /// `within` (5 ms steps) for the peer sync to load it: a record seen in
+    /// discovery can name memory (an engine's pool registered a moment ago)
+    /// that NIXL learns only when the sync thread reloads the peer.
+    pub fn await_peer_metadata(&self, peer: &str, metadata: u64, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            let loaded = self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(peer)
+                .map(|p| p.metadata);
+            if loaded == Some(metadata) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn peer_memory(&self, peer: &str) -> PeerMemory {
         self.peers
             .lock()
@@ -1067,6 +1105,7 @@ impl FabricAgent {
             handshake_blob: peer.handshake.clone(),
             draining: peer.draining,
             memory,
+            metadata: metadata_fingerprint(&peer.nixl_metadata),
         };
         self.peers
             .lock()

@@ -431,6 +431,9 @@ enum Target {
     Remote {
         agent: String,
         record: Box<EngineRecord>,
+        /// Fingerprint of the NIXL metadata in the agent's record that
+        /// named the engine ([`crate::runtime::fabric::metadata_fingerprint`]).
+        metadata: u64,
     },
 }
 
@@ -996,6 +999,7 @@ impl EngineHub {
                     return Ok(Target::Remote {
                         agent: rec.name.clone(),
                         record: Box::new(e.clone()),
+                        metadata: crate::runtime::fabric::metadata_fingerprint(&rec.nixl_metadata),
                     });
                 }
             }
@@ -1388,7 +1392,21 @@ impl EngineHub {
             Target::Local(dst) => {
                 self.local_copy(s, req.request_id, &src_pool, &dst, &descs, received)
             }
-            Target::Remote { agent, record } => {
+            Target::Remote {
+                agent,
+                record,
+                metadata,
+            } => {
+                // The standard path writes the engine's pool through NIXL,
+                // which knows it only once the peer sync has loaded the
+                // record that named it: wait for that (bounded; on timeout
+                // the path reports its own error).
+                if !self
+                    .agent
+                    .await_peer_metadata(&agent, metadata, timeout / 4)
+                {
+                    tracing::debug!(peer = %LogSafe(&agent), "peer metadata of the destination's record not loaded yet; submitting anyway");
+                }
                 self.remote_write(s, &req, &agent, &record, descs, timeout, received, trace)
             }
         };
