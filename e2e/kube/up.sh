@@ -109,7 +109,10 @@ wait_for() {
   local deadline=$(( $(date +%s) + TIMEOUT ))
   while :; do
     "$@" >/dev/null 2>&1 && return 0
-    if [ -n "$comp" ] && ! ours "$comp"; then
+    # Asked twice, 0.2 s apart: right after `start` the process may be
+    # inside execve, when /proc/PID/cmdline reads empty (seen once: a
+    # live controller-manager taken for an exited one with an empty log).
+    if [ -n "$comp" ] && ! ours "$comp" && { sleep 0.2; ! ours "$comp"; }; then
       fail "$comp exited while waiting for $what" "$comp"
       return 1
     fi
