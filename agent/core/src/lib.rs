@@ -25,6 +25,7 @@ pub mod model;
 pub mod plan;
 pub mod protocol;
 pub mod report;
+pub mod rng;
 pub mod rollout;
 pub mod scheduler;
 pub mod text;

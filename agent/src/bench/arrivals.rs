@@ -108,38 +108,7 @@ fn check_positive(flag: &str, what: &str, v: f64) -> Result<(), String> {
     }
 }
 
-/// SplitMix64: a small, fast, seeded generator (statistically sound for
-/// drawing inter-arrival times; not for cryptography).
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator seeded by `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) (53 bits).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Exponential with mean `1 / rate` (finite, ≥ 0, for a finite rate
-    /// > 0).
-    pub fn next_exp(&mut self, rate: f64) -> f64 {
-        // 1 - u is in (0, 1]: its logarithm is finite.
-        -(1.0 - self.next_f64()).ln() / rate
-    }
-}
+pub use kvfabric_core::rng::SplitMix64;
 
 /// Arrival times (s) of `n` requests of a Poisson process at `rate_per_s`
 /// requests/s: the first at 0, then exponential inter-arrival times of

@@ -258,37 +258,8 @@ impl std::fmt::Display for RunError {
     }
 }
 
-/// The seeded generator (splitmix64).
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// Next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform below `n` (> 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-
-    /// Fisher–Yates.
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            v.swap(i, j);
-        }
-    }
-}
+/// The seeded generator ([`kvfabric_core::rng::SplitMix64`]).
+pub type Rng = kvfabric_core::rng::SplitMix64;
 
 /// The fault order: rounds cycle through `kinds`, each cycle in a seeded
 /// random order.

@@ -19,33 +19,8 @@ use kvfabric_core::protocol::{
 use kvfabric_core::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
 use kvfabric_core::{FlowKey, ScatterRun};
 
-/// splitmix64: tiny, fast, good enough to pick events.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-    /// True with probability `per_mille / 1000`.
-    pub fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
-    }
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-}
+/// The simulator's generator ([`kvfabric_core::rng::SplitMix64`]).
+pub type Rng = kvfabric_core::rng::SplitMix64;
 
 const MS: Nanos = 1_000_000;
 /// Request timeout of every machine (virtual).
