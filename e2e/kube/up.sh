@@ -62,11 +62,25 @@ ETCD="$ETCD_BIN_DIR/etcd-$ETCD_VERSION"
 kc() { "$KUBECTL" --kubeconfig "$DIR/kubeconfig" --request-timeout=10s "$@"; }
 
 pid_of() { cat "$DIR/$1.pid" 2>/dev/null || true; }
-# Alive and ours: the process's command line names DIR (every component
-# is started with a path under DIR), so a recycled pid is never taken for it.
+# For a pid file left by an EARLIER run (the reuse check): alive and ours,
+# i.e. the process's command line names DIR (every component is started
+# with a path under DIR), so a recycled pid is never taken for it. That
+# process has long exec'd, so its command line is its final one.
 ours() {
   local pid; pid="$(pid_of "$1")"
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$DIR/"
+}
+# For a component THIS run started: `start` kept the pid of its own child
+# ($!) in STARTED, so that pid is ours by construction and alive (kill -0)
+# is enough. No command-line check here: right after `start` the child may
+# not have exec'd yet (its /proc/PID/cmdline then reads empty or names
+# setsid), which once made a live controller-manager look exited. The pid
+# cannot be recycled under us either: the child is ours, and bash reaps it
+# (on SIGCHLD) only after it exited, when kill -0 already fails.
+declare -A STARTED=()
+running() {
+  local pid="${STARTED[$1]:-}"
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
 }
 
 # --- reuse a healthy cluster -------------------------------------------------------
@@ -109,10 +123,7 @@ wait_for() {
   local deadline=$(( $(date +%s) + TIMEOUT ))
   while :; do
     "$@" >/dev/null 2>&1 && return 0
-    # Asked twice, 0.2 s apart: right after `start` the process may be
-    # inside execve, when /proc/PID/cmdline reads empty (seen once: a
-    # live controller-manager taken for an exited one with an empty log).
-    if [ -n "$comp" ] && ! ours "$comp" && { sleep 0.2; ! ours "$comp"; }; then
+    if [ -n "$comp" ] && ! running "$comp"; then
       fail "$comp exited while waiting for $what" "$comp"
       return 1
     fi
@@ -129,7 +140,7 @@ fail() {
     say "last lines of $DIR/logs/$2.log:"
     tail -n 25 "$DIR/logs/$2.log" | sed 's/^/    /' >&2
   fi
-  if [ "${2:-}" = apiserver ] && ours apiserver; then
+  if [ "${2:-}" = apiserver ] && running apiserver; then
     say "failing /readyz checks:"
     curl -sS --max-time 3 --cacert "$DIR/pki/ca.crt" -H "Authorization: Bearer $TOKEN" \
       "$SERVER/readyz?verbose" 2>&1 | grep -v '\] ok$' | sed 's/^/    /' >&2 || true
@@ -139,6 +150,7 @@ fail() {
 start() { # start NAME BIN ARGS...: detached (own session), logs to DIR/logs/NAME.log
   local name="$1"; shift
   setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  STARTED[$name]=$!
   echo $! >"$DIR/$name.pid"
 }
 
