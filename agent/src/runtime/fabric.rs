@@ -1000,28 +1000,16 @@ impl FabricAgent {
         }
     }
 
-    /// Whether the NIXL metadata loaded for `peer` is the blob of
-    /// fingerprint `metadata` ([`metadata_fingerprint`]), waiting up to
-    /// `within` (5 ms steps) for the peer sync to load it: a record seen in
-    /// discovery can name memory (an engine's pool registered a moment ago)
-    /// that NIXL learns only when the sync thread reloads the peer.
-    pub fn await_peer_metadata(&self, peer: &str, metadata: u64, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
-        loop {
-            let loaded = self
-                .peers
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(peer)
-                .map(|p| p.metadata);
-            if loaded == Some(metadata) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+    /// [`metadata_fingerprint`] of the NIXL metadata loaded for `peer`
+    /// (`None`: not loaded). A discovery record whose blob has another
+    /// fingerprint names memory NIXL does not know yet (e.g. an engine's
+    /// pool registered a moment ago, before the peer sync reloaded it).
+    pub fn peer_metadata(&self, peer: &str) -> Option<u64> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .map(|p| p.metadata)
     }
 
     fn peer_memory(&self, peer: &str) -> PeerMemory {

@@ -294,6 +294,13 @@ impl AgentRecord {
         }
     }
 
+    /// [`metadata_fingerprint`](crate::runtime::fabric::metadata_fingerprint)
+    /// of its NIXL metadata: the memory it names is known to this agent's
+    /// NIXL only once [`FabricAgent::peer_metadata`] of its name says the same.
+    pub fn metadata_fingerprint(&self) -> u64 {
+        crate::runtime::fabric::metadata_fingerprint(&self.nixl_metadata)
+    }
+
     /// Whether loading `other` would give a peer the same endpoint as
     /// loading `self` (same name, NIXL metadata, handshake and buffers);
     /// a republish that only moves `published_at_ms` needs no reload.

@@ -431,10 +431,58 @@ enum Target {
     Remote {
         agent: String,
         record: Box<EngineRecord>,
-        /// Fingerprint of the NIXL metadata in the agent's record that
-        /// named the engine ([`crate::runtime::fabric::metadata_fingerprint`]).
-        metadata: u64,
     },
+}
+
+/// How a destination engine resolves against the discovery records (see
+/// [`lookup_remote`]).
+#[derive(Debug, PartialEq)]
+enum RemoteLookup {
+    /// Named by peer `agent`'s record, whose NIXL metadata is loaded.
+    Found {
+        agent: String,
+        record: Box<EngineRecord>,
+    },
+    /// Named only by records whose NIXL metadata is not loaded (yet); the
+    /// first such record's agent.
+    NotLoaded { agent: String },
+    /// Named by no peer's record.
+    Absent,
+}
+
+/// The resolution rule of a remote destination: `engine` is known on a peer
+/// only through a record (other than `me`'s) whose NIXL metadata the
+/// fabric has loaded — `loaded(name)` is the fingerprint loaded for peer
+/// `name` ([`FabricAgent::peer_metadata`]), and it must equal the record's
+/// ([`AgentRecord::metadata_fingerprint`]). Discovery shows a peer's new
+/// record (naming an engine whose pool was registered a moment ago) before
+/// the peer sync has loaded it; until then NIXL does not know that pool,
+/// and a write into it fails (`prepare_xfer_dlist failed: Not found`).
+///
+/// [`AgentRecord::metadata_fingerprint`]: super::discovery::AgentRecord::metadata_fingerprint
+fn lookup_remote(
+    records: &[super::discovery::AgentRecord],
+    me: &str,
+    engine: &str,
+    loaded: impl Fn(&str) -> Option<u64>,
+) -> RemoteLookup {
+    let mut pending = None;
+    for rec in records.iter().filter(|r| r.name != me) {
+        let Some(e) = rec.engines.iter().find(|e| e.engine_id == engine) else {
+            continue;
+        };
+        if loaded(&rec.name) == Some(rec.metadata_fingerprint()) {
+            return RemoteLookup::Found {
+                agent: rec.name.clone(),
+                record: Box::new(e.clone()),
+            };
+        }
+        pending.get_or_insert_with(|| rec.name.clone());
+    }
+    match pending {
+        Some(agent) => RemoteLookup::NotLoaded { agent },
+        None => RemoteLookup::Absent,
+    }
 }
 
 impl EngineHub {
@@ -980,28 +1028,41 @@ impl EngineHub {
         Ok(need)
     }
 
-    /// Finds `engine` on this agent or in a peer's record.
-    fn resolve(&self, engine: &str) -> Result<Target, Status> {
-        if let Some(s) = self
-            .lock_sessions()
-            .values()
-            .find(|s| s.engine_id == engine)
-            .cloned()
-        {
-            return Ok(Target::Local(s));
-        }
-        if let Some(d) = &self.discovery {
-            for rec in d.peers() {
-                if rec.name == self.agent.name() {
-                    continue;
+    /// Finds `engine` on this agent or on a peer ([`lookup_remote`]: only
+    /// through a record whose NIXL metadata is loaded). An engine named only
+    /// by a record not loaded yet is waited for, at most `within` (5 ms
+    /// steps), then not found.
+    fn resolve(&self, engine: &str, within: Duration) -> Result<Target, Status> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self
+                .lock_sessions()
+                .values()
+                .find(|s| s.engine_id == engine)
+                .cloned()
+            {
+                return Ok(Target::Local(s));
+            }
+            let Some(d) = &self.discovery else {
+                break;
+            };
+            match lookup_remote(&d.peers(), self.agent.name(), engine, |p| {
+                self.agent.peer_metadata(p)
+            }) {
+                RemoteLookup::Found { agent, record } => {
+                    return Ok(Target::Remote { agent, record })
                 }
-                if let Some(e) = rec.engines.iter().find(|e| e.engine_id == engine) {
-                    return Ok(Target::Remote {
-                        agent: rec.name.clone(),
-                        record: Box::new(e.clone()),
-                        metadata: crate::runtime::fabric::metadata_fingerprint(&rec.nixl_metadata),
-                    });
+                RemoteLookup::NotLoaded { .. } if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5));
                 }
+                RemoteLookup::NotLoaded { agent } => {
+                    return Err(Status::not_found(format!(
+                        "destination engine {} is named by the record of agent {}, whose NIXL metadata this agent has not loaded yet",
+                        LogSafe(engine),
+                        LogSafe(&agent)
+                    )));
+                }
+                RemoteLookup::Absent => break,
             }
         }
         Err(Status::not_found(format!(
@@ -1255,7 +1316,14 @@ impl EngineHub {
                 )));
             }
         }
-        let target = self.resolve(&req.dst_engine)?;
+        let timeout = if req.timeout_ms == 0 {
+            self.request_timeout
+        } else {
+            Duration::from_millis(u64::from(req.timeout_ms))
+        };
+        // A quarter of the request's time for a peer's record naming the
+        // destination to be loaded (see `resolve`).
+        let target = self.resolve(&req.dst_engine, timeout / 4)?;
         if let Some(t) = trace {
             t.peer = Some(match &target {
                 Target::Local(_) => self.agent.name().to_string(),
@@ -1360,11 +1428,6 @@ impl EngineHub {
         } else {
             descs.iter().map(|d| d.len).sum()
         };
-        let timeout = if req.timeout_ms == 0 {
-            self.request_timeout
-        } else {
-            Duration::from_millis(u64::from(req.timeout_ms))
-        };
         {
             let mut inf = s.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             if inf.contains_key(&req.request_id) {
@@ -1392,21 +1455,7 @@ impl EngineHub {
             Target::Local(dst) => {
                 self.local_copy(s, req.request_id, &src_pool, &dst, &descs, received)
             }
-            Target::Remote {
-                agent,
-                record,
-                metadata,
-            } => {
-                // The standard path writes the engine's pool through NIXL,
-                // which knows it only once the peer sync has loaded the
-                // record that named it: wait for that (bounded; on timeout
-                // the path reports its own error).
-                if !self
-                    .agent
-                    .await_peer_metadata(&agent, metadata, timeout / 4)
-                {
-                    tracing::debug!(peer = %LogSafe(&agent), "peer metadata of the destination's record not loaded yet; submitting anyway");
-                }
+            Target::Remote { agent, record } => {
                 self.remote_write(s, &req, &agent, &record, descs, timeout, received, trace)
             }
         };
@@ -2116,4 +2165,109 @@ pub async fn serve(
 pub fn socket_path(configured: &str) -> Option<PathBuf> {
     let t = configured.trim();
     (!t.is_empty()).then(|| PathBuf::from(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::fabric::{metadata_fingerprint, PeerDescriptor};
+    use crate::service::discovery::{AgentRecord, Incarnation};
+
+    fn engine(id: &str, pool_addr: u64) -> EngineRecord {
+        EngineRecord {
+            engine_id: id.into(),
+            pod_uid: String::new(),
+            role: "decode".into(),
+            layout: EngineLayout {
+                layers: 1,
+                num_blocks: 4,
+                block_bytes: 64,
+                kv_split: false,
+                dtype: "u8".into(),
+                tp_rank: 0,
+                tp_size: 1,
+                block_tokens: 1,
+                kv_heads: 1,
+                head_dim: 64,
+                device: -1,
+            },
+            fingerprint: String::new(),
+            pool_addr,
+            pool_len: 256,
+            pool_kind: "dram".into(),
+            scope: 1,
+            incarnation: 7,
+        }
+    }
+
+    fn record(name: &str, metadata: &[u8], engines: Vec<EngineRecord>) -> AgentRecord {
+        let desc = PeerDescriptor {
+            name: name.into(),
+            nixl_metadata: metadata.to_vec(),
+            handshake: None,
+            draining: false,
+        };
+        let mut r = AgentRecord::new(&desc, name, Incarnation(1));
+        r.engines = engines;
+        r
+    }
+
+    /// The race of a CI run of 781a503: the peer's record already names
+    /// the engine (its pool registered, metadata "md-2") while the fabric
+    /// still has the peer's previous metadata ("md-1") loaded — the engine
+    /// is not known yet, and becomes known once "md-2" is loaded.
+    #[test]
+    fn a_record_whose_metadata_is_not_loaded_does_not_resolve() {
+        let recs = vec![record("b", b"md-2", vec![engine("decode-0", 0x1000)])];
+        let mut loaded = Some(metadata_fingerprint(b"md-1"));
+        let lookup = |loaded: Option<u64>| {
+            lookup_remote(&recs, "a", "decode-0", |p| loaded.filter(|_| p == "b"))
+        };
+        assert_eq!(
+            lookup(loaded),
+            RemoteLookup::NotLoaded { agent: "b".into() }
+        );
+        assert_eq!(
+            lookup(None),
+            RemoteLookup::NotLoaded { agent: "b".into() },
+            "a peer not loaded at all"
+        );
+        loaded = Some(metadata_fingerprint(b"md-2"));
+        assert_eq!(
+            lookup(loaded),
+            RemoteLookup::Found {
+                agent: "b".into(),
+                record: Box::new(engine("decode-0", 0x1000)),
+            }
+        );
+        assert_eq!(
+            lookup_remote(&recs, "a", "decode-1", |_| loaded),
+            RemoteLookup::Absent
+        );
+    }
+
+    /// A loaded record naming the engine wins over one not loaded, in any
+    /// order; the own record is never a remote destination.
+    #[test]
+    fn only_loaded_records_of_other_agents_resolve() {
+        let stale = record("c", b"md-c", vec![engine("decode-0", 0x2000)]);
+        let live = record("b", b"md-b", vec![engine("decode-0", 0x1000)]);
+        let loaded = |p: &str| (p == "b").then(|| metadata_fingerprint(b"md-b"));
+        for recs in [
+            vec![stale.clone(), live.clone()],
+            vec![live.clone(), stale.clone()],
+        ] {
+            assert_eq!(
+                lookup_remote(&recs, "a", "decode-0", loaded),
+                RemoteLookup::Found {
+                    agent: "b".into(),
+                    record: Box::new(engine("decode-0", 0x1000)),
+                }
+            );
+        }
+        assert_eq!(
+            lookup_remote(&[live], "b", "decode-0", loaded),
+            RemoteLookup::Absent
+        );
+    }
 }
