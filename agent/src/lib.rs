@@ -16,6 +16,7 @@
 pub use kvfabric_core as core;
 
 pub mod bench;
+pub mod bench_args;
 pub mod pattern;
 pub mod runtime;
 pub mod service;

@@ -37,15 +37,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvfabric_agent::bench::arrivals::{Arrivals, DEFAULT_SEED};
 use kvfabric_agent::bench::cli::{
-    bench_path, byte_size, concurrency, model_preset, nonzero_byte_size, positive_finite,
+    bench_path, byte_size, concurrency, model_preset, nonzero_byte_size,
 };
 use kvfabric_agent::bench::direct;
 use kvfabric_agent::bench::gpu_kernel;
 use kvfabric_agent::bench::gpu_trace::{self, GpuBenchArgs};
 use kvfabric_agent::bench::trace::BenchPath;
 use kvfabric_agent::bench::vram::{self, VramBenchArgs};
+use kvfabric_agent::bench_args::ArrivalArgs;
 use kvfabric_agent::core::model::ModelGeometry;
 use kvfabric_agent::runtime::cuda::{self, CudaCopyConfig, CudaGpu};
 
@@ -135,27 +135,15 @@ enum Cmd {
         /// requests, at most 10,000,000).
         #[arg(long, default_value_t = 500, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         requests: usize,
-        /// Synthetic workload instead of a trace: every request TOKENS
-        /// prompt tokens (at least 1), --requests of them.
-        #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["trace", "start", "speed"])]
-        fixed_prompt: Option<u64>,
+        /// --fixed-prompt, --speed, --rate, --seed (shared with `kvfabric bench`).
+        #[command(flatten)]
+        arrival: ArrivalArgs,
         /// Requests in flight (1 to 4096): closed loop, the number in
         /// flight; with --speed or --rate, the most in flight (a request
         /// due while all are busy waits, and its latency counts from its
         /// arrival).
         #[arg(long, default_value_t = 128, value_parser = concurrency)]
         concurrency: usize,
-        /// Open loop: replay by the trace's timestamps (ms) divided by this
-        /// factor (finite, > 0). Default: closed loop at --concurrency.
-        #[arg(long, value_name = "FACTOR", value_parser = positive_finite, conflicts_with = "rate")]
-        speed: Option<f64>,
-        /// Open loop: Poisson arrivals at this rate (requests/s; finite,
-        /// > 0), exponential inter-arrival times seeded by --seed.
-        #[arg(long, value_name = "REQ/S", value_parser = positive_finite)]
-        rate: Option<f64>,
-        /// Seed of --rate's Poisson arrivals (same seed, same schedule).
-        #[arg(long, default_value_t = DEFAULT_SEED, requires = "rate")]
-        seed: u64,
         /// Model preset (Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b).
         #[arg(long, default_value = "Llama-3.1-8B", value_parser = model_preset)]
         model: ModelGeometry,
@@ -300,11 +288,8 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             trace,
             start,
             requests,
-            fixed_prompt,
+            arrival,
             concurrency,
-            speed,
-            rate,
-            seed,
             model,
             tp,
             block,
@@ -319,9 +304,9 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 trace,
                 start,
                 requests,
-                fixed_prompt,
+                fixed_prompt: arrival.fixed_prompt,
                 concurrency,
-                arrivals: arrivals(speed, rate, seed),
+                arrivals: arrival.arrivals(),
                 model,
                 tp,
                 block,
@@ -338,20 +323,11 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
     }
 }
 
-/// The arrival mode of `bench`'s --speed / --rate (clap keeps them
-/// exclusive) and --seed.
-fn arrivals(speed: Option<f64>, rate: Option<f64>, seed: u64) -> Arrivals {
-    match (speed, rate) {
-        (Some(speed), _) => Arrivals::Trace { speed },
-        (None, Some(rate_per_s)) => Arrivals::Poisson { rate_per_s, seed },
-        (None, None) => Arrivals::Closed,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::CommandFactory as _;
+    use kvfabric_agent::bench::arrivals::{Arrivals, DEFAULT_SEED};
 
     #[test]
     fn cli_definition_is_consistent() {
@@ -421,11 +397,8 @@ mod tests {
     fn the_seed_shaped_open_loop_run_parses() {
         let Cmd::Bench {
             trace,
-            fixed_prompt,
+            arrival,
             requests,
-            speed,
-            rate,
-            seed,
             paths,
             ..
         } = bench(&[
@@ -445,28 +418,25 @@ mod tests {
         else {
             unreachable!()
         };
-        assert_eq!((trace, fixed_prompt, requests), (None, Some(8192), 500));
         assert_eq!(
-            arrivals(speed, rate, seed),
+            (trace, arrival.fixed_prompt, requests),
+            (None, Some(8192), 500)
+        );
+        assert_eq!(
+            arrival.arrivals(),
             Arrivals::Poisson {
                 rate_per_s: 13.0,
                 seed: DEFAULT_SEED
             }
         );
         assert_eq!(paths, [BenchPath::Bounce, BenchPath::Standard]);
-        let Cmd::Bench {
-            speed, rate, seed, ..
-        } = bench(&["--trace", "t", "--speed", "4"])
-        else {
+        let Cmd::Bench { arrival, .. } = bench(&["--trace", "t", "--speed", "4"]) else {
             unreachable!()
         };
-        assert_eq!(arrivals(speed, rate, seed), Arrivals::Trace { speed: 4.0 });
-        let Cmd::Bench {
-            speed, rate, seed, ..
-        } = bench(&["--trace", "t"])
-        else {
+        assert_eq!(arrival.arrivals(), Arrivals::Trace { speed: 4.0 });
+        let Cmd::Bench { arrival, .. } = bench(&["--trace", "t"]) else {
             unreachable!()
         };
-        assert_eq!(arrivals(speed, rate, seed), Arrivals::Closed);
+        assert_eq!(arrival.arrivals(), Arrivals::Closed);
     }
 }

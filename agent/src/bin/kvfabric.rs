@@ -21,13 +21,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvfabric_agent::bench::arrivals::{fixed_prompt_trace, Arrivals, DEFAULT_SEED};
+use kvfabric_agent::bench::arrivals::{fixed_prompt_trace, Arrivals};
 use kvfabric_agent::bench::cli::{
-    bench_path, concurrency, geometry, model_preset, non_empty, nonzero_byte_size, positive_finite,
-    ReportFile, MAX_WAIT_S,
+    bench_path, concurrency, geometry, model_preset, non_empty, nonzero_byte_size, ReportFile,
+    MAX_WAIT_S,
 };
 use kvfabric_agent::bench::dataplane::{self, DataplaneOptions};
 use kvfabric_agent::bench::trace::{human_bytes, BenchPath, SliceDemand};
+use kvfabric_agent::bench_args::ArrivalArgs;
 use kvfabric_agent::core::config::{is_config_env, BounceConfig};
 use kvfabric_agent::core::model::{KvLayout, ModelGeometry, TraceRecord};
 
@@ -125,10 +126,9 @@ struct BenchArgs {
     /// --fixed-prompt: synthetic requests, at most 10,000,000).
     #[arg(long, default_value = "40")]
     requests: NonZeroUsize,
-    /// Synthetic workload instead of a trace: every request TOKENS prompt
-    /// tokens (at least 1), --requests of them; no trace file read.
-    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["trace", "start", "speed"])]
-    fixed_prompt: Option<u64>,
+    /// --fixed-prompt, --speed, --rate, --seed (shared with `kvfabric-gpu bench`).
+    #[command(flatten)]
+    arrival: ArrivalArgs,
     /// Model preset: Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b.
     #[arg(long, default_value = "Llama-3.1-8B", value_parser = model_preset)]
     model: ModelGeometry,
@@ -149,18 +149,6 @@ struct BenchArgs {
     /// are busy waits, and its latency counts from its arrival).
     #[arg(long, default_value_t = 32, value_parser = concurrency)]
     concurrency: usize,
-    /// Open loop: replay by the trace's timestamps (ms) divided by this
-    /// factor (finite, > 0; 2 = twice as fast as recorded). Default:
-    /// closed loop at --concurrency.
-    #[arg(long, value_name = "FACTOR", value_parser = positive_finite, conflicts_with = "rate")]
-    speed: Option<f64>,
-    /// Open loop: Poisson arrivals at this rate (requests/s; finite, > 0),
-    /// exponential inter-arrival times from a generator seeded by --seed.
-    #[arg(long, value_name = "REQ/S", value_parser = positive_finite)]
-    rate: Option<f64>,
-    /// Seed of --rate's Poisson arrivals (same seed, same schedule).
-    #[arg(long, default_value_t = DEFAULT_SEED, requires = "rate")]
-    seed: u64,
     /// KV pool size per side (prefill, decode); requests wait for free
     /// blocks. Default: what the slice's requests in flight hold at once,
     /// capped at 1GiB but at least its largest request (the memory is
@@ -383,7 +371,7 @@ fn load_trace(
 /// The requests to replay and where they came from (for the banner):
 /// `--fixed-prompt` synthetic requests, or the slice of the trace file.
 fn bench_trace(a: &BenchArgs) -> Result<(PathBuf, Vec<TraceRecord>), String> {
-    match a.fixed_prompt {
+    match a.arrival.fixed_prompt {
         Some(tokens) => Ok((
             PathBuf::from(format!("--fixed-prompt {tokens}")),
             fixed_prompt_trace(tokens, a.requests.get())?,
@@ -430,7 +418,7 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         Some((p, d)) => run_distributed(&a, p, d, layout, &demand, &trace, &trace_path)?,
         None => run_embedded(&a, layout, &demand, &trace, &trace_path)?,
     };
-    report.fixed_prompt_tokens = a.fixed_prompt;
+    report.fixed_prompt_tokens = a.arrival.fixed_prompt;
     print!("{}", report.table());
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let written = report_file.path().display().to_string();
@@ -659,16 +647,9 @@ fn run_distributed(
 }
 
 impl BenchArgs {
-    /// The arrival mode of --speed / --rate (clap keeps them exclusive).
+    /// The arrival mode of --speed / --rate / --seed.
     fn arrivals(&self) -> Arrivals {
-        match (self.speed, self.rate) {
-            (Some(speed), _) => Arrivals::Trace { speed },
-            (None, Some(rate_per_s)) => Arrivals::Poisson {
-                rate_per_s,
-                seed: self.seed,
-            },
-            (None, None) => Arrivals::Closed,
-        }
+        self.arrival.arrivals()
     }
 
     /// The replay options these flags give, for either mode.
@@ -830,6 +811,7 @@ mod tests {
 
     use super::*;
     use clap::CommandFactory as _;
+    use kvfabric_agent::bench::arrivals::DEFAULT_SEED;
     use proptest::prelude::*;
 
     #[test]
@@ -1105,10 +1087,10 @@ mod tests {
             }
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let Ok(a) = bench(&args) else { return Ok(()) };
-            prop_assert!(a.speed.is_none_or(|s| s.is_finite() && s > 0.0));
-            prop_assert!(a.rate.is_none_or(|r| r.is_finite() && r > 0.0));
-            prop_assert!(a.speed.is_none() || a.rate.is_none());
-            prop_assert!(a.fixed_prompt.is_none_or(|t| t > 0) && (a.fixed_prompt.is_none() || a.speed.is_none()));
+            prop_assert!(a.arrival.speed.is_none_or(|s| s.is_finite() && s > 0.0));
+            prop_assert!(a.arrival.rate.is_none_or(|r| r.is_finite() && r > 0.0));
+            prop_assert!(a.arrival.speed.is_none() || a.arrival.rate.is_none());
+            prop_assert!(a.arrival.fixed_prompt.is_none_or(|t| t > 0) && (a.arrival.fixed_prompt.is_none() || a.arrival.speed.is_none()));
             prop_assert!(a.arrivals().check().is_ok());
             prop_assert!((1..=kvfabric_agent::bench::cli::MAX_CONCURRENCY).contains(&a.concurrency));
             prop_assert!(a.tp > 0 && a.block > 0 && a.pool != Some(0) && !a.paths.is_empty());
