@@ -30,6 +30,13 @@
 //! nothing. Grants therefore alternate across flows (A, B, A, B, …) instead
 //! of filling one flow's window first.
 //!
+//! That is the default, [`GrantPolicy::RoundRobin`]. Under
+//! [`GrantPolicy::OldestFirst`] (a kvfabric policy, not the seed's) the
+//! cursor stays on the oldest flow — new flows join at the back of the
+//! ring, so the ring is in arrival order — and every sweep starts there:
+//! the oldest eligible flow whose head fits gets the region. Drain mode
+//! and the cap W apply under both.
+//!
 //! **Drain mode** (anti-starvation): when the oldest stamped flow has been
 //! bypassed by at least [`BYPASS_ROUNDS`] full rounds of grants
 //! (`grant_seq - stamp >= BYPASS_ROUNDS * ring length`), it becomes the drain
@@ -86,6 +93,32 @@ use thiserror::Error;
 /// Full rounds of grants a blocked flow may be bypassed before the
 /// scheduler enters drain mode for it (seed §5 `kBypassRounds`).
 pub const BYPASS_ROUNDS: u64 = 2;
+
+/// Which eligible flow a sweep offers the next region to
+/// (`grantPolicy`, a kvfabric field; not in seed §10).
+///
+/// Both keep the per-flow cap W, arena backpressure and drain mode, so a
+/// flow whose head chunk does not fit is bypassed for at most
+/// [`BYPASS_ROUNDS`] rounds of grants under either (seed §5 R3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GrantPolicy {
+    /// The seed's round-robin (§5): each sweep starts after the flow
+    /// granted last, so grants alternate across the active flows
+    /// (A, B, C, A, B, C, …). Every request progresses at once and all
+    /// finish late together when many share the arena.
+    #[default]
+    RoundRobin,
+    /// Oldest flow first: each sweep starts at the flow whose first WANT
+    /// arrived earliest, so the oldest request takes up to W regions before
+    /// a younger one gets any, and requests finish in arrival order (the
+    /// latency-minimising order for equal sizes). Younger flows are granted
+    /// whenever the older ones are at W or do not fit. A WANT appending to
+    /// a live flow moves it to the back of the line, so the line is in
+    /// WANT arrival order and a flow that keeps appending cannot hold the
+    /// front; every flow with finitely many chunks reaches the front, and a
+    /// head that does not fit there is drained as under round-robin.
+    OldestFirst,
+}
 
 /// One credit (seed §3): exclusive permission for `flow` to write `len`
 /// bytes into the region at byte offset `region_offset` of the arena (its
@@ -219,6 +252,8 @@ pub struct CreditScheduler {
     arena: BuddyAllocator,
     /// Per-flow in-flight cap W.
     w: usize,
+    /// Where each sweep starts.
+    policy: GrantPolicy,
     /// Flow slab; `None` = free slot.
     slots: Vec<Option<Flow>>,
     free_slots: Vec<usize>,
@@ -270,6 +305,7 @@ impl CreditScheduler {
         Ok(Self {
             arena,
             w: max_inflight_per_flow,
+            policy: GrantPolicy::RoundRobin,
             slots: Vec::new(),
             free_slots: Vec::new(),
             index: HashMap::new(),
@@ -290,6 +326,21 @@ impl CreditScheduler {
             local_held_bytes: 0,
             eager_held_bytes: 0,
         })
+    }
+
+    /// Sets the [`GrantPolicy`] (builder style; [`new`](Self::new) starts
+    /// with [`GrantPolicy::RoundRobin`], the seed's). Changing it on a
+    /// scheduler with live flows keeps them: under
+    /// [`GrantPolicy::OldestFirst`] the ring must be in arrival order,
+    /// which holds when it is set before the first WANT.
+    pub fn with_policy(mut self, policy: GrantPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The [`GrantPolicy`] in force.
+    pub fn policy(&self) -> GrantPolicy {
+        self.policy
     }
 
     // ----------------------------------------------------------------- events
@@ -323,7 +374,16 @@ impl CreditScheduler {
             return Ok(());
         }
         let slot = match self.index.get(&flow) {
-            Some(&slot) => slot,
+            Some(&slot) => {
+                // Oldest first serves WANTs in arrival order: chunks
+                // appended to a live flow queue behind every flow already
+                // waiting, so a flow that keeps appending cannot hold the
+                // front of the line (and starve younger flows) forever.
+                if self.policy == GrantPolicy::OldestFirst {
+                    self.move_to_back(slot);
+                }
+                slot
+            }
             None => self.insert_flow(flow),
         };
         let was = self.class(slot);
@@ -971,6 +1031,27 @@ impl CreditScheduler {
         slot
     }
 
+    /// Moves `slot` to the back of the ring (just before the cursor; if it
+    /// is the cursor, the cursor moves to the next flow first).
+    fn move_to_back(&mut self, slot: usize) {
+        if self.ring_len < 2 {
+            return;
+        }
+        let (prev, next) = (self.flow(slot).prev, self.flow(slot).next);
+        self.flow_mut(prev).next = next;
+        self.flow_mut(next).prev = prev;
+        if self.cursor == Some(slot) {
+            self.cursor = Some(next);
+        }
+        let c = self.cursor.expect("ring of two or more has a cursor");
+        let back = self.flow(c).prev;
+        self.flow_mut(back).next = slot;
+        self.flow_mut(c).prev = slot;
+        let f = self.flow_mut(slot);
+        f.prev = back;
+        f.next = c;
+    }
+
     /// Issues a grant of region `offset` to `slot`'s head chunk and moves the
     /// cursor past the flow.
     fn grant(&mut self, slot: usize, offset: u64) -> Grant {
@@ -999,7 +1080,13 @@ impl CreditScheduler {
         );
         self.held_bytes += block;
         self.grant_seq += 1;
-        self.cursor = Some(next);
+        // Round-robin: the next sweep starts past this flow. Oldest first:
+        // the cursor stays on the oldest flow (the ring is in arrival
+        // order: new flows join just before the cursor, at the back) and
+        // moves only when that flow leaves the ring.
+        if self.policy == GrantPolicy::RoundRobin {
+            self.cursor = Some(next);
+        }
         Grant {
             flow: key,
             region_offset: offset,
@@ -1145,6 +1232,37 @@ mod tests {
         assert_eq!(g2.len(), 1);
         assert_eq!(g2[0].flow, a);
         assert_eq!(s.pending_count(&a), 0);
+        s.check_conservation().unwrap();
+    }
+
+    /// The worked example under [`GrantPolicy::OldestFirst`]: A takes W
+    /// regions before B gets any; a younger flow is served only while the
+    /// older ones are at W; A leaving the ring moves the start to B.
+    #[test]
+    fn oldest_first_worked_example() {
+        let mut s = CreditScheduler::new(4 * G, G, 2)
+            .unwrap()
+            .with_policy(GrantPolicy::OldestFirst);
+        assert_eq!(s.policy(), GrantPolicy::OldestFirst);
+        let (a, b, c) = (key("pa", 1), key("pb", 1), key("pc", 1));
+        s.on_want(a.clone(), &[G, G, G]).unwrap();
+        s.on_want(b.clone(), &[G, G]).unwrap();
+        let g = s.schedule();
+        assert_eq!(
+            flows_of(&g),
+            vec![a.to_string(), a.to_string(), b.to_string(), b.to_string()]
+        );
+        s.on_want(c.clone(), &[G]).unwrap();
+        // B's region completes: A is at W, so the next oldest eligible
+        // flow with a pending chunk is C.
+        s.begin_scatter(&b, g[2].region_offset).unwrap();
+        s.scatter_done(g[2].region_offset).unwrap();
+        assert_eq!(flows_of(&s.schedule()), vec![c.to_string()]);
+        // A's region completes: A (oldest) gets its last chunk.
+        s.begin_scatter(&a, g[0].region_offset).unwrap();
+        s.scatter_done(g[0].region_offset).unwrap();
+        assert_eq!(flows_of(&s.schedule()), vec![a.to_string()]);
+        assert_eq!(s.cursor_flow(), Some(&a));
         s.check_conservation().unwrap();
     }
 

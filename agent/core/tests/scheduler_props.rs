@@ -4,7 +4,9 @@
 //! freedom, erase of finished flows).
 
 use kvfabric_core::buddy::BuddyAllocator;
-use kvfabric_core::scheduler::{CreditScheduler, Grant, SchedulerError, BYPASS_ROUNDS};
+use kvfabric_core::scheduler::{
+    CreditScheduler, Grant, GrantPolicy, SchedulerError, BYPASS_ROUNDS,
+};
 use kvfabric_core::FlowKey;
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -235,8 +237,10 @@ fn check_model(s: &CreditScheduler, m: &Model) {
     assert!(s.eager_held_bytes() <= s.capacity() / 2);
 }
 
-fn run_ops(arena: u64, w: usize, ops: &[Op], natural_finish: bool) {
-    let mut s = CreditScheduler::new(arena, G, w).unwrap();
+fn run_ops(arena: u64, w: usize, ops: &[Op], natural_finish: bool, policy: GrantPolicy) {
+    let mut s = CreditScheduler::new(arena, G, w)
+        .unwrap()
+        .with_policy(policy);
     let fresh = BuddyAllocator::new(arena, G).unwrap();
     let max = s.max_allocation();
     let mut m = Model::default();
@@ -456,8 +460,10 @@ proptest! {
         w in 1usize..5,
         ops in prop::collection::vec(op_strategy(), 1..60),
         natural_finish in any::<bool>(),
+        oldest_first in any::<bool>(),
     ) {
-        run_ops(granules * G + slack, w, &ops, natural_finish);
+        let policy = if oldest_first { GrantPolicy::OldestFirst } else { GrantPolicy::RoundRobin };
+        run_ops(granules * G + slack, w, &ops, natural_finish, policy);
     }
 }
 
@@ -540,9 +546,17 @@ fn grants_rotate_through_all_flows() {
 /// One flow of maximum-size chunks among `n_small` flows of one-granule
 /// chunks: with drain mode the big flow is granted after at most
 /// (BYPASS_ROUNDS + 1) rounds of other grants, every time.
-fn starvation_scenario(n_small: usize, w: usize, seed: u64, completions_per_tick: usize) {
+fn starvation_scenario(
+    n_small: usize,
+    w: usize,
+    seed: u64,
+    completions_per_tick: usize,
+    policy: GrantPolicy,
+) {
     let arena = 64 * G;
-    let mut s = CreditScheduler::new(arena, G, w).unwrap();
+    let mut s = CreditScheduler::new(arena, G, w)
+        .unwrap()
+        .with_policy(policy);
     let max = s.max_allocation();
     assert_eq!(max, arena);
     let mut rng = Rng(seed);
@@ -556,7 +570,18 @@ fn starvation_scenario(n_small: usize, w: usize, seed: u64, completions_per_tick
     let big_chunks = 3;
     s.on_want(big.clone(), &vec![max; big_chunks]).unwrap();
     let ring = (n_small + 1) as u64;
-    let bound = (BYPASS_ROUNDS + 1) * ring + 1;
+    // Round-robin (seed §5 R3): every sweep passes the big flow, so it is
+    // stamped within one ring and drained BYPASS_ROUNDS rounds later.
+    // Oldest first serves in WANT arrival order: the chunks queued ahead of
+    // the big flow when it arrived (8 per small flow) come first; from
+    // then on it is at the front (appending flows move behind it) and the
+    // same bound holds.
+    let bound = (BYPASS_ROUNDS + 1) * ring
+        + 1
+        + match policy {
+            GrantPolicy::RoundRobin => 0,
+            GrantPolicy::OldestFirst => 8 * n_small as u64,
+        };
 
     let mut inflight: Vec<Grant> = Vec::new();
     let mut others_since_big = 0u64;
@@ -605,7 +630,8 @@ fn starvation_scenario(n_small: usize, w: usize, seed: u64, completions_per_tick
 #[test]
 fn starvation_freedom_50_small_flows() {
     for seed in 0..5 {
-        starvation_scenario(50, 4, seed, 3);
+        starvation_scenario(50, 4, seed, 3, GrantPolicy::RoundRobin);
+        starvation_scenario(50, 4, seed, 3, GrantPolicy::OldestFirst);
     }
 }
 
@@ -618,8 +644,10 @@ proptest! {
         w in 1usize..6,
         seed in any::<u64>(),
         per_tick in 1usize..8,
+        oldest_first in any::<bool>(),
     ) {
-        starvation_scenario(n_small, w, seed, per_tick);
+        let policy = if oldest_first { GrantPolicy::OldestFirst } else { GrantPolicy::RoundRobin };
+        starvation_scenario(n_small, w, seed, per_tick, policy);
     }
 }
 
@@ -677,4 +705,97 @@ fn finished_flows_do_not_accumulate() {
     }
     assert_eq!(s.flow_count(), 0);
     assert_eq!(*s.arena(), BuddyAllocator::new(256 * G, G).unwrap());
+}
+
+// ------------------------------------------------------------ oldest first
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// Oldest first with room for everything: no grant goes to a flow while
+    /// an older flow is eligible (pending chunks, below W) — requests are
+    /// served in arrival order up to W each.
+    #[test]
+    fn oldest_first_grants_in_arrival_order(
+        chunks in prop::collection::vec(prop::collection::vec(1u64..4 * G, 1..10), 2..12),
+        w in 1usize..6,
+        completions in prop::collection::vec(any::<usize>(), 0..40),
+    ) {
+        let mut s = CreditScheduler::new(1 << 20, G, w)
+            .unwrap()
+            .with_policy(GrantPolicy::OldestFirst);
+        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
+        let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        for (k, c) in keys.iter().zip(&chunks) {
+            s.on_want(k.clone(), c).unwrap();
+        }
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+        let mut round = 0;
+        loop {
+            for g in s.schedule() {
+                let i = keys.iter().position(|k| *k == g.flow).unwrap();
+                for j in 0..i {
+                    prop_assert!(
+                        pending[j] == 0 || held[j].len() >= w,
+                        "flow {} granted while the older flow {} was eligible", i, j
+                    );
+                }
+                pending[i] -= 1;
+                held[i].push(g.region_offset);
+            }
+            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
+            if live.is_empty() || round >= completions.len() {
+                break;
+            }
+            let i = live[completions[round] % live.len()];
+            let o = held[i].remove(0);
+            s.begin_scatter(&keys[i], o).unwrap();
+            s.scatter_done(o).unwrap();
+            round += 1;
+        }
+        s.check_conservation().unwrap();
+    }
+
+    /// Oldest first in a tight arena (2-24 granules, chunks up to the max
+    /// allocation): every flow is served to its last chunk as regions
+    /// complete in random order (no starvation, no stall), and at the end
+    /// no flow is left and every byte is free.
+    #[test]
+    fn oldest_first_serves_every_flow_in_a_tight_arena(
+        chunks in prop::collection::vec(prop::collection::vec(1u64..8 * G, 1..8), 2..16),
+        w in 1usize..6,
+        granules in 2u64..24,
+        picks in prop::collection::vec(any::<usize>(), 1..64),
+    ) {
+        let mut s = CreditScheduler::new(granules * G, G, w)
+            .unwrap()
+            .with_policy(GrantPolicy::OldestFirst);
+        let max = s.max_allocation();
+        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
+        let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        for (k, c) in keys.iter().zip(&chunks) {
+            let c: Vec<u64> = c.iter().map(|&b| b.min(max)).collect();
+            s.on_want(k.clone(), &c).unwrap();
+        }
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+        for step in 0..10_000usize {
+            for g in s.schedule() {
+                let i = keys.iter().position(|k| *k == g.flow).unwrap();
+                pending[i] -= 1;
+                held[i].push(g.region_offset);
+            }
+            s.check_conservation().unwrap();
+            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
+            if live.is_empty() {
+                break;
+            }
+            let i = live[picks[step % picks.len()] % live.len()];
+            let o = held[i].remove(0);
+            s.begin_scatter(&keys[i], o).unwrap();
+            s.scatter_done(o).unwrap();
+        }
+        prop_assert!(pending.iter().all(|&p| p == 0), "a flow starved: {:?}", pending);
+        prop_assert_eq!(s.flow_count(), 0);
+        prop_assert_eq!(s.free_bytes(), s.capacity());
+    }
 }
