@@ -257,7 +257,9 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
                              "description": "Busy-poll window: \"auto\" or microseconds (≤ 100000).",
                              "x-kubernetes-validations": [{
                                  "rule": "type(self) == int ? (self >= 0 && self <= 100000) : self == 'auto'",
-                                 "message": "ioBusyPollUs must be \"auto\" or 0..100000 microseconds"}]}
+                                 "message": "ioBusyPollUs must be \"auto\" or 0..100000 microseconds"}]},
+            "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst"], "default": def("grantPolicy"),
+                            "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."}
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

@@ -34,6 +34,7 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::buddy;
+pub use crate::scheduler::GrantPolicy;
 use crate::ControlKind;
 
 /// Prefix of every environment variable of the bounce config (seed §10 uses
@@ -248,6 +249,30 @@ pub enum BusyPoll {
     Micros(u64),
 }
 
+/// Expected form of [`GrantPolicy`] (`grantPolicy`).
+pub const EXPECTED_GRANT_POLICY: &str = "one of roundRobin/oldestFirst";
+
+impl fmt::Display for GrantPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GrantPolicy::RoundRobin => "roundRobin",
+            GrantPolicy::OldestFirst => "oldestFirst",
+        })
+    }
+}
+
+impl Serialize for GrantPolicy {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for GrantPolicy {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_field(d, None)
+    }
+}
+
 /// Largest `ioBusyPollUs` validation accepts, µs (100 ms): a window is a
 /// few control round trips, and a larger one (a value meant in ns) would
 /// keep threads spinning for seconds after each event.
@@ -450,6 +475,31 @@ impl FieldValue for ControlTransport {
     }
 }
 
+impl FieldValue for GrantPolicy {
+    const EXPECTED_ENV: &'static str = EXPECTED_GRANT_POLICY;
+    const EXPECTED_SERDE: &'static str = EXPECTED_GRANT_POLICY;
+    /// Case-insensitive, trimmed; `round-robin` / `oldest-first` (and with
+    /// `_`) are accepted too.
+    fn parse_env(s: &str) -> Result<Self, Option<String>> {
+        match s
+            .trim()
+            .to_ascii_lowercase()
+            .replace(['-', '_'], "")
+            .as_str()
+        {
+            "roundrobin" => Ok(GrantPolicy::RoundRobin),
+            "oldestfirst" => Ok(GrantPolicy::OldestFirst),
+            _ => Err(None),
+        }
+    }
+    fn from_raw(raw: &Raw) -> Result<Self, Option<String>> {
+        match raw {
+            Raw::Str(s) => <Self as FieldValue>::parse_env(s),
+            _ => Err(None),
+        }
+    }
+}
+
 impl FieldValue for BusyPoll {
     const EXPECTED_ENV: &'static str = EXPECTED_BUSY_POLL;
     const EXPECTED_SERDE: &'static str = EXPECTED_BUSY_POLL;
@@ -576,6 +626,7 @@ field_deserializers! {
     de_disable_scatter_run_merging: bool = "disableScatterRunMerging";
     de_control_transport: ControlTransport = "controlTransport";
     de_io_busy_poll_us: BusyPoll = "ioBusyPollUs";
+    de_grant_policy: GrantPolicy = "grantPolicy";
 }
 
 // ---------------------------------------------------------------------------
@@ -710,6 +761,14 @@ pub struct BounceConfig {
     /// [`BusyPoll`]). Env `KVFABRIC_BOUNCE_IO_BUSY_POLL_US`.
     #[serde(deserialize_with = "de_io_busy_poll_us")]
     pub io_busy_poll_us: BusyPoll,
+
+    /// kvfabric: which flow the receiver's credit scheduler grants a free
+    /// region to next, `roundRobin` (the seed's, §5; default) or
+    /// `oldestFirst` (requests served in arrival order, W each; see
+    /// [`GrantPolicy`]). Receiver-local: peers need not agree.
+    /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
+    #[serde(deserialize_with = "de_grant_policy")]
+    pub grant_policy: GrantPolicy,
 }
 
 impl Default for BounceConfig {
@@ -734,6 +793,7 @@ impl Default for BounceConfig {
             disable_scatter_run_merging: false,
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
+            grant_policy: GrantPolicy::RoundRobin,
         }
     }
 }
@@ -748,7 +808,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 18] = [
+pub const FIELDS: [FieldName; 19] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -821,6 +881,10 @@ pub const FIELDS: [FieldName; 18] = [
         yaml: "ioBusyPollUs",
         env: "IO_BUSY_POLL_US",
     },
+    FieldName {
+        yaml: "grantPolicy",
+        env: "GRANT_POLICY",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -841,7 +905,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 18] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 19] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -862,6 +926,7 @@ impl BounceConfig {
             (f[15], &mut self.disable_scatter_run_merging),
             (f[16], &mut self.control_transport),
             (f[17], &mut self.io_busy_poll_us),
+            (f[18], &mut self.grant_policy),
         ]
     }
 
@@ -1211,6 +1276,11 @@ impl EffectiveBounceConfig {
         self.config.io_busy_poll_us.window(cpus)
     }
 
+    /// The receiver's [`GrantPolicy`].
+    pub fn grant_policy(&self) -> GrantPolicy {
+        self.config.grant_policy
+    }
+
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
     pub fn max_inflight_chunks_per_request(&self) -> u32 {
         self.config.max_inflight_chunks_per_request
@@ -1554,6 +1624,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING", "yes"),
             ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
+            ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1577,8 +1648,50 @@ mod tests {
             disable_scatter_run_merging: true,
             control_transport: ControlTransport::Tcp,
             io_busy_poll_us: BusyPoll::Micros(500),
+            grant_policy: GrantPolicy::OldestFirst,
         };
         assert_eq!(c, want);
+    }
+
+    #[test]
+    fn grant_policy_parses_from_yaml_and_env_and_rejects_bad_values() {
+        assert_eq!(
+            BounceConfig::default().grant_policy,
+            GrantPolicy::RoundRobin
+        );
+        let c = BounceConfig::from_yaml_str("grantPolicy: oldestFirst").unwrap();
+        assert_eq!(c.grant_policy, GrantPolicy::OldestFirst);
+        let y = serde_yaml::to_string(&c).unwrap();
+        assert!(y.contains("grantPolicy: oldestFirst"), "{y}");
+        let e = BounceConfig::from_yaml_str("grantPolicy: fifo")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("grantPolicy") && e.contains("roundRobin/oldestFirst"),
+            "{e}"
+        );
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_GRANT_POLICY", "newest")]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!(c, BounceConfig::default());
+        for (raw, want) in [
+            ("RoundRobin", GrantPolicy::RoundRobin),
+            (" round_robin ", GrantPolicy::RoundRobin),
+            ("OLDESTFIRST", GrantPolicy::OldestFirst),
+        ] {
+            let mut c = BounceConfig::default();
+            assert!(c
+                .apply_env_vars([("KVFABRIC_BOUNCE_GRANT_POLICY", raw)])
+                .is_empty());
+            assert_eq!(c.grant_policy, want, "{raw}");
+        }
+        let v = BounceConfig {
+            grant_policy: GrantPolicy::OldestFirst,
+            ..BounceConfig::default()
+        }
+        .validate()
+        .unwrap();
+        assert_eq!(v.grant_policy(), GrantPolicy::OldestFirst);
     }
 
     #[test]

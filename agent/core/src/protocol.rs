@@ -151,7 +151,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
-use crate::scheduler::CreditScheduler;
+use crate::scheduler::{CreditScheduler, GrantPolicy};
 use crate::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
 use crate::{FlowKey, ScatterRun};
 
@@ -237,6 +237,8 @@ pub struct Config {
     pub request_timeout: Nanos,
     /// Stage gathers before a GRANT arrives (seed §2).
     pub eager_gather: bool,
+    /// Which flow the receiver grants next ([`GrantPolicy`]).
+    pub grant_policy: GrantPolicy,
     /// Arena base address (credits carry `base + offset`).
     pub arena_base: u64,
     /// Device id put into credits.
@@ -793,7 +795,8 @@ impl Machine {
             cfg.granularity_bytes,
             cfg.max_inflight_chunks,
         )
-        .map_err(|e| format!("bounce arena of {} bytes: {e}", cfg.arena_bytes))?;
+        .map_err(|e| format!("bounce arena of {} bytes: {e}", cfg.arena_bytes))?
+        .with_policy(cfg.grant_policy);
         if cfg.max_chunk_size_bytes > scheduler.max_allocation() {
             return Err(format!(
                 "max chunk size {} bytes exceeds the arena's max allocation {} bytes",
@@ -2305,6 +2308,7 @@ mod tests {
             copy_contexts: 2,
             request_timeout: T,
             eager_gather: true,
+            grant_policy: GrantPolicy::RoundRobin,
             arena_base: 0x7000_0000,
             device_id: 0,
             endpoint: name.as_bytes().to_vec(),
@@ -2577,6 +2581,7 @@ mod tests {
                 copy_contexts: 1,
                 request_timeout: T,
                 eager_gather: true,
+                grant_policy: GrantPolicy::RoundRobin,
                 arena_base: 0x7000_0000,
                 device_id: 0,
                 endpoint: b"b".to_vec(),

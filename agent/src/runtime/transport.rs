@@ -39,6 +39,7 @@ use kvfabric_core::protocol::{
     Action, ChunkStage, Config, Counters, Event, Input, Machine, Mutations, Nanos, Outcome, Route,
     Step,
 };
+use kvfabric_core::scheduler::GrantPolicy;
 use kvfabric_core::wire::{self, Message, Notice};
 use kvfabric_core::Descriptor;
 
@@ -65,6 +66,8 @@ pub struct TransportSettings {
     pub request_timeout: Duration,
     /// Stage gathers before the GRANT arrives (seed §2).
     pub eager_gather: bool,
+    /// Which flow this receiver grants a free region to next.
+    pub grant_policy: GrantPolicy,
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
     /// Busy-poll window: while the transport has work in flight (requests
@@ -110,6 +113,7 @@ impl Default for TransportSettings {
             copy_workers: 4,
             request_timeout: Duration::from_millis(30_000),
             eager_gather: true,
+            grant_policy: GrantPolicy::RoundRobin,
             merge_runs: true,
             busy_poll: Duration::ZERO,
             allowed_scatter_ranges: Vec::new(),
@@ -666,6 +670,7 @@ impl BounceTransport {
             copy_contexts: settings.copy_contexts.max(1),
             request_timeout: u64::try_from(settings.request_timeout.as_nanos()).unwrap_or(u64::MAX),
             eager_gather: settings.eager_gather,
+            grant_policy: settings.grant_policy,
             arena_base: arena.base,
             device_id: arena.device_id as i32,
             endpoint: endpoint.clone(),

@@ -449,6 +449,14 @@ impl Sim {
             copy_contexts: rng.range(1, 3) as usize,
             request_timeout: TIMEOUT,
             eager_gather: !rng.chance(200),
+            // Half the scoped worlds run the receiver's oldest-first grant
+            // policy; drawn from a generator of its own so every seed's
+            // other choices (and the legacy world) stay what they were.
+            grant_policy: if scoped && Rng::new(seed ^ 0x01D5_F125_7000_0000).chance(500) {
+                kvfabric_core::scheduler::GrantPolicy::OldestFirst
+            } else {
+                kvfabric_core::scheduler::GrantPolicy::RoundRobin
+            },
             arena_base: ARENA_BASE,
             device_id: 0,
             endpoint: Vec::new(),
