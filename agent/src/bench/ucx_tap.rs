@@ -174,11 +174,20 @@ impl OutputTap {
         })
     }
 
-    /// Restores stdout/stderr, drains the pipe (≤ 2 s) and returns what
-    /// was seen.
+    /// Flushes C stdio (UCX prints its tables with `fprintf` to stdout,
+    /// which is fully buffered on a pipe), restores stdout/stderr, drains
+    /// the pipe (≤ 2 s) and returns what was seen.
     pub fn finish(mut self) -> TransportReport {
         let _ = std::io::stdout().flush();
         let _ = std::io::stderr().flush();
+        // SAFETY: fflush(NULL) flushes every open C output stream. Without
+        // it the last buffered block of UCX's protocol tables — on the
+        // H200 the row naming cuda_ipc for writes from GPU memory — reached
+        // the pipe only at exit, after this report was made, and the
+        // report said cuda_ipc=false while the write ran at 250-400 GB/s.
+        unsafe {
+            libc::fflush(std::ptr::null_mut());
+        }
         // SAFETY: restoring fds 1 and 2 from the saved original closes
         // this process's write ends of the pipe.
         unsafe {
@@ -206,7 +215,36 @@ impl OutputTap {
 
 #[cfg(test)]
 mod tests {
-    use super::TransportReport;
+    use super::{OutputTap, TransportReport};
+
+    /// Lines a C library printed through a fully buffered stdio stream on
+    /// fd 1 (as UCX does when stdout is a pipe) are in the report: finish
+    /// flushes C stdio before it reads the pipe to its end.
+    #[test]
+    fn finish_sees_lines_still_in_a_c_stdio_buffer() {
+        let tap = OutputTap::start().expect("tap");
+        let table = "[1.3] [vm:9  :1]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1] |\n\
+                     [1.3] [vm:9  :1]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n\0";
+        // SAFETY: a new FILE over a dup of fd 1 (now the tap's pipe), fully
+        // buffered by default; written once and flushed only by fflush(NULL)
+        // in finish, then closed.
+        let file = unsafe {
+            let fd = libc::dup(1);
+            assert!(fd >= 0);
+            let f = libc::fdopen(fd, c"w".as_ptr());
+            assert!(!f.is_null());
+            assert!(libc::setvbuf(f, std::ptr::null_mut(), libc::_IOFBF, 1 << 16) == 0);
+            assert!(libc::fputs(table.as_ptr().cast(), f) >= 0);
+            f
+        };
+        let report = tap.finish();
+        // SAFETY: the FILE opened above, closed once.
+        unsafe {
+            libc::fclose(file);
+        }
+        assert!(report.cuda_ipc, "{report:?}");
+        assert_eq!(report.data_path.len(), 1, "{report:?}");
+    }
 
     #[test]
     fn scan_splits_gpu_data_path_from_other_ops() {
