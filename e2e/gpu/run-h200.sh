@@ -22,6 +22,20 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c 'import torch, grpc, google.protobuf as p; print("torch", torch.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 rc=0
+# A private MPS control daemon (own pipe and log directories; no GPU
+# setting changed), quit when the call ends: issue 18's "MPS on".
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/kvf-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/kvf-mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control; sleep 1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; trap - EXIT
+}
+# Issue 18's seed-shaped load: gpt-oss-120b geometry, TP 4, block 16, K/V
+# split (4 KiB descriptors), 8,192-token prompts (151 MB per transfer).
+seed_bench=(/tmp/kvf/kvfabric-gpu bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in
     engines)
@@ -69,6 +83,53 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # Issue 13's fault cases with the real model (test-only fault hooks).
       timeout 300 python3 e2e/model/faults.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
         --out "$out/model_faults.json" 2>&1 | tee "$out/model_faults.log" | tail -n 80 || rc=1 ;;
+    ab17)
+      # Issue 17: vram-bench, one GPU, the build before the reactor
+      # (.gpu/before.xz, c2fc7d1) and this one, alternating.
+      xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before && chmod +x /tmp/kvf/kvfabric-gpu-before
+      for i in 1 2 3; do
+        for b in before after; do
+          exe=/tmp/kvf/kvfabric-gpu; [ $b = before ] && exe=/tmp/kvf/kvfabric-gpu-before
+          timeout 120 $exe vram-bench --skip-standard --iterations 11 --json "$out/ab17_${b}_$i.json" \
+            > "$out/ab17_${b}_$i.log" 2>&1 || rc=1
+          echo "$b $i: $(grep -E '^ *(bounce|one descriptor)' "$out/ab17_${b}_$i.log" | tr -s ' ' | tr '\n' ';')"
+        done
+      done ;;
+    load)
+      # Issue 18's table: closed loop at each KVF_CONC, MPS on, TCP control;
+      # KVF_POLICIES: grant policies to run (KVFABRIC_BOUNCE_GRANT_POLICY).
+      mps_on
+      for pol in ${KVF_POLICIES:-roundRobin}; do
+        for c in ${KVF_CONC:-1 8 32 128}; do
+          KVFABRIC_BOUNCE_GRANT_POLICY=$pol KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 "${seed_bench[@]}" \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce --json "$out/load_${pol}_c$c.json" \
+            > "$out/load_${pol}_c$c.log" 2>&1 || rc=1
+          echo "$pol c=$c: $(grep -E '^ *bounce' "$out/load_${pol}_c$c.log" | tail -n 1 | tr -s ' ')"
+        done
+      done
+      mps_off ;;
+    openloop)
+      # Issue 18: Poisson arrivals at each KVF_RATES (req/s), >= 500
+      # requests, at most 128 in flight, MPS on, TCP control.
+      mps_on
+      for pol in ${KVF_POLICIES:-roundRobin}; do
+        for r in ${KVF_RATES:-13}; do
+          paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
+          KVFABRIC_BOUNCE_GRANT_POLICY=$pol KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 "${seed_bench[@]}" \
+            --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 --paths $paths \
+            --json "$out/open_${pol}_r$r.json" > "$out/open_${pol}_r$r.log" 2>&1 || rc=1
+          echo "$pol rate=$r:"; grep -E '^ *(bounce|standard)' "$out/open_${pol}_r$r.log" | tail -n 4
+        done
+      done
+      mps_off ;;
+    ucxmps)
+      # Issue 18: which transport UCX used under MPS (the report said
+      # cuda_ipc=false while one descriptor ran at 397 GB/s): the raw log.
+      mps_on
+      KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
+        --iterations 5 --json "$out/ucx_mps.json" > "$out/ucx_mps.log" 2>&1 || rc=1
+      grep -n 'transport report\|cuda_ipc\|WARNING\|by ucp_\|cfg#' "$out/ucx_mps.log" | head -n 60
+      mps_off ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).
