@@ -36,6 +36,10 @@ mps_off() {
 # Issue 18's seed-shaped load: gpt-oss-120b geometry, TP 4, block 16, K/V
 # split (4 KiB descriptors), 8,192-token prompts (151 MB per transfer).
 seed_bench=(/tmp/kvf/kvfabric-gpu bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
+# KVF_CONFIGS entries: "GRANT_POLICY=oldestFirst,ARENA_SIZE_BYTES=1GiB" →
+# the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag).
+cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/KVFABRIC_BOUNCE_/'; }
+cfg_tag() { [ "$1" = - ] && echo default || echo "$1" | tr ',=' '_-'; }
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in
     engines)
@@ -96,29 +100,32 @@ for step in ${KVF_STEPS:-engines model vram}; do
         done
       done ;;
     load)
-      # Issue 18's table: closed loop at each KVF_CONC, MPS on, TCP control;
-      # KVF_POLICIES: grant policies to run (KVFABRIC_BOUNCE_GRANT_POLICY).
+      # Issue 18's table: closed loop at each KVF_CONC, MPS on, TCP control.
+      # KVF_CONFIGS: bounce settings to compare, alternated within each
+      # concurrency; each KEY=VALUE[,KEY=VALUE...] sets KVFABRIC_BOUNCE_KEY
+      # (both agents), "-" for the defaults.
       mps_on
-      for pol in ${KVF_POLICIES:-roundRobin}; do
-        for c in ${KVF_CONC:-1 8 32 128}; do
-          KVFABRIC_BOUNCE_GRANT_POLICY=$pol KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 "${seed_bench[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce --json "$out/load_${pol}_c$c.json" \
-            > "$out/load_${pol}_c$c.log" 2>&1 || rc=1
-          echo "$pol c=$c: $(grep -E '^ *bounce' "$out/load_${pol}_c$c.log" | tail -n 1 | tr -s ' ')"
+      for c in ${KVF_CONC:-1 8 32 128}; do
+        for cfg in ${KVF_CONFIGS:--}; do
+          tag="$(cfg_tag "$cfg")_c$c"
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 "${seed_bench[@]}" --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
+            --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
+          echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
         done
       done
       mps_off ;;
     openloop)
       # Issue 18: Poisson arrivals at each KVF_RATES (req/s), >= 500
-      # requests, at most 128 in flight, MPS on, TCP control.
+      # requests, at most 128 in flight, MPS on, TCP control; KVF_CONFIGS
+      # as in load.
       mps_on
-      for pol in ${KVF_POLICIES:-roundRobin}; do
-        for r in ${KVF_RATES:-13}; do
+      for r in ${KVF_RATES:-13}; do
+        for cfg in ${KVF_CONFIGS:--}; do
+          tag="$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          KVFABRIC_BOUNCE_GRANT_POLICY=$pol KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 "${seed_bench[@]}" \
-            --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 --paths $paths \
-            --json "$out/open_${pol}_r$r.json" > "$out/open_${pol}_r$r.log" 2>&1 || rc=1
-          echo "$pol rate=$r:"; grep -E '^ *(bounce|standard)' "$out/open_${pol}_r$r.log" | tail -n 4
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 "${seed_bench[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
+            --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
+          echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
         done
       done
       mps_off ;;
@@ -130,6 +137,16 @@ for step in ${KVF_STEPS:-engines model vram}; do
         --iterations 5 --json "$out/ucx_mps.json" > "$out/ucx_mps.log" 2>&1 || rc=1
       grep -n 'transport report\|cuda_ipc\|WARNING\|by ucp_\|cfg#' "$out/ucx_mps.log" | head -n 60
       mps_off ;;
+    timeline)
+      # Issue 18: 64 MiB as 16,384 x 4 KiB, bounce vs one descriptor, one
+      # GPU, without and with MPS; the report's per-request timeline.
+      for m in nomps mps; do
+        [ $m = mps ] && mps_on
+        KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
+          --iterations 21 --json "$out/timeline_$m.json" > "$out/timeline_$m.log" 2>&1 || rc=1
+        echo "$m:"; grep -E '^ *(bounce|one-desc)|timeline|transport report' "$out/timeline_$m.log" | grep -v '^\['
+        [ $m = mps ] && mps_off
+      done ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).

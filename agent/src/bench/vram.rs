@@ -40,7 +40,7 @@ use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
 use crate::runtime::engine::MemKind;
 use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PathKind, PeerMemory};
-use crate::runtime::transport::TransferOutcome;
+use crate::runtime::transport::{Stage, StageEvent, TransferOutcome};
 
 /// Bound on one transfer.
 const XFER_TIMEOUT: Duration = Duration::from_secs(120);
@@ -94,6 +94,107 @@ pub struct VramRow {
     pub chunks_per_transfer: f64,
     /// Every transfer (warm-up included) verified byte-exact.
     pub verified: bool,
+    /// Bounce only: where the time of a request went, from the sender's
+    /// stage events (medians over the timed iterations).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<BounceTimeline>,
+}
+
+/// The sender's view of one bounce request, µs after submit (medians over
+/// the timed iterations, each a traced request): sizing and WANT, the
+/// gathers, the writes (posted after their GRANT and gather), the DATA
+/// (write landed), the ACKs (receiver scattered) and the caller's wake-up.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BounceTimeline {
+    /// WANT sent (the request sized and planned), µs.
+    pub want_us: f64,
+    /// First chunk gathered into staging, µs.
+    pub first_gathered_us: f64,
+    /// Last chunk gathered, µs.
+    pub last_gathered_us: f64,
+    /// First chunk's write posted (its GRANT had arrived), µs.
+    pub first_write_posted_us: f64,
+    /// Last chunk's write posted, µs.
+    pub last_write_posted_us: f64,
+    /// First chunk's write landed and its DATA sent, µs.
+    pub first_data_sent_us: f64,
+    /// Last chunk's DATA sent, µs.
+    pub last_data_sent_us: f64,
+    /// First chunk ACKed (scattered on the receiver), µs.
+    pub first_acked_us: f64,
+    /// Last chunk ACKed: the request resolves, µs.
+    pub last_acked_us: f64,
+    /// The caller saw SUCCESS, µs.
+    pub resolved_us: f64,
+}
+
+impl BounceTimeline {
+    /// Medians, field by field, of per-request timelines.
+    fn median_of(all: &[BounceTimeline]) -> Option<BounceTimeline> {
+        if all.is_empty() {
+            return None;
+        }
+        let m = |f: fn(&BounceTimeline) -> f64| {
+            let mut v: Vec<f64> = all.iter().map(f).collect();
+            median(&mut v)
+        };
+        Some(BounceTimeline {
+            want_us: m(|t| t.want_us),
+            first_gathered_us: m(|t| t.first_gathered_us),
+            last_gathered_us: m(|t| t.last_gathered_us),
+            first_write_posted_us: m(|t| t.first_write_posted_us),
+            last_write_posted_us: m(|t| t.last_write_posted_us),
+            first_data_sent_us: m(|t| t.first_data_sent_us),
+            last_data_sent_us: m(|t| t.last_data_sent_us),
+            first_acked_us: m(|t| t.first_acked_us),
+            last_acked_us: m(|t| t.last_acked_us),
+            resolved_us: m(|t| t.resolved_us),
+        })
+    }
+
+    /// One request's timeline from its stage events (`t0` = submit).
+    fn of(events: &[StageEvent], t0: Instant, resolved_us: f64) -> BounceTimeline {
+        let at = |stage: Stage, last: bool| {
+            let it = events
+                .iter()
+                .filter(|e| e.stage == stage)
+                .map(|e| e.at.saturating_duration_since(t0).as_secs_f64() * 1e6);
+            if last {
+                it.fold(f64::NAN, f64::max)
+            } else {
+                it.fold(f64::NAN, f64::min)
+            }
+        };
+        BounceTimeline {
+            want_us: at(Stage::Want, false),
+            first_gathered_us: at(Stage::Gathered, false),
+            last_gathered_us: at(Stage::Gathered, true),
+            first_write_posted_us: at(Stage::WritePosted, false),
+            last_write_posted_us: at(Stage::WritePosted, true),
+            first_data_sent_us: at(Stage::DataSent, false),
+            last_data_sent_us: at(Stage::DataSent, true),
+            first_acked_us: at(Stage::Acked, false),
+            last_acked_us: at(Stage::Acked, true),
+            resolved_us,
+        }
+    }
+
+    /// One line: each stage's first/last offset, µs.
+    pub fn line(&self) -> String {
+        format!(
+            "timeline (µs after submit, medians): WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            self.want_us,
+            self.first_gathered_us,
+            self.last_gathered_us,
+            self.first_write_posted_us,
+            self.last_write_posted_us,
+            self.first_data_sent_us,
+            self.last_data_sent_us,
+            self.first_acked_us,
+            self.last_acked_us,
+            self.resolved_us
+        )
+    }
 }
 
 /// The report of one run.
@@ -145,6 +246,11 @@ impl VramReport {
                 r.gbps,
                 r.chunks_per_transfer
             );
+        }
+        for r in &self.rows {
+            if let Some(t) = &r.timeline {
+                s += &format!("{} {}K {}\n", r.path, r.max_chunk_bytes / 1024, t.line());
+            }
         }
         if let Some(x) = self.bounce_over_standard {
             s += &format!("bounce / standard       = {x:.1}x\n");
@@ -414,6 +520,7 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
         }
         for (path, ds) in paths {
             let mut times = Vec::new();
+            let mut timelines = Vec::new();
             let mut first_ms = 0.0;
             let chunks0 = agent
                 .transport()
@@ -433,7 +540,15 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                 let t0 = Instant::now();
                 let h = match path {
                     "bounce" => {
-                        let (kind, h) = agent.submit_write(&rdesc.name, ds.clone());
+                        // Traced: the IO thread records each chunk's
+                        // stages from instants it takes anyway.
+                        let (kind, h) = agent.submit_write_kinds_traced(
+                            &rdesc.name,
+                            ds.clone(),
+                            MemKind::Vram,
+                            MemKind::Vram,
+                            true,
+                        );
                         if kind != PathKind::Bounce {
                             return Err(format!("bounce transfer routed to {kind:?}"));
                         }
@@ -446,6 +561,10 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                     other => return Err(format!("{path} transfer: {other:?}")),
                 }
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
+                if path == "bounce" && it > 0 {
+                    let (events, _) = h.take_timeline();
+                    timelines.push(BounceTimeline::of(&events, t0, ms * 1e3));
+                }
                 peer.command(&format!("VERIFY {seed} {}", descs_file.display()))
                     .map_err(|e| format!("{path} verification: {e}"))?;
                 if it == 0 {
@@ -476,6 +595,7 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                 gbps: total as f64 / (med / 1e3) / 1e9,
                 chunks_per_transfer: (chunks1 - chunks0) as f64 / (n + 1) as f64,
                 verified: true,
+                timeline: BounceTimeline::median_of(&timelines),
             });
         }
         drop(agent);
@@ -642,4 +762,46 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
             .map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeline_takes_first_and_last_of_each_stage_and_medians() {
+        let t0 = Instant::now();
+        let ev = |stage, chunk, us| StageEvent {
+            stage,
+            chunk,
+            at: t0 + Duration::from_micros(us),
+        };
+        let events = [
+            ev(Stage::Want, 0, 10),
+            ev(Stage::Gathered, 0, 50),
+            ev(Stage::Gathered, 1, 70),
+            ev(Stage::WritePosted, 0, 80),
+            ev(Stage::WritePosted, 1, 90),
+            ev(Stage::DataSent, 1, 200),
+            ev(Stage::DataSent, 0, 150),
+            ev(Stage::Acked, 0, 300),
+            ev(Stage::Acked, 1, 400),
+        ];
+        let t = BounceTimeline::of(&events, t0, 420.0);
+        assert_eq!(
+            (t.want_us, t.first_gathered_us, t.last_gathered_us),
+            (10.0, 50.0, 70.0)
+        );
+        assert_eq!((t.first_data_sent_us, t.last_data_sent_us), (150.0, 200.0));
+        assert_eq!(
+            (t.first_acked_us, t.last_acked_us, t.resolved_us),
+            (300.0, 400.0, 420.0)
+        );
+        let mut slow = t.clone();
+        slow.last_acked_us = 900.0;
+        let m = BounceTimeline::median_of(&[t.clone(), slow, t]).unwrap();
+        assert_eq!(m.last_acked_us, 400.0);
+        assert!(BounceTimeline::median_of(&[]).is_none());
+        assert!(m.line().contains("ACKed 300-400"), "{}", m.line());
+    }
 }
