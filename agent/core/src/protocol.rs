@@ -61,9 +61,11 @@
 //!
 //! * Copy contexts (`ExecPool`) are a counter here: a gather or a scatter
 //!   takes one, its completion input returns it.
-//! * The former `Io` retried a parked request on every loop tick; the
-//!   machine retries after every input (an input is a tick's worth of
-//!   events).
+//! * The former `Io` retried every request on every loop tick once one
+//!   had parked; the machine retries only the requests whose staging
+//!   starved (no copy context, arena space or eager budget), oldest
+//!   first, after an input that freed one of those (issue 18: with 128
+//!   requests in flight the former rule cost 128 pumps per input).
 //! * The former `Io::pump` polled writes between posts; here writes
 //!   complete only through [`Input::WriteDone`] (the reactor polls its
 //!   writes between two queued posts and feeds what landed at once).
@@ -749,7 +751,13 @@ pub struct Machine {
     /// Destination scope of each live receiver flow (from its WANT).
     flow_scope: BTreeMap<FlowKey, u64>,
     quiesce: Vec<(u64, u64, u64)>,
+    /// Something may have freed copy contexts, arena space or eager
+    /// budget: retry the starved requests at the end of this input.
     parked: bool,
+    /// Requests whose staging stopped for want of a copy context, arena
+    /// space or eager budget (not for their window or a missing credit):
+    /// the only ones a freed resource can move, retried oldest first.
+    starved: BTreeSet<u64>,
     shut_down: bool,
     actions: VecDeque<Step>,
     counters: Counters,
@@ -837,6 +845,7 @@ impl Machine {
             flow_scope: BTreeMap::new(),
             quiesce: Vec::new(),
             parked: false,
+            starved: BTreeSet::new(),
             shut_down: false,
             actions: VecDeque::new(),
             counters: Counters::default(),
@@ -851,6 +860,11 @@ impl Machine {
     /// [`poll_action`](Self::poll_action).
     pub fn handle(&mut self, now: Nanos, input: Input) {
         self.now = self.now.max(now);
+        let before = (
+            self.exec_free,
+            self.scheduler.free_bytes(),
+            self.scheduler.eager_held_bytes(),
+        );
         match input {
             Input::Submit {
                 rid,
@@ -902,15 +916,15 @@ impl Machine {
             Input::AbandonInFlight => self.abandon_in_flight(),
         }
         // The end of an `Io` tick: queued scatters take freed contexts,
-        // parked requests retry, quiesce requests are answered.
+        // starved requests retry, quiesce requests are answered.
         self.drain_scatter_queue();
-        if self.parked {
-            self.parked = false;
-            let rids: Vec<u64> = self.requests.keys().copied().collect();
-            for rid in rids {
-                self.pump(rid);
-            }
+        let freed = self.exec_free > before.0
+            || self.scheduler.free_bytes() > before.1
+            || self.scheduler.eager_held_bytes() < before.2;
+        if (self.parked || freed) && !self.starved.is_empty() {
+            self.retry_starved();
         }
+        self.parked = false;
         self.answer_quiesce();
     }
 
@@ -1195,6 +1209,24 @@ impl Machine {
         self.pump(rid);
     }
 
+    /// Retries the starved requests, oldest first, while a copy context is
+    /// free (staging needs one; a request that starves again goes back in
+    /// the set). The former `Io` (and this machine until issue 18) re-pumped
+    /// every request after every input once anything had parked: with 128
+    /// requests in flight that was 128 pumps per input on the IO thread.
+    fn retry_starved(&mut self) {
+        let rids: Vec<u64> = self.starved.iter().copied().collect();
+        for rid in rids {
+            if self.exec_free == 0 {
+                break;
+            }
+            self.starved.remove(&rid);
+            if self.requests.contains_key(&rid) {
+                self.pump(rid);
+            }
+        }
+    }
+
     /// `Io::pump`: attach credits in chunk order, stage gathers within the
     /// window, post writes for gathered credited chunks.
     fn pump(&mut self, rid: u64) {
@@ -1225,7 +1257,7 @@ impl Machine {
             req.next_attach += 1;
         }
         // 2. Stage gathers within the window.
-        let mut parked = false;
+        let mut starved = false;
         while req.next_stage < req.chunks.len() && req.staged_unacked() < w {
             let i = req.next_stage;
             let credited = req.state[i].credit.is_some();
@@ -1234,7 +1266,7 @@ impl Machine {
             }
             let bytes = req.chunks[i].packed_bytes;
             let Some(local) = self.scheduler.acquire_local(bytes, !credited) else {
-                parked = credited;
+                starved = true;
                 break;
             };
             if !credited {
@@ -1256,13 +1288,14 @@ impl Machine {
                     };
                     if !ok {
                         let _ = self.scheduler.release_local(local);
+                        starved = true;
                         break;
                     }
                 }
             }
             if self.exec_free == 0 {
                 let _ = self.scheduler.release_local(local);
-                parked = true;
+                starved = true;
                 break;
             }
             self.exec_free -= 1;
@@ -1289,8 +1322,10 @@ impl Machine {
             }));
             req.next_stage += 1;
         }
-        if parked {
-            self.parked = true;
+        if starved {
+            self.starved.insert(rid);
+        } else {
+            self.starved.remove(&rid);
         }
         // 3. Post writes for gathered + credited chunks.
         let ready: Vec<usize> = (0..req.next_attach)

@@ -177,7 +177,7 @@ fn mutation_unscoped_data_validation() {
 fn regression_seeds() {
     for (name, seed, scoped) in [
         ("unkeyed_credits", 19, false),
-        ("unchecked_data_chunk", 21, false),
+        ("unchecked_data_chunk", 31, false),
         ("legacy_eager_reserve", 57, false),
         ("legacy_flow_silence", 5363, false),
         ("legacy_credit_expiry", 2003298, false),
