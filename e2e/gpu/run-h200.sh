@@ -114,6 +114,23 @@ for step in ${KVF_STEPS:-engines model vram}; do
         done
       done
       mps_off ;;
+    loadab)
+      # Issue 18 before/after: the same closed-loop command with the build
+      # before the issue-18 work (.gpu/before.xz, c2fc7d1) and this one
+      # (default and each KVF_CONFIGS entry), alternated per concurrency.
+      xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before && chmod +x /tmp/kvf/kvfabric-gpu-before
+      mps_on
+      for c in ${KVF_CONC:-8 32 128}; do
+        for v in before - ${KVF_CONFIGS:-}; do
+          exe=/tmp/kvf/kvfabric-gpu; cfg=$v; [ $v = before ] && { exe=/tmp/kvf/kvfabric-gpu-before; cfg=-; }
+          b=after; [ $v = before ] && b=before; tag="ab_${b}_$(cfg_tag "$cfg")_c$c"
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe bench --fixed-prompt 8192 \
+            --model gpt-oss-120b --tp 4 --pool 48GiB --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
+            --json "$out/$tag.json" > "$out/$tag.log" 2>&1 || rc=1
+          echo "$tag: $(grep -E '^ *bounce' "$out/$tag.log" | tail -n 1 | tr -s ' ')"
+        done
+      done
+      mps_off ;;
     openloop)
       # Issue 18: Poisson arrivals at each KVF_RATES (req/s), >= 500
       # requests, at most 128 in flight, MPS on, TCP control; KVF_CONFIGS
