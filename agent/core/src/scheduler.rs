@@ -219,6 +219,10 @@ struct Flow {
     held: Vec<u64>,
     /// Grant sequence at which the head chunk first failed to fit.
     blocked_at_grant_seq: Option<u64>,
+    /// Arrival number (insertion, or the last append under oldest first):
+    /// ties between stamps of one grant sequence go to the earliest under
+    /// [`GrantPolicy::OldestFirst`].
+    arrival: u64,
     prev: usize,
     next: usize,
 }
@@ -270,8 +274,11 @@ pub struct CreditScheduler {
     /// Eligible flows without a blocked stamp.
     unstamped: HashSet<usize>,
     grant_seq: u64,
-    /// Stamped flows, oldest first: (blocked_at_grant_seq, slot).
-    blocked: BTreeSet<(u64, usize)>,
+    /// Stamped flows, oldest first: (blocked_at_grant_seq, tie, slot), tie
+    /// = the flow's arrival under oldest first, 0 under round-robin.
+    blocked: BTreeSet<(u64, u64, usize)>,
+    /// Next [`Flow::arrival`].
+    next_arrival: u64,
     drain: Option<usize>,
     /// Remote regions held by flows: offset → region.
     regions: HashMap<u64, Region>,
@@ -317,6 +324,7 @@ impl CreditScheduler {
             unstamped: HashSet::new(),
             grant_seq: 0,
             blocked: BTreeSet::new(),
+            next_arrival: 0,
             drain: None,
             regions: HashMap::new(),
             held_bytes: 0,
@@ -430,15 +438,24 @@ impl CreditScheduler {
             // sequence — do just that, in O(unstamped) instead of O(ring).
             let smallest_head = 1u64 << self.head_mask.trailing_zeros();
             if smallest_head > self.arena.largest_free_block() {
-                let seq = self.grant_seq;
-                for slot in std::mem::take(&mut self.unstamped) {
-                    self.flow_mut(slot).blocked_at_grant_seq = Some(seq);
-                    self.blocked.insert((seq, slot));
+                // Oldest first: a sweep that grants nothing bypasses nobody
+                // (stamps count bypasses by younger flows, see below).
+                if self.policy == GrantPolicy::RoundRobin {
+                    let seq = self.grant_seq;
+                    for slot in std::mem::take(&mut self.unstamped) {
+                        self.stamp(slot, seq);
+                    }
                 }
                 break;
             }
             let Some(mut s) = self.cursor else { break };
             let mut granted = false;
+            // Oldest first: the flows this sweep passes (eligible, head too
+            // large) are stamped only if it then grants a younger flow —
+            // that grant is what bypasses them. Round-robin stamps as it
+            // passes (seed §5).
+            let mut passed: Vec<usize> = Vec::new();
+            let seq = self.grant_seq;
             for _ in 0..self.ring_len {
                 let next = self.flow(s).next;
                 if self.is_eligible(s) {
@@ -449,16 +466,19 @@ impl CreditScheduler {
                         break;
                     }
                     if self.flow(s).blocked_at_grant_seq.is_none() {
-                        let seq = self.grant_seq;
-                        self.flow_mut(s).blocked_at_grant_seq = Some(seq);
-                        self.blocked.insert((seq, s));
-                        self.unstamped.remove(&s);
+                        match self.policy {
+                            GrantPolicy::RoundRobin => self.stamp(s, seq),
+                            GrantPolicy::OldestFirst => passed.push(s),
+                        }
                     }
                 }
                 s = next;
             }
             if !granted {
                 break;
+            }
+            for slot in passed {
+                self.stamp(slot, seq);
             }
         }
         grants
@@ -591,6 +611,19 @@ impl CreditScheduler {
             self.eager_held_bytes += block;
         }
         Some(offset)
+    }
+
+    /// Whether [`acquire_local`](Self::acquire_local)`(bytes, eager)` would
+    /// succeed now (no side effect): a block that size is free and, when
+    /// `eager`, the eager budget has room for it.
+    pub fn can_acquire_local(&self, bytes: u64, eager: bool) -> bool {
+        let Some(block) = self.arena.block_size(bytes) else {
+            return false;
+        };
+        if eager && self.eager_held_bytes + block > self.eager_budget_bytes() {
+            return false;
+        }
+        self.arena.largest_free_block() >= block
     }
 
     /// A credit attached to an eagerly staged region (seed §6
@@ -792,7 +825,7 @@ impl CreditScheduler {
                 }
             }
             if let Some(seq) = f.blocked_at_grant_seq {
-                if !self.blocked.contains(&(seq, slot)) {
+                if !self.blocked.contains(&self.stamp_key(seq, slot)) {
                     return Err(format!("flow {} stamp not in blocked set", f.key));
                 }
             }
@@ -820,15 +853,28 @@ impl CreditScheduler {
                 self.index.len()
             ));
         }
-        // Walk the ring from the cursor.
+        // Walk the ring from the cursor: every live flow exactly once (a
+        // ring split into shorter cycles fails here), and under oldest
+        // first in arrival order.
         if let Some(c) = self.cursor {
             let mut s = c;
+            let mut seen = HashSet::new();
+            let mut last_arrival = None;
             for _ in 0..self.ring_len {
+                if !seen.insert(s) {
+                    return Err("ring revisits a flow before closing".into());
+                }
                 let f = self
                     .slots
                     .get(s)
                     .and_then(Option::as_ref)
                     .ok_or("ring hits a free slot")?;
+                if self.policy == GrantPolicy::OldestFirst {
+                    if last_arrival.is_some_and(|a| a > f.arrival) {
+                        return Err(format!("flow {} out of arrival order in the ring", f.key));
+                    }
+                    last_arrival = Some(f.arrival);
+                }
                 let n = self.slots[f.next]
                     .as_ref()
                     .ok_or("ring next is a free slot")?;
@@ -1012,6 +1058,7 @@ impl CreditScheduler {
             pending: VecDeque::new(),
             held: Vec::new(),
             blocked_at_grant_seq: None,
+            arrival: self.next_arrival,
             prev,
             next,
         };
@@ -1028,6 +1075,7 @@ impl CreditScheduler {
         }
         self.index.insert(key, slot);
         self.ring_len += 1;
+        self.next_arrival += 1;
         slot
     }
 
@@ -1050,6 +1098,33 @@ impl CreditScheduler {
         let f = self.flow_mut(slot);
         f.prev = back;
         f.next = c;
+        // It arrives anew: a later arrival for ties between stamps.
+        let stamp = f.blocked_at_grant_seq;
+        let old = stamp.map(|seq| self.stamp_key(seq, slot));
+        self.flow_mut(slot).arrival = self.next_arrival;
+        self.next_arrival += 1;
+        if let (Some(seq), Some(old)) = (stamp, old) {
+            self.blocked.remove(&old);
+            let new = self.stamp_key(seq, slot);
+            self.blocked.insert(new);
+        }
+    }
+
+    /// The blocked-set key of `slot` stamped at `seq`.
+    fn stamp_key(&self, seq: u64, slot: usize) -> (u64, u64, usize) {
+        let tie = match self.policy {
+            GrantPolicy::RoundRobin => 0,
+            GrantPolicy::OldestFirst => self.flow(slot).arrival,
+        };
+        (seq, tie, slot)
+    }
+
+    /// Stamps the (eligible, unstamped) flow `slot` as blocked at `seq`.
+    fn stamp(&mut self, slot: usize, seq: u64) {
+        self.flow_mut(slot).blocked_at_grant_seq = Some(seq);
+        let key = self.stamp_key(seq, slot);
+        self.blocked.insert(key);
+        self.unstamped.remove(&slot);
     }
 
     /// Issues a grant of region `offset` to `slot`'s head chunk and moves the
@@ -1067,7 +1142,8 @@ impl CreditScheduler {
         let key = f.key.clone();
         let next = f.next;
         if let Some(seq) = stamp {
-            self.blocked.remove(&(seq, slot));
+            let bkey = self.stamp_key(seq, slot);
+            self.blocked.remove(&bkey);
         }
         self.reclass(was, slot);
         self.regions.insert(
@@ -1100,7 +1176,7 @@ impl CreditScheduler {
         if self.drain.is_some() {
             return;
         }
-        if let Some(&(seq, slot)) = self.blocked.first() {
+        if let Some(&(seq, _, slot)) = self.blocked.first() {
             let threshold = BYPASS_ROUNDS * self.ring_len as u64;
             if self.grant_seq - seq >= threshold {
                 self.drain = Some(slot);
@@ -1147,10 +1223,11 @@ impl CreditScheduler {
     fn unlink(&mut self, slot: usize) {
         let class = self.class(slot);
         self.index_class(class, slot, false);
-        let f = self.slots[slot].take().expect("live slot");
-        if let Some(seq) = f.blocked_at_grant_seq {
-            self.blocked.remove(&(seq, slot));
+        if let Some(seq) = self.flow(slot).blocked_at_grant_seq {
+            let key = self.stamp_key(seq, slot);
+            self.blocked.remove(&key);
         }
+        let f = self.slots[slot].take().expect("live slot");
         if self.drain == Some(slot) {
             self.drain = None;
         }
@@ -1264,6 +1341,49 @@ mod tests {
         assert_eq!(flows_of(&s.schedule()), vec![a.to_string()]);
         assert_eq!(s.cursor_flow(), Some(&a));
         s.check_conservation().unwrap();
+    }
+
+    /// Oldest first in a full arena of equal chunks: every grant goes to the
+    /// oldest eligible flow. (A first version stamped every waiting flow
+    /// whenever the arena was full, as round-robin does, so after 2 × ring
+    /// grants to older flows drain mode handed a young flow a region out of
+    /// turn — found by a cold review.)
+    #[test]
+    fn oldest_first_keeps_arrival_order_in_a_full_arena() {
+        let mut s = CreditScheduler::new(4 * G, G, 1)
+            .unwrap()
+            .with_policy(GrantPolicy::OldestFirst);
+        let keys: Vec<FlowKey> = (0..10).map(|i| key("p", i)).collect();
+        let mut pending = vec![3usize; keys.len()];
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+        for k in &keys {
+            s.on_want(k.clone(), &[G, G, G]).unwrap();
+        }
+        let mut order = VecDeque::new();
+        for _ in 0..200 {
+            for g in s.schedule() {
+                let i = keys.iter().position(|k| *k == g.flow).unwrap();
+                for j in 0..i {
+                    assert!(
+                        pending[j] == 0 || !held[j].is_empty(),
+                        "flow {i} granted while the older flow {j} waited"
+                    );
+                }
+                pending[i] -= 1;
+                held[i].push(g.region_offset);
+                order.push_back((i, g.region_offset));
+            }
+            let Some((i, o)) = order.pop_front() else {
+                break;
+            };
+            held[i].retain(|&x| x != o);
+            s.begin_scatter(&keys[i], o).unwrap();
+            s.scatter_done(o).unwrap();
+            s.check_conservation().unwrap();
+        }
+        assert!(pending.iter().all(|&p| p == 0));
+        assert!(!s.in_drain_mode());
+        assert_eq!(s.flow_count(), 0);
     }
 
     #[test]
