@@ -864,6 +864,7 @@ impl Machine {
             self.exec_free,
             self.scheduler.free_bytes(),
             self.scheduler.eager_held_bytes(),
+            self.scheduler.arena().largest_free_block(),
         );
         match input {
             Input::Submit {
@@ -918,13 +919,17 @@ impl Machine {
         // The end of an `Io` tick: queued scatters take freed contexts,
         // starved requests retry, quiesce requests are answered.
         self.drain_scatter_queue();
+        // Totals are not enough: a free that merges buddies into a larger
+        // block while an equal-sized one is taken elsewhere leaves the
+        // free bytes unchanged, so the largest free block counts too.
         let freed = self.exec_free > before.0
             || self.scheduler.free_bytes() > before.1
-            || self.scheduler.eager_held_bytes() < before.2;
-        if (self.parked || freed) && !self.starved.is_empty() {
+            || self.scheduler.eager_held_bytes() < before.2
+            || self.scheduler.arena().largest_free_block() > before.3;
+        let retry = std::mem::take(&mut self.parked) || freed;
+        if retry && !self.starved.is_empty() {
             self.retry_starved();
         }
-        self.parked = false;
         self.answer_quiesce();
     }
 
@@ -1135,6 +1140,7 @@ impl Machine {
     }
 
     fn resolve(&mut self, rid: u64, outcome: Outcome, timed_out: bool) {
+        self.starved.remove(&rid);
         match outcome {
             Outcome::Success => self.counters.succeeded += 1,
             Outcome::Failure(_) => self.counters.failed += 1,
@@ -1214,16 +1220,30 @@ impl Machine {
     /// the set). The former `Io` (and this machine until issue 18) re-pumped
     /// every request after every input once anything had parked: with 128
     /// requests in flight that was 128 pumps per input on the IO thread.
+    ///
+    /// A request whose next chunk could not get its staging region now
+    /// (`CreditScheduler::can_acquire_local`) is skipped without a pump, so
+    /// a retry costs O(1) per request still starved of arena space or
+    /// eager budget.
     fn retry_starved(&mut self) {
         let rids: Vec<u64> = self.starved.iter().copied().collect();
         for rid in rids {
             if self.exec_free == 0 {
                 break;
             }
-            self.starved.remove(&rid);
-            if self.requests.contains_key(&rid) {
-                self.pump(rid);
+            let Some(req) = self.requests.get(&rid) else {
+                self.starved.remove(&rid);
+                continue;
+            };
+            if let Some(i) = (req.next_stage < req.chunks.len()).then_some(req.next_stage) {
+                let credited = req.state[i].credit.is_some();
+                let bytes = req.chunks[i].packed_bytes;
+                if !self.scheduler.can_acquire_local(bytes, !credited) {
+                    continue;
+                }
             }
+            self.starved.remove(&rid);
+            self.pump(rid);
         }
     }
 
