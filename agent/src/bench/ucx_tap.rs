@@ -217,31 +217,31 @@ impl OutputTap {
 mod tests {
     use super::{OutputTap, TransportReport};
 
-    /// Lines a C library printed through a fully buffered stdio stream on
-    /// fd 1 (as UCX does when stdout is a pipe) are in the report: finish
-    /// flushes C stdio before it reads the pipe to its end.
+    /// Lines a C library printed through the C `stdout` stream, fully
+    /// buffered (as UCX's tables are when stdout is a pipe), are in the
+    /// report: finish flushes C stdio before it reads the pipe to its end.
     #[test]
     fn finish_sees_lines_still_in_a_c_stdio_buffer() {
+        extern "C" {
+            /// glibc's `FILE *stdout`, the stream UCX prints its tables to.
+            static mut stdout: *mut libc::FILE;
+        }
         let tap = OutputTap::start().expect("tap");
         let table = "[1.3] [vm:9  :1]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1] |\n\
                      [1.3] [vm:9  :1]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n\0";
-        // SAFETY: a new FILE over a dup of fd 1 (now the tap's pipe), fully
-        // buffered by default; written once and flushed only by fflush(NULL)
-        // in finish, then closed.
-        let file = unsafe {
-            let fd = libc::dup(1);
-            assert!(fd >= 0);
-            let f = libc::fdopen(fd, c"w".as_ptr());
-            assert!(!f.is_null());
-            assert!(libc::setvbuf(f, std::ptr::null_mut(), libc::_IOFBF, 1 << 16) == 0);
-            assert!(libc::fputs(table.as_ptr().cast(), f) >= 0);
-            f
-        };
-        let report = tap.finish();
-        // SAFETY: the FILE opened above, closed once.
+        // SAFETY: glibc's stdout stream, made fully buffered (glibc allows
+        // setvbuf on a stream that has buffered no output) and written
+        // once; only fflush(NULL) in finish pushes it into the pipe.
         unsafe {
-            libc::fclose(file);
+            let out = stdout;
+            assert_eq!(libc::fflush(out), 0);
+            assert_eq!(
+                libc::setvbuf(out, std::ptr::null_mut(), libc::_IOFBF, 1 << 16),
+                0
+            );
+            assert!(libc::fputs(table.as_ptr().cast(), out) >= 0);
         }
+        let report = tap.finish();
         assert!(report.cuda_ipc, "{report:?}");
         assert_eq!(report.data_path.len(), 1, "{report:?}");
     }

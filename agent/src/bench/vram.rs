@@ -106,6 +106,9 @@ pub struct VramRow {
 /// (write landed), the ACKs (receiver scattered) and the caller's wake-up.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BounceTimeline {
+    /// The IO thread took the request off its queue (the caller's sizing
+    /// and the IO thread's wake-up before it), µs.
+    pub received_us: f64,
     /// WANT sent (the request sized and planned), µs.
     pub want_us: f64,
     /// First chunk gathered into staging, µs.
@@ -134,11 +137,17 @@ impl BounceTimeline {
         if all.is_empty() {
             return None;
         }
+        // A stage missing from a request (NaN) is left out of its median.
         let m = |f: fn(&BounceTimeline) -> f64| {
-            let mut v: Vec<f64> = all.iter().map(f).collect();
-            median(&mut v)
+            let mut v: Vec<f64> = all.iter().map(f).filter(|x| !x.is_nan()).collect();
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                median(&mut v)
+            }
         };
         Some(BounceTimeline {
+            received_us: m(|t| t.received_us),
             want_us: m(|t| t.want_us),
             first_gathered_us: m(|t| t.first_gathered_us),
             last_gathered_us: m(|t| t.last_gathered_us),
@@ -166,6 +175,7 @@ impl BounceTimeline {
             }
         };
         BounceTimeline {
+            received_us: at(Stage::Received, false),
             want_us: at(Stage::Want, false),
             first_gathered_us: at(Stage::Gathered, false),
             last_gathered_us: at(Stage::Gathered, true),
@@ -182,7 +192,8 @@ impl BounceTimeline {
     /// One line: each stage's first/last offset, µs.
     pub fn line(&self) -> String {
         format!(
-            "timeline (µs after submit, medians): WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            "timeline (µs after submit, medians): IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            self.received_us,
             self.want_us,
             self.first_gathered_us,
             self.last_gathered_us,
@@ -777,6 +788,7 @@ mod tests {
             at: t0 + Duration::from_micros(us),
         };
         let events = [
+            ev(Stage::Received, 0, 4),
             ev(Stage::Want, 0, 10),
             ev(Stage::Gathered, 0, 50),
             ev(Stage::Gathered, 1, 70),

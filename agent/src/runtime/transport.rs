@@ -158,6 +158,9 @@ struct CompletionState {
 /// ([`BounceTransport::submit_traced`]; issue 15, OpenTelemetry traces).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
+    /// The IO thread took the request off its command queue (chunk 0):
+    /// submit → this is the caller's sizing plus the IO thread's wake-up.
+    Received,
     /// WANT sent to the receiver (chunk 0; the request is planned).
     Want,
     /// The chunk was gathered into its staging region.
@@ -174,6 +177,7 @@ impl Stage {
     /// The span event's name.
     pub fn name(self) -> &'static str {
         match self {
+            Stage::Received => "received",
             Stage::Want => "want",
             Stage::Gathered => "gather",
             Stage::WritePosted => "write",
@@ -1746,6 +1750,9 @@ impl Io {
             } => {
                 tracing::trace!(rid, scope, descriptors = descs.len(), "submit");
                 let traced = completion.timeline.is_some();
+                if traced {
+                    completion.note(Stage::Received, 0, Instant::now());
+                }
                 let remote_kind = self.peer_kinds.get(&peer).copied().unwrap_or(MemKind::Dram);
                 self.reqs.insert(
                     rid,
