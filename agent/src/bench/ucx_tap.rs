@@ -117,7 +117,10 @@ impl TransportReport {
 /// fds 1 and 2 redirected into a pipe; a thread forwards every line to
 /// the original stdout and scans it.
 pub struct OutputTap {
+    /// The original fd 1 (a dup), -1 once restored.
     orig: i32,
+    /// The original fd 2 (a dup).
+    orig_err: i32,
     report: Arc<Mutex<TransportReport>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -131,17 +134,29 @@ impl OutputTap {
     /// cannot be set up.
     pub fn start() -> Result<Self, String> {
         let mut fds = [0i32; 2];
-        // SAFETY: plain fd calls on fds this process owns.
-        let orig = unsafe {
+        // SAFETY: plain fd calls on fds this process owns; on an error
+        // every fd opened here is closed and fds 1 and 2 are put back.
+        let (orig, orig_err) = unsafe {
             if libc::pipe(fds.as_mut_ptr()) != 0 {
                 return Err(format!("pipe: {}", std::io::Error::last_os_error()));
             }
-            let orig = libc::dup(1);
-            if orig < 0 || libc::dup2(fds[1], 1) < 0 || libc::dup2(fds[1], 2) < 0 {
-                return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+            let (orig, orig_err) = (libc::dup(1), libc::dup(2));
+            if orig < 0 || orig_err < 0 || libc::dup2(fds[1], 1) < 0 || libc::dup2(fds[1], 2) < 0 {
+                let e = std::io::Error::last_os_error();
+                if orig >= 0 {
+                    libc::dup2(orig, 1);
+                    libc::close(orig);
+                }
+                if orig_err >= 0 {
+                    libc::dup2(orig_err, 2);
+                    libc::close(orig_err);
+                }
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+                return Err(format!("redirecting fds 1 and 2: {e}"));
             }
             libc::close(fds[1]);
-            orig
+            (orig, orig_err)
         };
         // SAFETY: fds[0] is ours and moved into the File; orig stays
         // open until `finish` (this dup is closed by the File below).
@@ -169,6 +184,7 @@ impl OutputTap {
             .map_err(|e| e.to_string())?;
         Ok(Self {
             orig,
+            orig_err,
             report,
             thread: Some(thread),
         })
@@ -188,13 +204,7 @@ impl OutputTap {
         unsafe {
             libc::fflush(std::ptr::null_mut());
         }
-        // SAFETY: restoring fds 1 and 2 from the saved original closes
-        // this process's write ends of the pipe.
-        unsafe {
-            libc::dup2(self.orig, 1);
-            libc::dup2(self.orig, 2);
-            libc::close(self.orig);
-        }
+        self.restore();
         if let Some(t) = self.thread.take() {
             let deadline = std::time::Instant::now() + Duration::from_secs(2);
             while !t.is_finished() && std::time::Instant::now() < deadline {
@@ -211,11 +221,39 @@ impl OutputTap {
             .clone();
         r
     }
+
+    /// Puts the original stdout and stderr back on fds 1 and 2 (once),
+    /// which closes this process's write ends of the pipe.
+    fn restore(&mut self) {
+        if self.orig < 0 {
+            return;
+        }
+        // SAFETY: `orig` / `orig_err` are the dups of the original fds 1
+        // and 2 this tap owns; closed here and never used again.
+        unsafe {
+            libc::dup2(self.orig, 1);
+            libc::dup2(self.orig_err, 2);
+            libc::close(self.orig);
+            libc::close(self.orig_err);
+        }
+        self.orig = -1;
+    }
+}
+
+impl Drop for OutputTap {
+    /// A tap dropped without [`OutputTap::finish`] (an error or a panic
+    /// while the bench ran) still gives the process its stdout back.
+    fn drop(&mut self) {
+        self.restore();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::{OutputTap, TransportReport};
+
+    /// Taps redirect the whole process's fds 1 and 2: one test at a time.
+    static TAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     /// Lines a C library printed through the C `stdout` stream, fully
     /// buffered (as UCX's tables are when stdout is a pipe), are in the
@@ -226,6 +264,7 @@ mod tests {
             /// glibc's `FILE *stdout`, the stream UCX prints its tables to.
             static mut stdout: *mut libc::FILE;
         }
+        let _one = TAP.lock().unwrap_or_else(|p| p.into_inner());
         let tap = OutputTap::start().expect("tap");
         let table = "[1.3] [vm:9  :1]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1] |\n\
                      [1.3] [vm:9  :1]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n\0";
@@ -244,6 +283,26 @@ mod tests {
         let report = tap.finish();
         assert!(report.cuda_ipc, "{report:?}");
         assert_eq!(report.data_path.len(), 1, "{report:?}");
+    }
+
+    /// A tap dropped without finish (an error mid-bench) gives fds 1 and 2
+    /// back: they name the same file as before it started.
+    #[test]
+    fn drop_without_finish_restores_stdout() {
+        let id = |fd| {
+            // SAFETY: fstat into a zeroed stat of fds this process has open.
+            unsafe {
+                let mut st: libc::stat = std::mem::zeroed();
+                assert_eq!(libc::fstat(fd, &mut st), 0);
+                (st.st_dev, st.st_ino)
+            }
+        };
+        let _one = TAP.lock().unwrap_or_else(|p| p.into_inner());
+        let (out, err) = (id(1), id(2));
+        let tap = OutputTap::start().expect("tap");
+        assert_ne!(id(1), out, "fd 1 is the tap's pipe while it runs");
+        drop(tap);
+        assert_eq!((id(1), id(2)), (out, err));
     }
 
     #[test]
