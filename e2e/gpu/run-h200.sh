@@ -35,7 +35,13 @@ mps_off() {
 }
 # Issue 18's seed-shaped load: gpt-oss-120b geometry, TP 4, block 16, K/V
 # split (4 KiB descriptors), 8,192-token prompts (151 MB per transfer).
-seed_bench=(/tmp/kvf/kvfabric-gpu bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
+seed_args=(bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
+# The build to compare against, carried as .gpu/before.xz (ab17, loadab).
+before_exe() {
+  [ -x /tmp/kvf/kvfabric-gpu-before ] || { xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before \
+    && chmod +x /tmp/kvf/kvfabric-gpu-before; }
+  echo /tmp/kvf/kvfabric-gpu-before
+}
 # KVF_CONFIGS entries: "GRANT_POLICY=oldestFirst,ARENA_SIZE_BYTES=1GiB" →
 # the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag).
 cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/KVFABRIC_BOUNCE_/'; }
@@ -90,44 +96,32 @@ for step in ${KVF_STEPS:-engines model vram}; do
     ab17)
       # Issue 17: vram-bench, one GPU, the build before the reactor
       # (.gpu/before.xz, c2fc7d1) and this one, alternating.
-      xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before && chmod +x /tmp/kvf/kvfabric-gpu-before
       for i in 1 2 3; do
         for b in before after; do
-          exe=/tmp/kvf/kvfabric-gpu; [ $b = before ] && exe=/tmp/kvf/kvfabric-gpu-before
+          exe=/tmp/kvf/kvfabric-gpu; [ $b = before ] && exe=$(before_exe)
           timeout 120 $exe vram-bench --skip-standard --iterations 11 --json "$out/ab17_${b}_$i.json" \
             > "$out/ab17_${b}_$i.log" 2>&1 || rc=1
           echo "$b $i: $(grep -E '^ *(bounce|one descriptor)' "$out/ab17_${b}_$i.log" | tr -s ' ' | tr '\n' ';')"
         done
       done ;;
-    load)
+    load|loadab)
       # Issue 18's table: closed loop at each KVF_CONC, MPS on, TCP control.
       # KVF_CONFIGS: bounce settings to compare, alternated within each
       # concurrency; each KEY=VALUE[,KEY=VALUE...] sets KVFABRIC_BOUNCE_KEY
-      # (both agents), "-" for the defaults.
+      # (both agents), "-" for the defaults. loadab puts the build before
+      # the issue-18 work (.gpu/before.xz, c2fc7d1, defaults) first in each
+      # concurrency.
       mps_on
+      variants="${KVF_CONFIGS:--}"; [ $step = loadab ] && variants="before - ${KVF_CONFIGS:-}"
       for c in ${KVF_CONC:-1 8 32 128}; do
-        for cfg in ${KVF_CONFIGS:--}; do
-          tag="$(cfg_tag "$cfg")_c$c"
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 "${seed_bench[@]}" --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
+        for v in $variants; do
+          exe=/tmp/kvf/kvfabric-gpu; cfg=$v; b=after
+          [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; }
+          tag="${b}_$(cfg_tag "$cfg")_c$c"
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
-        done
-      done
-      mps_off ;;
-    loadab)
-      # Issue 18 before/after: the same closed-loop command with the build
-      # before the issue-18 work (.gpu/before.xz, c2fc7d1) and this one
-      # (default and each KVF_CONFIGS entry), alternated per concurrency.
-      xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before && chmod +x /tmp/kvf/kvfabric-gpu-before
-      mps_on
-      for c in ${KVF_CONC:-8 32 128}; do
-        for v in before - ${KVF_CONFIGS:-}; do
-          exe=/tmp/kvf/kvfabric-gpu; cfg=$v; [ $v = before ] && { exe=/tmp/kvf/kvfabric-gpu-before; cfg=-; }
-          b=after; [ $v = before ] && b=before; tag="ab_${b}_$(cfg_tag "$cfg")_c$c"
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe bench --fixed-prompt 8192 \
-            --model gpt-oss-120b --tp 4 --pool 48GiB --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
-            --json "$out/$tag.json" > "$out/$tag.log" 2>&1 || rc=1
-          echo "$tag: $(grep -E '^ *bounce' "$out/$tag.log" | tail -n 1 | tr -s ' ')"
         done
       done
       mps_off ;;
@@ -140,7 +134,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
         for cfg in ${KVF_CONFIGS:--}; do
           tag="$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 "${seed_bench[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 /tmp/kvf/kvfabric-gpu "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
         done
