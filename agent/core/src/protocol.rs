@@ -1235,10 +1235,13 @@ impl Machine {
                 self.starved.remove(&rid);
                 continue;
             };
-            if let Some(i) = (req.next_stage < req.chunks.len()).then_some(req.next_stage) {
+            let i = req.next_stage;
+            if i < req.chunks.len() {
                 let credited = req.state[i].credit.is_some();
-                let bytes = req.chunks[i].packed_bytes;
-                if !self.scheduler.can_acquire_local(bytes, !credited) {
+                if !self
+                    .scheduler
+                    .can_acquire_local(req.chunks[i].packed_bytes, !credited)
+                {
                     continue;
                 }
             }
