@@ -158,6 +158,31 @@ for step in ${KVF_STEPS:-engines model vram}; do
         echo "$m:"; grep -E '^ *(bounce|one-desc)|timeline|transport report' "$out/timeline_$m.log" | grep -v '^\['
         [ $m = mps ] && mps_off
       done ;;
+    profile)
+      # Issue 18 step 3: where an isolated 64 MiB request's time goes on
+      # both agents (sender and receiver trace logs, microsecond clock),
+      # MPS on; KVF_PROFILE_CHUNKS chunk sizes (default 16MiB 4MiB).
+      mps_on
+      for c in ${KVF_PROFILE_CHUNKS:-16MiB 4MiB}; do
+        KVFABRIC_LOG=warn,kvfabric_agent::runtime=trace,kvfabric_core::protocol=trace \
+        KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
+          --chunks $c --iterations ${KVF_PROFILE_ITERS:-5} --json "$out/profile_$c.json" > "$out/profile_$c.log" 2>&1 || rc=1
+        grep -E '^ *(bounce|one-desc)|timeline' "$out/profile_$c.log" | grep -v '^\[' | head
+      done
+      mps_off ;;
+    sweep)
+      # vram-bench variants side by side in one call, MPS on: KVF_SWEEP is
+      # a ';'-separated list of extra arguments (with optional leading
+      # VAR=value environment words), e.g. "--chunks 16MiB;--workers 8".
+      mps_on
+      IFS=';' read -ra variants <<< "${KVF_SWEEP:---chunks 16MiB}"
+      for i in "${!variants[@]}"; do
+        echo "== variant $i: ${variants[$i]}"
+        env KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp ${variants[$i]%%--*} timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
+          --iterations ${KVF_SWEEP_ITERS:-21} --json "$out/sweep_$i.json" --${variants[$i]#*--} > "$out/sweep_$i.log" 2>&1 || rc=1
+        grep -E '^ *(bounce|one-desc)|timeline|one-descriptor =' "$out/sweep_$i.log" | grep -v '^\['
+      done
+      mps_off ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).
