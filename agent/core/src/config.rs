@@ -627,7 +627,6 @@ field_deserializers! {
     de_control_transport: ControlTransport = "controlTransport";
     de_io_busy_poll_us: BusyPoll = "ioBusyPollUs";
     de_grant_policy: GrantPolicy = "grantPolicy";
-    de_packed_data: bool = "packedData";
 }
 
 // ---------------------------------------------------------------------------
@@ -770,15 +769,6 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
-
-    /// kvfabric (issue 18): accept DATA with packed scatter runs (a tag
-    /// byte and varints, ≈ 7–15 bytes a run of random 4 KiB KV blocks
-    /// instead of the seed's 48), advertised in the handshake's
-    /// capabilities; DATA is packed only between two agents that both
-    /// advertise it, so `false` on either end keeps the seed's DATA.
-    /// Default `true`. Env `KVFABRIC_BOUNCE_PACKED_DATA`.
-    #[serde(deserialize_with = "de_packed_data")]
-    pub packed_data: bool,
 }
 
 impl Default for BounceConfig {
@@ -804,7 +794,6 @@ impl Default for BounceConfig {
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
             grant_policy: GrantPolicy::RoundRobin,
-            packed_data: true,
         }
     }
 }
@@ -819,7 +808,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 20] = [
+pub const FIELDS: [FieldName; 19] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -896,10 +885,6 @@ pub const FIELDS: [FieldName; 20] = [
         yaml: "grantPolicy",
         env: "GRANT_POLICY",
     },
-    FieldName {
-        yaml: "packedData",
-        env: "PACKED_DATA",
-    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -920,7 +905,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 20] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 19] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -942,7 +927,6 @@ impl BounceConfig {
             (f[16], &mut self.control_transport),
             (f[17], &mut self.io_busy_poll_us),
             (f[18], &mut self.grant_policy),
-            (f[19], &mut self.packed_data),
         ]
     }
 
@@ -1297,12 +1281,6 @@ impl EffectiveBounceConfig {
         self.config.grant_policy
     }
 
-    /// Whether the agent accepts packed DATA (`packedData`; advertised as
-    /// [`crate::wire::CAP_PACKED_DATA`]).
-    pub fn packed_data(&self) -> bool {
-        self.config.packed_data
-    }
-
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
     pub fn max_inflight_chunks_per_request(&self) -> u32 {
         self.config.max_inflight_chunks_per_request
@@ -1647,7 +1625,6 @@ mod tests {
             ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
-            ("KVFABRIC_BOUNCE_PACKED_DATA", "no"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1672,21 +1649,8 @@ mod tests {
             control_transport: ControlTransport::Tcp,
             io_busy_poll_us: BusyPoll::Micros(500),
             grant_policy: GrantPolicy::OldestFirst,
-            packed_data: false,
         };
         assert_eq!(c, want);
-    }
-
-    #[test]
-    fn packed_data_defaults_on_and_parses_from_yaml_and_env() {
-        assert!(BounceConfig::default().packed_data);
-        let c = BounceConfig::from_yaml_str("packedData: false").unwrap();
-        assert!(!c.packed_data);
-        let mut c = BounceConfig::default();
-        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_PACKED_DATA", "off")]);
-        assert!(w.is_empty() && !c.packed_data, "{w:?}");
-        let e = BounceConfig::from_yaml_str("packedData: maybe").unwrap_err();
-        assert!(e.to_string().contains("packedData"), "{e}");
     }
 
     #[test]

@@ -107,10 +107,6 @@ pub enum MessageType {
     /// Receiver → sender: the request is refused / its flow was dropped
     /// (kvfabric's own, wire version 2).
     Reject,
-    /// A DATA whose runs are packed into a variable-length trailer
-    /// (kvfabric's own, issue 18; sent only to peers advertising
-    /// [`CAP_PACKED_DATA`]). Decodes to [`Message::Data`].
-    DataPacked,
 }
 
 impl MessageType {
@@ -124,7 +120,6 @@ impl MessageType {
             MessageType::Handshake => 5,
             MessageType::Notice => 6,
             MessageType::Reject => 7,
-            MessageType::DataPacked => 8,
         }
     }
 
@@ -138,7 +133,6 @@ impl MessageType {
             5 => Some(MessageType::Handshake),
             6 => Some(MessageType::Notice),
             7 => Some(MessageType::Reject),
-            8 => Some(MessageType::DataPacked),
             _ => None,
         }
     }
@@ -148,7 +142,7 @@ impl MessageType {
         match self {
             MessageType::Grant | MessageType::Notice => 8,
             MessageType::Want | MessageType::Reject => 16,
-            MessageType::Data | MessageType::DataPacked | MessageType::Ack => 24,
+            MessageType::Data | MessageType::Ack => 24,
             MessageType::Handshake => 32,
         }
     }
@@ -162,8 +156,7 @@ impl MessageType {
             MessageType::Ack
             | MessageType::Handshake
             | MessageType::Notice
-            | MessageType::Reject
-            | MessageType::DataPacked => 0,
+            | MessageType::Reject => 0,
         }
     }
 
@@ -172,10 +165,7 @@ impl MessageType {
     pub const fn has_trailer(self) -> bool {
         matches!(
             self,
-            MessageType::Want
-                | MessageType::Handshake
-                | MessageType::Notice
-                | MessageType::DataPacked
+            MessageType::Want | MessageType::Handshake | MessageType::Notice
         )
     }
 }
@@ -190,7 +180,6 @@ impl fmt::Display for MessageType {
             MessageType::Handshake => "HANDSHAKE",
             MessageType::Notice => "NOTICE",
             MessageType::Reject => "REJECT",
-            MessageType::DataPacked => "DATA(packed)",
         })
     }
 }
@@ -402,17 +391,7 @@ pub struct Handshake {
     pub endpoint: Vec<u8>,
     /// Generation of the config that produced this blob (bumped on reload).
     pub config_generation: u64,
-    /// Optional protocol features the agent accepts, a bit set
-    /// ([`CAP_PACKED_DATA`]; the former reserved word, so 0 = the seed's
-    /// protocol). Unknown bits are kept and ignored: a peer uses a feature
-    /// only when both advertise it.
-    pub capabilities: u32,
 }
-
-/// [`Handshake::capabilities`] bit: the agent decodes [`MessageType::DataPacked`]
-/// (issue 18). A sender packs a DATA's runs only for a peer that
-/// advertises it.
-pub const CAP_PACKED_DATA: u32 = 1;
 
 /// Why a receiver refused a request ([`Reject`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -553,229 +532,6 @@ fn parse_run_entry(e: &[u8; DATA_ENTRY_LEN]) -> (ScatterRun, u32) {
     (run, u32_at(44))
 }
 
-fn put_data_fixed(out: &mut Vec<u8>, d: &Data) {
-    put_u64(out, d.request_id);
-    put_u64(out, d.region_handle);
-    put_u32(out, d.chunk_index);
-    put_u32(out, 0);
-}
-
-// ------------------------------------------------------------ packed DATA
-//
-// A packed DATA ([`MessageType::DataPacked`]) has the fixed fields of a
-// DATA, `count` = the number of runs, no entries, and the runs in the
-// trailer, each as a tag byte and LEB128 varints:
-//
-// ```text
-// tag      bit 0 IMPLIED_OFFSET  region_offset = previous run's region end
-//                                rounded up to PACKED_OFFSET_ALIGN (first run: 0)
-//          bit 1 SINGLE          count 1, both strides 0
-//          bit 2 SAME_LEN        segment_len = previous run's
-//          bits 3-7              0
-// [region_offset]                unless IMPLIED_OFFSET
-// addr delta                     zigzag(addr − previous run's addr, wrapping; first: − 0)
-// [segment_len]                  unless SAME_LEN
-// [count, region_stride, addr_stride]  unless SINGLE
-// ```
-//
-// The encoding is canonical: a flag is set exactly when its condition
-// holds, varints are minimal, and the trailer holds exactly `count` runs;
-// the decoder rejects anything else, so `decode` then `encode_into_for`
-// gives back the input. The trailer is never longer than the plain
-// entries (`count × 48`): the encoder falls back to a plain DATA then.
-
-/// Region-offset alignment the packed form predicts with: the planner's
-/// piece alignment ([`crate::plan::ALIGN`]), so consecutive pieces of one
-/// chunk need no offset on the wire.
-const PACKED_OFFSET_ALIGN: u64 = 32;
-const _: () = assert!(PACKED_OFFSET_ALIGN == crate::plan::ALIGN);
-const TAG_IMPLIED_OFFSET: u8 = 1;
-const TAG_SINGLE: u8 = 2;
-const TAG_SAME_LEN: u8 = 4;
-
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-fn zigzag(d: u64) -> u64 {
-    let d = d as i64;
-    ((d << 1) ^ (d >> 63)) as u64
-}
-
-fn unzigzag(u: u64) -> u64 {
-    ((u >> 1) as i64 ^ -((u & 1) as i64)) as u64
-}
-
-/// Where the run after one ending at `end` (`None`: its end overflows)
-/// starts when its offset is implied.
-fn implied_offset(end: Option<u64>) -> Option<u64> {
-    end?.checked_add(PACKED_OFFSET_ALIGN - 1)
-        .map(|x| x & !(PACKED_OFFSET_ALIGN - 1))
-}
-
-/// What the next run is packed against.
-#[derive(Clone, Copy)]
-struct PackPrev {
-    end: Option<u64>,
-    addr: u64,
-    len: u64,
-}
-
-impl PackPrev {
-    const START: PackPrev = PackPrev {
-        end: Some(0),
-        addr: 0,
-        len: 0,
-    };
-    fn after(r: &ScatterRun) -> PackPrev {
-        PackPrev {
-            end: r.region_end(),
-            addr: r.addr,
-            len: r.segment_len,
-        }
-    }
-}
-
-/// Appends `runs` packed; `false` (and `out` left longer, to be truncated
-/// by the caller) as soon as they take more than `limit` bytes.
-fn pack_runs(out: &mut Vec<u8>, runs: &[ScatterRun], limit: usize) -> bool {
-    let start = out.len();
-    let mut prev = PackPrev::START;
-    for r in runs {
-        let implied = implied_offset(prev.end) == Some(r.region_offset);
-        let single = r.count == 1 && r.region_stride == 0 && r.addr_stride == 0;
-        let same_len = r.segment_len == prev.len;
-        let mut tag = 0;
-        if implied {
-            tag |= TAG_IMPLIED_OFFSET;
-        }
-        if single {
-            tag |= TAG_SINGLE;
-        }
-        if same_len {
-            tag |= TAG_SAME_LEN;
-        }
-        out.push(tag);
-        if !implied {
-            put_varint(out, r.region_offset);
-        }
-        put_varint(out, zigzag(r.addr.wrapping_sub(prev.addr)));
-        if !same_len {
-            put_varint(out, r.segment_len);
-        }
-        if !single {
-            put_varint(out, u64::from(r.count));
-            put_varint(out, r.region_stride);
-            put_varint(out, r.addr_stride);
-        }
-        if out.len() - start > limit {
-            return false;
-        }
-        prev = PackPrev::after(r);
-    }
-    true
-}
-
-/// Reads a minimal LEB128 varint of at most 64 bits.
-fn take_varint(buf: &[u8], at: &mut usize, index: usize) -> Result<u64, WireError> {
-    let bad = |reason| WireError::InvalidRun { index, reason };
-    let mut v: u64 = 0;
-    for k in 0..10 {
-        let b = *buf.get(*at).ok_or(bad("packed run truncated"))?;
-        *at += 1;
-        if k == 9 && b > 1 {
-            return Err(bad("varint over 64 bits"));
-        }
-        v |= u64::from(b & 0x7f) << (7 * k);
-        if b & 0x80 == 0 {
-            if b == 0 && k > 0 {
-                return Err(bad("varint not minimal"));
-            }
-            return Ok(v);
-        }
-    }
-    Err(bad("varint over 64 bits"))
-}
-
-/// Decodes exactly `count` packed runs filling `buf` (canonical form only;
-/// each run also passes the plain DATA's structural check).
-fn unpack_runs(buf: &[u8], count: usize) -> Result<Vec<ScatterRun>, WireError> {
-    // Each run takes at least two bytes (tag, address delta).
-    if buf.len() < count.saturating_mul(2) {
-        return Err(WireError::Truncated {
-            needed: count as u64 * 2,
-            available: buf.len(),
-        });
-    }
-    let mut runs = Vec::with_capacity(count);
-    let mut prev = PackPrev::START;
-    let mut at = 0;
-    for index in 0..count {
-        let bad = |reason| WireError::InvalidRun { index, reason };
-        let tag = *buf.get(at).ok_or(bad("packed run truncated"))?;
-        at += 1;
-        if tag & !(TAG_IMPLIED_OFFSET | TAG_SINGLE | TAG_SAME_LEN) != 0 {
-            return Err(bad("unknown packed tag bits"));
-        }
-        let implied = implied_offset(prev.end);
-        let region_offset = if tag & TAG_IMPLIED_OFFSET != 0 {
-            implied.ok_or(bad("implied offset after an overflowing run"))?
-        } else {
-            let o = take_varint(buf, &mut at, index)?;
-            if implied == Some(o) {
-                return Err(bad("explicit offset equal to the implied one"));
-            }
-            o
-        };
-        let addr = prev
-            .addr
-            .wrapping_add(unzigzag(take_varint(buf, &mut at, index)?));
-        let segment_len = if tag & TAG_SAME_LEN != 0 {
-            prev.len
-        } else {
-            let l = take_varint(buf, &mut at, index)?;
-            if l == prev.len {
-                return Err(bad("explicit length equal to the previous one"));
-            }
-            l
-        };
-        let (count, region_stride, addr_stride) = if tag & TAG_SINGLE != 0 {
-            (1, 0, 0)
-        } else {
-            let c = u32::try_from(take_varint(buf, &mut at, index)?)
-                .map_err(|_| bad("count over u32"))?;
-            let rs = take_varint(buf, &mut at, index)?;
-            let as_ = take_varint(buf, &mut at, index)?;
-            if c == 1 && rs == 0 && as_ == 0 {
-                return Err(bad("explicit form of a single run"));
-            }
-            (c, rs, as_)
-        };
-        let run = ScatterRun {
-            region_offset,
-            addr,
-            segment_len,
-            region_stride,
-            addr_stride,
-            count,
-        };
-        check_run(index, &run)?;
-        prev = PackPrev::after(&run);
-        runs.push(run);
-    }
-    if at != buf.len() {
-        return Err(WireError::TrailingBytes {
-            expected: at as u64,
-            extra: (buf.len() - at) as u64,
-        });
-    }
-    Ok(runs)
-}
-
 fn put_u16(out: &mut Vec<u8>, v: u16) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -889,30 +645,6 @@ impl Message {
         Ok(self.encode())
     }
 
-    /// [`Message::encode_into`] for a peer whose handshake advertised
-    /// `peer_capabilities`: a DATA goes as [`MessageType::DataPacked`] when
-    /// the peer has [`CAP_PACKED_DATA`] and the packed runs are not longer
-    /// than the plain entries (random 4 KiB KV blocks: ≈ 7–15 bytes a run
-    /// instead of 48); everything else as [`Message::encode_into`].
-    pub fn encode_into_for(&self, out: &mut Vec<u8>, peer_capabilities: u32) {
-        match self {
-            Message::Data(d) if peer_capabilities & CAP_PACKED_DATA != 0 => {
-                let start = out.len();
-                put_header(out, MessageType::DataPacked, d.runs.len(), 0);
-                put_data_fixed(out, d);
-                let body = out.len();
-                if pack_runs(out, &d.runs, d.runs.len() * DATA_ENTRY_LEN) {
-                    let trailer = sat_u32(out.len() - body).to_le_bytes();
-                    out[start + 12..start + 16].copy_from_slice(&trailer);
-                } else {
-                    out.truncate(start);
-                    self.encode_into(out);
-                }
-            }
-            _ => self.encode_into(out),
-        }
-    }
-
     /// Appends the encoding to `out` (reusing its allocation). Same contract
     /// as [`Message::encode`].
     pub fn encode_into(&self, out: &mut Vec<u8>) {
@@ -940,7 +672,10 @@ impl Message {
                 }
             }
             Message::Data(d) => {
-                put_data_fixed(out, d);
+                put_u64(out, d.request_id);
+                put_u64(out, d.region_handle);
+                put_u32(out, d.chunk_index);
+                put_u32(out, 0);
                 for r in &d.runs {
                     out.extend_from_slice(&run_entry(r));
                 }
@@ -979,7 +714,6 @@ impl Message {
             MessageType::Handshake => frame.handshake().map(Message::Handshake),
             MessageType::Notice => frame.notice().map(Message::Notice),
             MessageType::Reject => frame.reject().map(Message::Reject),
-            MessageType::DataPacked => frame.data_packed().map(Message::Data),
         }
     }
 }
@@ -1107,7 +841,7 @@ fn put_handshake_body(out: &mut Vec<u8>, h: &Handshake) {
     put_u16(out, h.wire_version);
     out.push(h.control_kind.code());
     out.push(0);
-    put_u32(out, h.capabilities);
+    put_u32(out, 0);
     put_u64(out, h.arena_usable_capacity_bytes);
     put_u64(out, h.max_chunk_size_bytes);
     put_u64(out, h.config_generation);
@@ -1249,11 +983,7 @@ impl<'a> Frame<'a> {
         let count = r.u32()?;
         let trailer = r.u32()?;
 
-        let max_entries = if ty.entry_len() == 0 && ty != MessageType::DataPacked {
-            0
-        } else {
-            MAX_ENTRIES
-        };
+        let max_entries = if ty.entry_len() == 0 { 0 } else { MAX_ENTRIES };
         if count > max_entries {
             return Err(WireError::TooManyEntries {
                 ty,
@@ -1261,11 +991,7 @@ impl<'a> Frame<'a> {
                 max: max_entries,
             });
         }
-        let max_trailer = if ty == MessageType::DataPacked {
-            // Never longer than the plain DATA of the same runs (the
-            // encoder packs only then): ≤ 2^20 × 48, fits a u32.
-            count.saturating_mul(DATA_ENTRY_LEN as u32)
-        } else if ty.has_trailer() {
+        let max_trailer = if ty.has_trailer() {
             MAX_ENDPOINT_LEN
         } else {
             0
@@ -1360,20 +1086,6 @@ impl<'a> Frame<'a> {
         })
     }
 
-    fn data_packed(mut self) -> Result<Data, WireError> {
-        let request_id = self.body.u64()?;
-        let region_handle = self.body.u64()?;
-        let chunk_index = self.body.u32()?;
-        reserved_zero("data.reserved", u64::from(self.body.u32()?))?;
-        let runs = unpack_runs(self.body.rest(), self.count)?;
-        Ok(Data {
-            request_id,
-            chunk_index,
-            region_handle,
-            runs,
-        })
-    }
-
     fn ack(mut self) -> Result<Ack, WireError> {
         let request_id = self.body.u64()?;
         let region_handle = self.body.u64()?;
@@ -1409,7 +1121,7 @@ impl<'a> Frame<'a> {
         let control_kind =
             ControlKind::from_code(code).ok_or(WireError::UnknownControlKind { code })?;
         reserved_zero("handshake.reserved8", u64::from(self.body.u8()?))?;
-        let capabilities = self.body.u32()?;
+        reserved_zero("handshake.reserved32", u64::from(self.body.u32()?))?;
         let arena_usable_capacity_bytes = self.body.u64()?;
         let max_chunk_size_bytes = self.body.u64()?;
         let config_generation = self.body.u64()?;
@@ -1420,7 +1132,6 @@ impl<'a> Frame<'a> {
             max_chunk_size_bytes,
             endpoint: self.body.rest().to_vec(),
             config_generation,
-            capabilities,
         })
     }
 }
@@ -1498,7 +1209,6 @@ mod tests {
                 max_chunk_size_bytes: 32 << 20,
                 endpoint: vec![0xAB; 5000],
                 config_generation: 42,
-                capabilities: CAP_PACKED_DATA | 0x8000_0000,
             }),
         ]
     }

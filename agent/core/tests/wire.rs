@@ -5,8 +5,8 @@ use kvfabric_core::plan::TransferPlan;
 use kvfabric_core::wire::{
     decode_ack, decode_data, decode_grant, decode_handshake, decode_want, encode_cancel,
     encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, Grant, Handshake, Message,
-    MessageType, Reject, RejectReason, Want, WireError, CAP_PACKED_DATA, HEADER_LEN, MAGIC,
-    MAX_ENDPOINT_LEN, MAX_ENTRIES, WIRE_VERSION,
+    MessageType, Reject, RejectReason, Want, WireError, HEADER_LEN, MAGIC, MAX_ENDPOINT_LEN,
+    MAX_ENTRIES, WIRE_VERSION,
 };
 use kvfabric_core::{ControlKind, Descriptor, ScatterRun};
 
@@ -63,7 +63,6 @@ fn handshake() -> Handshake {
         max_chunk_size_bytes: 32 << 20,
         endpoint: b"tcp://10.1.2.3:5000".to_vec(),
         config_generation: 3,
-        capabilities: CAP_PACKED_DATA,
     }
 }
 
@@ -174,7 +173,7 @@ fn rejects_wrong_version() {
 
 #[test]
 fn rejects_unknown_type() {
-    for code in [0u8, 9, 0xff] {
+    for code in [0u8, 8, 0xff] {
         let mut b = Message::from(ack()).encode();
         b[6] = code;
         assert_eq!(Message::decode(&b), Err(WireError::UnknownType { code }));
@@ -448,17 +447,7 @@ fn write_fuzz_corpus() {
                 }),
             ],
         ),
-        (
-            "fuzz_message",
-            all()
-                .iter()
-                .map(Message::encode)
-                .chain([encode_for(
-                    &Message::from(random_chunk_data()),
-                    CAP_PACKED_DATA,
-                )])
-                .collect(),
-        ),
+        ("fuzz_message", all().iter().map(Message::encode).collect()),
         (
             "fuzz_plan",
             vec![
@@ -481,232 +470,6 @@ fn write_fuzz_corpus() {
         fs::create_dir_all(&dir).unwrap();
         for (i, s) in seeds.iter().enumerate() {
             fs::write(dir.join(format!("seed_{i}")), s).unwrap();
-        }
-    }
-}
-
-// ------------------------------------------------------------ packed DATA
-
-/// The DATA of one 16 MiB chunk of 4,096 random-slot 4 KiB blocks, as the
-/// planner builds it (merged runs: strided pairs and singles).
-fn random_chunk_data() -> Data {
-    let n = 4096u64;
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut next = || {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D) % (1 << 20)
-    };
-    let descs: Vec<Descriptor> = (0..n)
-        .map(|_| {
-            Descriptor::new(
-                0x7f00_0000_0000 + next() * 4096,
-                0x7e00_0000_0000 + next() * 4096,
-                4096,
-            )
-        })
-        .collect();
-    let plan = TransferPlan::build(&descs, n * 4096, true).unwrap();
-    Data {
-        request_id: 9,
-        chunk_index: 0,
-        region_handle: 1 << 20,
-        runs: plan.into_chunks().remove(0).scatter_runs,
-    }
-}
-
-fn encode_for(m: &Message, caps: u32) -> Vec<u8> {
-    let mut b = vec![0xEE; 3]; // appends after what is there
-    m.encode_into_for(&mut b, caps);
-    b.drain(..3);
-    b
-}
-
-#[test]
-fn packed_data_round_trips_smaller_and_only_for_capable_peers() {
-    let d = random_chunk_data();
-    let m = Message::from(d.clone());
-    let plain = m.encode();
-    let packed = encode_for(&m, CAP_PACKED_DATA);
-    assert_eq!(peek_type(&packed), Ok(MessageType::DataPacked));
-    assert_eq!(Message::decode(&packed).unwrap(), m);
-    // 4,096 blocks merge to ≈ 2,600 runs: 48 bytes each plain; packed the
-    // address delta dominates (≤ 7 bytes for a 4 GiB pool).
-    let runs = d.runs.len();
-    assert!(runs > 2000, "{runs}");
-    assert!(
-        packed.len() * 3 < plain.len(),
-        "packed {} vs plain {} bytes for {runs} runs",
-        packed.len(),
-        plain.len()
-    );
-    // Without the capability (or an unknown bit only) the seed's DATA.
-    assert_eq!(encode_for(&m, 0), plain);
-    assert_eq!(encode_for(&m, 0x8000_0000), plain);
-    // Other messages are unaffected by the capability.
-    for other in all() {
-        if !matches!(other, Message::Data(_)) {
-            assert_eq!(encode_for(&other, CAP_PACKED_DATA), other.encode());
-        }
-    }
-    // No runs: an empty trailer.
-    let empty = Message::from(Data::default());
-    let e = encode_for(&empty, CAP_PACKED_DATA);
-    assert_eq!(e.len(), HEADER_LEN + 24);
-    assert_eq!(Message::decode(&e).unwrap(), empty);
-}
-
-#[test]
-fn packed_data_falls_back_to_plain_when_not_smaller() {
-    // Every field far from its prediction: tag + 5 ten-byte varints + count.
-    let runs = (1..4u64)
-        .map(|k| ScatterRun {
-            region_offset: u64::MAX / (3 * k),
-            addr: (u64::MAX / 5) * (k & 1),
-            segment_len: u64::MAX / (7 * k),
-            region_stride: u64::MAX / 11,
-            addr_stride: u64::MAX / 13,
-            count: u32::MAX,
-        })
-        .collect();
-    let m = Message::from(Data {
-        request_id: 1,
-        chunk_index: 2,
-        region_handle: 3,
-        runs,
-    });
-    let b = encode_for(&m, CAP_PACKED_DATA);
-    assert_eq!(peek_type(&b), Ok(MessageType::Data));
-    assert_eq!(b, m.encode());
-}
-
-/// Byte offset of the packed runs in a packed DATA frame.
-const PACKED_BODY: usize = HEADER_LEN + 24;
-
-fn packed_frame(runs_bytes: &[u8], count: u32) -> Vec<u8> {
-    let mut b = encode_for(&Message::from(Data::default()), CAP_PACKED_DATA);
-    b[8..12].copy_from_slice(&count.to_le_bytes());
-    b[12..16].copy_from_slice(&(runs_bytes.len() as u32).to_le_bytes());
-    b.extend_from_slice(runs_bytes);
-    b
-}
-
-#[test]
-fn packed_data_rejects_non_canonical_forms() {
-    // A valid single run: tag implied|single, addr delta zigzag(64)=128
-    // (two bytes), segment_len 4096 (two bytes).
-    let ok = [0b011, 0x80, 0x01, 0x80, 0x20];
-    let d = Message::decode(&packed_frame(&ok, 1)).unwrap();
-    let Message::Data(d) = d else { panic!() };
-    assert_eq!(
-        d.runs,
-        vec![ScatterRun {
-            region_offset: 0,
-            addr: 64,
-            segment_len: 4096,
-            region_stride: 0,
-            addr_stride: 0,
-            count: 1
-        }]
-    );
-    let cases: &[(&[u8], u32, &str)] = &[
-        (
-            &[0b1011, 0x80, 0x01, 0x80, 0x20],
-            1,
-            "unknown packed tag bits",
-        ),
-        // The offset 0 spelled out although it is the implied one.
-        (
-            &[0b010, 0x00, 0x80, 0x01, 0x80, 0x20],
-            1,
-            "explicit offset equal to the implied one",
-        ),
-        // An overlong varint (4096 with a trailing zero group).
-        (
-            &[0b011, 0x80, 0x01, 0x80, 0xA0, 0x00],
-            1,
-            "varint not minimal",
-        ),
-        // SAME_LEN on the first run: length 0.
-        (&[0b111, 0x80, 0x01], 1, "segment_len is 0"),
-        // count 1 with zero strides in the explicit form.
-        (
-            &[0b001, 0x80, 0x01, 0x80, 0x20, 0x01, 0x00, 0x00],
-            1,
-            "explicit form of a single run",
-        ),
-        // count over u32.
-        (
-            &[
-                0b001, 0x80, 0x01, 0x80, 0x20, 0x80, 0x80, 0x80, 0x80, 0x10, 0x00, 0x00,
-            ],
-            1,
-            "count over u32",
-        ),
-        // Announces two runs, holds one (and fits the trailer cap).
-        (&[0b011, 0x80, 0x01, 0x80, 0x20], 2, "packed run truncated"),
-    ];
-    for &(bytes, count, reason) in cases {
-        match Message::decode(&packed_frame(bytes, count)) {
-            Err(WireError::InvalidRun { reason: r, .. }) => assert_eq!(r, reason, "{bytes:?}"),
-            other => panic!("{bytes:?}: expected {reason:?}, got {other:?}"),
-        }
-    }
-    // Bytes after the last run.
-    let mut extra = ok.to_vec();
-    extra.push(0);
-    assert!(matches!(
-        Message::decode(&packed_frame(&extra, 1)),
-        Err(WireError::TrailingBytes { .. })
-    ));
-    // A trailer longer than the plain entries would be.
-    assert!(matches!(
-        Message::decode(&packed_frame(&[0u8; 49], 1)),
-        Err(WireError::TrailerTooLong { .. })
-    ));
-    assert_eq!(PACKED_BODY, 40);
-}
-
-proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
-
-    /// Any run list round-trips through the packed form (or its plain
-    /// fallback), and any mutation of a packed frame either fails to decode
-    /// or re-encodes to exactly itself (canonical), without panicking.
-    #[test]
-    fn packed_data_round_trips_and_is_canonical(
-        runs in proptest::collection::vec(
-            (0u64..1 << 40, proptest::prelude::any::<u64>(), 1u64..1 << 20,
-             0u64..1 << 30, 0u64..1 << 30, 1u32..4, proptest::prelude::any::<bool>()),
-            0..40),
-        flips in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 0..4),
-    ) {
-        let mut off = 0u64;
-        let runs: Vec<ScatterRun> = runs
-            .into_iter()
-            .map(|(gap, addr, len, rs, as_, count, contiguous)| {
-                let region_offset = if contiguous { off.div_ceil(32) * 32 } else { off + gap };
-                let (region_stride, addr_stride) = if count == 1 { (0, 0) } else { (rs, as_) };
-                let r = ScatterRun { region_offset, addr, segment_len: len, region_stride, addr_stride, count };
-                off = r.region_end().unwrap_or(0);
-                r
-            })
-            .collect();
-        let m = Message::from(Data { request_id: 7, chunk_index: 1, region_handle: 64, runs });
-        let b = encode_for(&m, CAP_PACKED_DATA);
-        proptest::prop_assert!(b.len() <= m.encoded_len());
-        proptest::prop_assert_eq!(&Message::decode(&b).unwrap(), &m);
-        let mut bad = b.clone();
-        for (at, v) in flips {
-            let at = PACKED_BODY.min(bad.len()) + at % (bad.len() - PACKED_BODY.min(bad.len())).max(1);
-            if let Some(x) = bad.get_mut(at) {
-                *x ^= v;
-            }
-        }
-        if let Ok(d) = Message::decode(&bad) {
-            let caps = if peek_type(&bad) == Ok(MessageType::DataPacked) { CAP_PACKED_DATA } else { 0 };
-            proptest::prop_assert_eq!(encode_for(&d, caps), bad);
         }
     }
 }

@@ -392,12 +392,6 @@ pub struct TransportStats {
     pub bytes_sent: AtomicU64,
     /// Chunks written (RDMA writes that reached SUCCESS).
     pub chunks_written: AtomicU64,
-    /// DATA messages sent with packed runs (to peers advertising
-    /// [`wire::CAP_PACKED_DATA`]).
-    pub data_packed: AtomicU64,
-    /// Encoded bytes of all DATA messages sent (control-plane cost of the
-    /// scatter runs).
-    pub data_wire_bytes: AtomicU64,
     /// Credits granted by this agent's receiver role (GRANTs actually sent).
     pub grants: AtomicU64,
     /// Chunks scattered and ACKed by the receiver role.
@@ -545,7 +539,6 @@ enum Command {
         peer: String,
         endpoint: Vec<u8>,
         kind: MemKind,
-        capabilities: u32,
         reply: Sender<Result<(), ControlError>>,
     },
     ForgetPeer {
@@ -748,7 +741,6 @@ impl BounceTransport {
             closed: closed.clone(),
             io_blocked: io_blocked.clone(),
             peer_kinds: HashMap::new(),
-            peer_caps: HashMap::new(),
             probes: HashMap::new(),
             reqs: HashMap::new(),
             writes: Vec::new(),
@@ -841,27 +833,18 @@ impl BounceTransport {
             .cloned()
     }
 
-    /// Registers a receiver peer: its control endpoint, the memory kind
-    /// of its arena and the capabilities its handshake advertised
-    /// ([`wire::Handshake::capabilities`]: DATA to it is packed when it has
-    /// [`wire::CAP_PACKED_DATA`]). Waits at most 5 s for the IO thread.
+    /// Registers a receiver peer: its control endpoint and the memory kind
+    /// of its arena. Waits at most 5 s for the IO thread.
     ///
     /// # Errors
     /// [`ControlError::InvalidEndpoint`] for a malformed endpoint;
     /// [`ControlError::Transport`] if the IO thread is gone or slow.
-    pub fn add_peer(
-        &self,
-        peer: &str,
-        endpoint: &[u8],
-        kind: MemKind,
-        capabilities: u32,
-    ) -> Result<(), ControlError> {
+    pub fn add_peer(&self, peer: &str, endpoint: &[u8], kind: MemKind) -> Result<(), ControlError> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send_cmd(Command::AddPeer {
             peer: peer.to_string(),
             endpoint: endpoint.to_vec(),
             kind,
-            capabilities,
             reply: tx,
         })
         .map_err(|_| ControlError::Transport("transport is shut down".into()))?;
@@ -1222,8 +1205,6 @@ struct Io {
     stats: Arc<TransportStats>,
     /// Registered bounce peers and their arena memory.
     peer_kinds: HashMap<String, MemKind>,
-    /// Each peer's advertised capabilities ([`wire::Handshake::capabilities`]).
-    peer_caps: HashMap<String, u32>,
     /// Transport probes of peers whose report is not made yet.
     probes: HashMap<String, WriteProbe>,
     /// Requests in flight (exactly those in the machine's table).
@@ -1530,7 +1511,6 @@ impl Io {
             Action::ForgetRoute { peer } => {
                 self.channel.remove_peer(&peer);
                 self.peer_kinds.remove(&peer);
-                self.peer_caps.remove(&peer);
                 let _ = self.engine.forget_peer(&peer);
             }
             Action::Quiesced { id } => {
@@ -1561,21 +1541,11 @@ impl Io {
         if cancel && !self.channel.has_peer(&to) {
             return self.m.recycle(to);
         }
-        // One warm encode buffer (a 16,384-run DATA is 786 KB, packed
-        // ≈ 0.1–0.25 MB).
+        // One warm encode buffer (a 16,384-run DATA is 786 KB).
         let mut bytes = std::mem::take(&mut self.tx_buf);
         bytes.clear();
-        let caps = self.peer_caps.get(&to).copied().unwrap_or(0);
-        msg.encode_into_for(&mut bytes, caps);
+        msg.encode_into(&mut bytes);
         let sent = self.channel.send_to(&to, &bytes);
-        if sent.is_ok() && matches!(msg, Message::Data(_)) {
-            self.stats
-                .data_wire_bytes
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            if wire::peek_type(&bytes) == Ok(wire::MessageType::DataPacked) {
-                self.stats.data_packed.fetch_add(1, Ordering::Relaxed);
-            }
-        }
         self.tx_buf = bytes;
         match sent {
             Ok(()) => {
@@ -1811,7 +1781,6 @@ impl Io {
                 peer,
                 endpoint,
                 kind,
-                capabilities,
                 reply,
             } => {
                 let r = self.channel.add_peer(&peer, &endpoint);
@@ -1820,7 +1789,6 @@ impl Io {
                     // probe it afresh.
                     self.drop_transport_report(&peer);
                     self.peer_kinds.insert(peer.clone(), kind);
-                    self.peer_caps.insert(peer.clone(), capabilities);
                     self.feed(Input::PeerAdded { peer });
                 }
                 let _ = reply.send(r);

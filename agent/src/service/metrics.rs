@@ -33,8 +33,6 @@
 //! | `kvfabric_wants_stale_total` | counter | | WANT messages dropped as replays (their flow is live or ended within 2 × the request timeout) |
 //! | `kvfabric_rejects_received_total` | counter | | REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA runs outside the destination's memory) |
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
-//! | `kvfabric_data_packed_total` | counter | | DATA messages sent with packed scatter runs (issue 18) |
-//! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA messages sent |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
 //! | `kvfabric_peers_loaded_total` | counter | | peers loaded |
 //! | `kvfabric_peers_forgotten_total` | counter | | peers forgotten |
@@ -364,18 +362,6 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "Control messages dropped on a full queue",
         |t| &t.control_dropped,
-    ),
-    (
-        "kvfabric.data.packed",
-        None,
-        "DATA messages sent with packed scatter runs (both agents advertise packedData)",
-        |t| &t.data_packed,
-    ),
-    (
-        "kvfabric.data.wire",
-        Some("By"),
-        "Encoded bytes of the DATA messages sent (the scatter runs' control-plane cost)",
-        |t| &t.data_wire_bytes,
     ),
     (
         "kvfabric.drain_mode.entries",

@@ -1,10 +1,8 @@
-//! Fuzz the generic `wire::Message::decode` (all types, the packed DATA
-//! included) plus `peek_type` and `is_cancel_want`: never panic; agree with
-//! each other; round-trip exactly (a packed DATA re-encoded for a peer with
-//! `CAP_PACKED_DATA`).
+//! Fuzz the generic `wire::Message::decode` (all types) plus `peek_type` and
+//! `is_cancel_want`: never panic; agree with each other; round-trip exactly.
 #![no_main]
 
-use kvfabric_core::wire::{is_cancel_want, peek_type, Message, MessageType, CAP_PACKED_DATA};
+use kvfabric_core::wire::{is_cancel_want, peek_type, Message};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -13,11 +11,9 @@ fuzz_target!(|data: &[u8]| {
     let cancel = is_cancel_want(data);
     match decoded {
         Ok(m) => {
-            let packed = peeked == Ok(MessageType::DataPacked);
-            assert!(packed || peeked == Ok(m.message_type()));
+            assert_eq!(peeked, Ok(m.message_type()));
             assert_eq!(cancel, matches!(&m, Message::Want(w) if w.is_cancel()));
-            let mut enc = Vec::new();
-            m.encode_into_for(&mut enc, if packed { CAP_PACKED_DATA } else { 0 });
+            let enc = m.encode();
             assert_eq!(enc.as_slice(), data, "encoding is not canonical");
             assert_eq!(Message::decode(&enc).expect("re-decode"), m);
         }
