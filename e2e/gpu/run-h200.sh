@@ -128,13 +128,16 @@ for step in ${KVF_STEPS:-engines model vram}; do
     openloop)
       # Issue 18: Poisson arrivals at each KVF_RATES (req/s), >= 500
       # requests, at most 128 in flight, MPS on, TCP control; KVF_CONFIGS
-      # as in load.
+      # as in load, plus "before" (the build in .gpu/before.xz).
       mps_on
       for r in ${KVF_RATES:-13}; do
         for cfg in ${KVF_CONFIGS:--}; do
-          tag="$(cfg_tag "$cfg")_r$r"
+          # "before": the build in .gpu/before.xz, defaults.
+          exe=/tmp/kvf/kvfabric-gpu; b=""
+          [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; }
+          tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 /tmp/kvf/kvfabric-gpu "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
         done
@@ -173,13 +176,16 @@ for step in ${KVF_STEPS:-engines model vram}; do
     sweep)
       # vram-bench variants side by side in one call, MPS on: KVF_SWEEP is
       # a ';'-separated list of extra arguments (with optional leading
-      # VAR=value environment words), e.g. "--chunks 16MiB;--workers 8".
+      # VAR=value environment words), e.g. "--chunks 16MiB;--workers 8";
+      # a variant starting with "before" runs the build in .gpu/before.xz.
       mps_on
       IFS=';' read -ra variants <<< "${KVF_SWEEP:---chunks 16MiB}"
       for i in "${!variants[@]}"; do
+        v="${variants[$i]}"; exe=/tmp/kvf/kvfabric-gpu
+        case "$v" in before*) exe=$(before_exe); v="${v#before}" ;; esac
         echo "== variant $i: ${variants[$i]}"
-        env KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp ${variants[$i]%%--*} timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
-          --iterations ${KVF_SWEEP_ITERS:-21} --json "$out/sweep_$i.json" --${variants[$i]#*--} > "$out/sweep_$i.log" 2>&1 || rc=1
+        env KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp ${v%%--*} timeout 120 $exe vram-bench --skip-standard \
+          --iterations ${KVF_SWEEP_ITERS:-21} --json "$out/sweep_$i.json" --${v#*--} > "$out/sweep_$i.log" 2>&1 || rc=1
         grep -E '^ *(bounce|one-desc)|timeline|one-descriptor =' "$out/sweep_$i.log" | grep -v '^\['
       done
       mps_off ;;

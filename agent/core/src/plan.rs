@@ -302,6 +302,8 @@ struct OpenChunk {
     pieces: u64,
     scatter: RunBuilder,
     gather: RunBuilder,
+    /// Whether gather runs are built (false: scatter runs only).
+    with_gather: bool,
 }
 
 impl OpenChunk {
@@ -312,12 +314,26 @@ impl OpenChunk {
             pieces: 0,
             scatter: RunBuilder::new(merge, capacity),
             gather: RunBuilder::new(merge, capacity),
+            with_gather: true,
+        }
+    }
+
+    fn scatter_only(merge: bool, capacity: usize) -> Self {
+        Self {
+            cursor: 0,
+            payload: 0,
+            pieces: 0,
+            scatter: RunBuilder::new(merge, capacity),
+            gather: RunBuilder::new(merge, 0),
+            with_gather: false,
         }
     }
 
     fn place(&mut self, region_offset: u64, src: u64, dst: u64, len: u64) {
         self.scatter.push(region_offset, dst, len);
-        self.gather.push(region_offset, src, len);
+        if self.with_gather {
+            self.gather.push(region_offset, src, len);
+        }
         self.cursor = region_offset + len;
         self.payload += len;
         self.pieces += 1;
@@ -467,6 +483,22 @@ fn pack(
         sink.close(cursor)?;
     }
     Ok(())
+}
+
+/// A chunk of whole descriptors of one length
+/// ([`TransferPlan::uniform_pieces`]): piece `i` is `descs[first_desc + i]`,
+/// at region offset `i * stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UniformPieces {
+    /// Index of the chunk's first descriptor.
+    pub first_desc: usize,
+    /// Descriptors (= pieces) in the chunk.
+    pub count: usize,
+    /// Length of every descriptor, bytes (≤ the chunk cap).
+    pub len: u64,
+    /// Region bytes between consecutive pieces: `len` rounded up to the
+    /// 32-byte piece alignment.
+    pub stride: u64,
 }
 
 /// Where one chunk of a plan starts in the descriptor list and what it
@@ -687,6 +719,68 @@ impl TransferPlan {
         max_chunk_size_bytes: u64,
         merge_runs: bool,
     ) -> Result<Chunk, PlanError> {
+        Self::build_chunk_with(descs, bound, max_chunk_size_bytes, merge_runs, true)
+    }
+
+    /// [`TransferPlan::build_chunk`] without its gather runs
+    /// (`gather_runs` empty; everything else identical, property-tested):
+    /// for a sender that gathers a [`UniformPieces`] chunk straight from
+    /// its descriptors and needs the runs only for the DATA. Half the
+    /// planning work (issue 18: planning a 16 MiB chunk of 4,096 random
+    /// 4 KiB blocks took ≈ 200 µs on the H200 host, on the write's path).
+    ///
+    /// # Errors
+    /// As [`TransferPlan::build_chunk`].
+    pub fn build_chunk_scatter_runs(
+        descs: &[Descriptor],
+        bound: &ChunkBound,
+        max_chunk_size_bytes: u64,
+        merge_runs: bool,
+    ) -> Result<Chunk, PlanError> {
+        Self::build_chunk_with(descs, bound, max_chunk_size_bytes, merge_runs, false)
+    }
+
+    /// Whether `bound`'s chunk is whole descriptors of one length: then
+    /// piece `i` is descriptor `first_desc + i`, at region offset
+    /// `i × stride` (the packing rule's 32-byte alignment), and a gather
+    /// needs no runs. `None` for a chunk that starts inside a split
+    /// descriptor, mixes lengths or skips empty descriptors, or a bound
+    /// that does not point into `descs`. O(pieces) length comparisons.
+    pub fn uniform_pieces(
+        descs: &[Descriptor],
+        bound: &ChunkBound,
+        max_chunk_size_bytes: u64,
+    ) -> Option<UniformPieces> {
+        if bound.first_done != 0 || bound.pieces == 0 {
+            return None;
+        }
+        let count = usize::try_from(bound.pieces).ok()?;
+        let slice = descs.get(bound.first_desc..bound.first_desc.checked_add(count)?)?;
+        let len = slice[0].len;
+        if len == 0 || len > max_chunk_size_bytes || slice.iter().any(|d| d.len != len) {
+            return None;
+        }
+        let stride = align_up(len);
+        // The bound's own sizes must be those of this layout.
+        let packed = (bound.pieces - 1).checked_mul(stride)?.checked_add(len)?;
+        if bound.packed_bytes != packed || bound.payload_bytes != bound.pieces.checked_mul(len)? {
+            return None;
+        }
+        Some(UniformPieces {
+            first_desc: bound.first_desc,
+            count,
+            len,
+            stride,
+        })
+    }
+
+    fn build_chunk_with(
+        descs: &[Descriptor],
+        bound: &ChunkBound,
+        max_chunk_size_bytes: u64,
+        merge_runs: bool,
+        with_gather: bool,
+    ) -> Result<Chunk, PlanError> {
         let max = max_chunk_size_bytes;
         check_chunk_size(max)?;
         if descs
@@ -702,7 +796,11 @@ impl TransferPlan {
         let capacity = bound.pieces.min(1 << 20) as usize;
         let mut sink = BuildSink {
             chunks: Vec::with_capacity(1),
-            cur: OpenChunk::new(merge_runs, capacity),
+            cur: if with_gather {
+                OpenChunk::new(merge_runs, capacity)
+            } else {
+                OpenChunk::scatter_only(merge_runs, capacity)
+            },
             merge: merge_runs,
             max,
             single: true,

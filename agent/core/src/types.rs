@@ -6,6 +6,10 @@ use std::fmt;
 /// One (src, dst, len) copy the caller asked for: `len` bytes from address
 /// `src` (sender memory) to address `dst` (receiver memory). Addresses are
 /// plain 64-bit device or host virtual addresses; `len` is in bytes.
+/// `#[repr(C)]`, 24 bytes in this field order: the copy kernel's
+/// `struct kvf_desc` (kernels/gather_scatter.cu) reads a descriptor slice
+/// as is (the uniform gather, issue 18).
+#[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Descriptor {
     /// Source address on the sender (bytes).
@@ -15,6 +19,8 @@ pub struct Descriptor {
     /// Length in bytes; zero-length descriptors are skipped by the plan.
     pub len: u64,
 }
+
+const _: () = assert!(std::mem::size_of::<Descriptor>() == 24);
 
 impl Descriptor {
     /// Builds a descriptor of `len` bytes from `src` to `dst`.

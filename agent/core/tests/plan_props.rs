@@ -247,6 +247,50 @@ proptest! {
             let alone = TransferPlan::build_chunk(&case.descs, b, case.max, merge)
                 .expect("bound from the same list");
             prop_assert_eq!(&alone, c);
+            // Without gather runs: the same chunk otherwise.
+            let scatter = TransferPlan::build_chunk_scatter_runs(&case.descs, b, case.max, merge)
+                .expect("bound from the same list");
+            prop_assert!(scatter.gather_runs.is_empty());
+            prop_assert_eq!(&scatter.scatter_runs, &c.scatter_runs);
+            prop_assert_eq!(
+                (scatter.index, scatter.packed_bytes, scatter.payload_bytes, scatter.pieces),
+                (c.index, c.packed_bytes, c.payload_bytes, c.pieces)
+            );
+            // A uniform chunk's gather is exactly descriptor i at i × stride.
+            if let Some(u) = TransferPlan::uniform_pieces(&case.descs, b, case.max) {
+                let segs = (0..u.count)
+                    .map(|i| (i as u64 * u.stride, case.descs[u.first_desc + i].src, u.len));
+                prop_assert_eq!(coalesce(c.gather_segments()), coalesce(segs));
+                prop_assert_eq!(u.stride % ALIGN, 0);
+            }
+        }
+    }
+
+    /// Equal-length descriptors no longer than the cap make every chunk
+    /// uniform (the gather needs no runs); longer ones are split, and no
+    /// chunk is.
+    #[test]
+    fn equal_lengths_make_uniform_chunks(
+        max in prop::sample::select(vec![32u64, 96, 4096, 65_536]),
+        len in 1u64..70_000,
+        slots in prop::collection::vec((0u64..1 << 20, 0u64..1 << 20), 1..60),
+    ) {
+        let descs: Vec<Descriptor> = slots
+            .iter()
+            .map(|&(s, d)| Descriptor::new(s * 70_016, (1 << 40) + d * 70_016, len))
+            .collect();
+        let bounds = TransferPlan::chunk_bounds(&descs, max).expect("valid");
+        let mut covered = 0;
+        for b in &bounds {
+            let u = TransferPlan::uniform_pieces(&descs, b, max);
+            prop_assert_eq!(u.is_some(), len <= max, "{:?}", b);
+            if let Some(u) = u {
+                prop_assert_eq!(u.first_desc, covered);
+                covered += u.count;
+            }
+        }
+        if len <= max {
+            prop_assert_eq!(covered, descs.len());
         }
     }
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
-use kvfabric_core::ScatterRun;
+use kvfabric_core::{Descriptor, ScatterRun};
 
 use super::engine::{
     EngineError, MemDesc, MemKind, PreparedList, TransferEngine, XferHandle, XferState,
@@ -43,6 +43,10 @@ pub const GATHER_SCATTER_KERNEL_OCC: &str = "kvf_gather_scatter_occ";
 
 /// The same-node direct path's kernel: whole blocks from block ids.
 pub const BLOCK_COPY_KERNEL: &str = "kvf_block_copy";
+
+/// The uniform gather's kernel: a chunk of equal-length descriptors
+/// straight from the descriptor list (issue 18).
+pub const GATHER_DESCS_KERNEL: &str = "kvf_gather_descs";
 
 /// Default bytes per kernel task (one warp each): longer segments are split
 /// into pieces of this size, shorter ones grouped up to it.
@@ -303,6 +307,7 @@ pub struct CudaGpu {
     kernel: KernelFn,
     kernel_occ: KernelFn,
     block_copy: KernelFn,
+    gather_descs: KernelFn,
     info: GpuInfo,
 }
 
@@ -348,6 +353,7 @@ impl CudaGpu {
         let kernel = KernelFn::load(module, GATHER_SCATTER_KERNEL)?;
         let kernel_occ = KernelFn::load(module, GATHER_SCATTER_KERNEL_OCC)?;
         let block_copy = KernelFn::load(module, BLOCK_COPY_KERNEL)?;
+        let gather_descs = KernelFn::load(module, GATHER_DESCS_KERNEL)?;
         let info = GpuInfo {
             ordinal,
             name,
@@ -362,6 +368,7 @@ impl CudaGpu {
                 kernel.info.clone(),
                 kernel_occ.info.clone(),
                 block_copy.info.clone(),
+                gather_descs.info.clone(),
             ],
         };
         tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
@@ -371,6 +378,7 @@ impl CudaGpu {
             kernel,
             kernel_occ,
             block_copy,
+            gather_descs,
             info,
         }))
     }
@@ -437,6 +445,48 @@ impl CudaGpu {
             result::launch_kernel(k.f, (g, 1, 1), (threads, 1, 1), 0, stream, &mut params)
         })?;
         Ok(g)
+    }
+
+    /// Enqueues `kvf_gather_descs` on `stream`: descriptor `i` of the `n`
+    /// at device address `descs` (each `len` bytes) to `region + i *
+    /// stride`, a warp per descriptor. The context must be bound.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this GPU; `descs` holds `n`
+    /// descriptors readable by the device until the launch completes,
+    /// every one of length `len` with a readable source; the region holds
+    /// `(n - 1) * stride + len` bytes.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    pub unsafe fn launch_gather_descs(
+        &self,
+        stream: sys::CUstream,
+        descs: u64,
+        n: u32,
+        len: u64,
+        stride: u64,
+        region: u64,
+    ) -> Result<(), CudaError> {
+        let k = &self.gather_descs;
+        let threads = 256u32.min(k.info.max_threads.max(32) as u32) / 32 * 32;
+        let g = u64::from(n)
+            .div_ceil(u64::from(threads / 32))
+            .clamp(1, i32::MAX as u64) as u32;
+        let (mut d, mut n, mut l, mut st, mut r) = (descs, n, len, stride, region);
+        let mut params: [*mut c_void; 5] = [
+            (&mut d as *mut u64).cast(),
+            (&mut n as *mut u32).cast(),
+            (&mut l as *mut u64).cast(),
+            (&mut st as *mut u64).cast(),
+            (&mut r as *mut u64).cast(),
+        ];
+        // SAFETY: the parameters match `kvf_gather_descs`; the caller
+        // guarantees the stream, the descriptors and the region.
+        drv("cuLaunchKernel", unsafe {
+            result::launch_kernel(k.f, (g, 1, 1), (threads, 1, 1), 0, stream, &mut params)
+        })?;
+        Ok(())
     }
 }
 
@@ -1702,6 +1752,88 @@ impl CudaCopyEngine {
         out
     }
 
+    /// The uniform gather ([`CopyEngine::gather_uniform`]): the descriptor
+    /// slice (24 bytes each, as laid out in memory) is written to the
+    /// context's pinned buffer, uploaded on its stream and read by one
+    /// `kvf_gather_descs` launch; `meanwhile` runs between the enqueue and
+    /// the wait (also after a failed enqueue, so its work is never lost).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for descriptors of different lengths or more
+    /// than `u32::MAX`; the driver's error otherwise.
+    pub fn run_uniform(
+        &self,
+        region_addr: u64,
+        descs: &[Descriptor],
+        stride: u64,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<(), CudaError> {
+        let len = descs.first().map_or(0, |d| d.len);
+        let n = u32::try_from(descs.len())
+            .map_err(|_| CudaError::Invalid(format!("{} descriptors", descs.len())));
+        let checked = n.and_then(|n| {
+            if descs.iter().any(|d| d.len != len) || stride < len {
+                Err(CudaError::Invalid(
+                    "uniform gather of descriptors of different lengths".into(),
+                ))
+            } else {
+                Ok(n)
+            }
+        });
+        let n = match checked {
+            Ok(n) if n > 0 && len > 0 => n,
+            other => {
+                meanwhile();
+                return other.map(|_| ());
+            }
+        };
+        let t0 = Instant::now();
+        let mut ctx = self.acquire();
+        let enqueued = self.gpu.bind().and_then(|()| {
+            let bytes = std::mem::size_of_val(descs);
+            if ctx.busy {
+                ctx.synchronize()?;
+            }
+            ctx.ensure_capacity(bytes)?;
+            // SAFETY: the pinned buffer holds `bytes` and no pending work
+            // reads it (synchronised above); Descriptor is repr(C) plain
+            // data, the layout of `struct kvf_desc`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(descs.as_ptr().cast::<u8>(), ctx.pinned, bytes);
+            }
+            ctx.busy = true;
+            // SAFETY: both buffers hold `bytes`.
+            check("cuMemcpyHtoDAsync", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(ctx.dplan, ctx.pinned.cast(), bytes, ctx.stream)
+            })?;
+            // SAFETY: the stream is this context's; the descriptors stay in
+            // device memory until the completion event; the caller
+            // (`TransferPlan::uniform_pieces`) checked lengths and region.
+            unsafe {
+                self.gpu
+                    .launch_gather_descs(ctx.stream, ctx.dplan, n, len, stride, region_addr)
+            }?;
+            ctx.record_done()
+        });
+        let t_enqueued = t0.elapsed();
+        meanwhile();
+        let out = enqueued.and_then(|()| ctx.wait_done());
+        tracing::trace!(
+            descriptors = n,
+            enqueued_us = t_enqueued.as_micros() as u64,
+            done_us = t0.elapsed().as_micros() as u64,
+            "cuda uniform gather"
+        );
+        if out.is_err() {
+            let _ = ctx.synchronize();
+        }
+        self.release(ctx);
+        if let Err(e) = &out {
+            tracing::error!(error = %e, "CUDA uniform gather failed");
+        }
+        out
+    }
+
     /// Runs one copy to completion: borrow, enqueue, record, wait, return.
     pub fn run(
         &self,
@@ -1748,6 +1880,16 @@ impl CudaCopyEngine {
 impl CopyEngine for CudaCopyEngine {
     fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
         self.run(Direction::Gather, region_addr, runs)
+            .map_err(CopyError::from)
+    }
+    fn gather_uniform(
+        &self,
+        region_addr: u64,
+        descs: &[Descriptor],
+        stride: u64,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<(), CopyError> {
+        self.run_uniform(region_addr, descs, stride, meanwhile)
             .map_err(CopyError::from)
     }
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {

@@ -71,6 +71,35 @@ pub trait CopyEngine: Send + Sync {
     fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
     /// Copies every run's segments from the region to user memory.
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
+    /// Gathers a uniform chunk ([`kvfabric_core::plan::UniformPieces`])
+    /// straight from its descriptors: `descs[i].len` (all equal) bytes from
+    /// `descs[i].src` to `region_addr + i * stride` — no runs planned
+    /// (issue 18). Calls `meanwhile` exactly once, after the copy was
+    /// started and before waiting for it, so the caller can plan the
+    /// chunk's scatter runs while it runs. The default builds one run per
+    /// descriptor and calls [`CopyEngine::gather`].
+    fn gather_uniform(
+        &self,
+        region_addr: u64,
+        descs: &[Descriptor],
+        stride: u64,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<(), CopyError> {
+        let runs: Vec<ScatterRun> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| ScatterRun {
+                region_offset: i as u64 * stride,
+                addr: d.src,
+                segment_len: d.len,
+                region_stride: 0,
+                addr_stride: 0,
+                count: 1,
+            })
+            .collect();
+        meanwhile();
+        self.gather(region_addr, &runs)
+    }
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
     /// Test-only fault hook ([`super::faults`]): flips (XOR 0xFF) the byte
@@ -112,6 +141,24 @@ impl HostCopyEngine {
 impl CopyEngine for HostCopyEngine {
     fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
         Self::copy(region_addr, runs, true);
+        Ok(())
+    }
+    fn gather_uniform(
+        &self,
+        region_addr: u64,
+        descs: &[Descriptor],
+        stride: u64,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<(), CopyError> {
+        for (i, d) in descs.iter().enumerate() {
+            let region = (region_addr + i as u64 * stride) as usize as *mut u8;
+            // SAFETY: as for `copy`: sources were validated, the region
+            // holds the chunk's packed bytes (`(n - 1) * stride + len`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(d.src as usize as *const u8, region, d.len as usize)
+            };
+        }
+        meanwhile();
         Ok(())
     }
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
@@ -263,15 +310,53 @@ fn run_job(
                     Vec::new(),
                 );
             }
+            let fail = |e: kvfabric_core::plan::PlanError| {
+                (
+                    Err(CopyError(format!("planning chunk {}: {e}", bound.index))),
+                    Vec::new(),
+                )
+            };
+            if let Some(u) = TransferPlan::uniform_pieces(&descs, &bound, max_chunk_size_bytes) {
+                // Whole descriptors of one length: gather straight from
+                // them and plan only the DATA's scatter runs, while the
+                // copy runs.
+                super::faults::before_gather();
+                let mut planned = None;
+                let gathered = engine.gather_uniform(
+                    region_addr,
+                    &descs[u.first_desc..u.first_desc + u.count],
+                    u.stride,
+                    &mut || {
+                        planned = Some(TransferPlan::build_chunk_scatter_runs(
+                            &descs,
+                            &bound,
+                            max_chunk_size_bytes,
+                            merge_runs,
+                        ))
+                    },
+                );
+                tracing::trace!(
+                    chunk = bound.index,
+                    pieces = u.count,
+                    "uniform chunk gathered"
+                );
+                return match (gathered, planned) {
+                    (Ok(()), Some(Ok(c))) => (Ok(()), c.scatter_runs),
+                    (Err(e), _) => (Err(e), Vec::new()),
+                    (Ok(()), Some(Err(e))) => fail(e),
+                    (Ok(()), None) => (
+                        Err(CopyError(format!(
+                            "chunk {}: the copy engine did not plan the scatter runs",
+                            bound.index
+                        ))),
+                        Vec::new(),
+                    ),
+                };
+            }
             let chunk =
                 match TransferPlan::build_chunk(&descs, &bound, max_chunk_size_bytes, merge_runs) {
                     Ok(c) => c,
-                    Err(e) => {
-                        return (
-                            Err(CopyError(format!("planning chunk {}: {e}", bound.index))),
-                            Vec::new(),
-                        )
-                    }
+                    Err(e) => return fail(e),
                 };
             tracing::trace!(
                 chunk = bound.index,
@@ -505,6 +590,92 @@ impl Drop for CopyWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A chunk plan of `descs` gathered into a fresh region by `engine`:
+    /// the region's bytes and the returned scatter runs.
+    fn gather_chunk(
+        engine: &dyn CopyEngine,
+        descs: &Arc<Vec<Descriptor>>,
+        max: u64,
+        index: usize,
+    ) -> (Vec<u8>, Vec<ScatterRun>) {
+        let bounds = TransferPlan::chunk_bounds(descs, max).unwrap();
+        let mut region = vec![0u8; max as usize];
+        let (r, runs) = run_job(
+            engine,
+            CopyKind::Gather,
+            region.as_mut_ptr() as u64,
+            CopyPlan::Chunk {
+                descs: descs.clone(),
+                bound: bounds[index],
+                max_chunk_size_bytes: max,
+                merge_runs: true,
+            },
+        );
+        r.unwrap();
+        (region, runs)
+    }
+
+    /// Runs only the generic run path (the trait's default uniform gather).
+    struct RunsOnly;
+    impl CopyEngine for RunsOnly {
+        fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.gather(region_addr, runs)
+        }
+        fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.scatter(region_addr, runs)
+        }
+        fn name(&self) -> &'static str {
+            "runs-only"
+        }
+    }
+
+    /// A chunk of equal-length descriptors (the uniform gather, issue 18)
+    /// lands the same bytes and hands back the same scatter runs as the
+    /// planned run path; a chunk of mixed lengths takes the run path.
+    #[test]
+    fn uniform_chunks_gather_like_the_run_path() {
+        let block = 4096usize;
+        let n = 64usize;
+        let src: Vec<u8> = (0..n * block).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let base = src.as_ptr() as u64;
+        // Random-ish slots, one pair contiguous, destinations anywhere.
+        let order: Vec<usize> = (0..n).map(|i| (i * 37 + 11) % n).collect();
+        let descs: Vec<Descriptor> = order
+            .iter()
+            .enumerate()
+            .map(|(k, &s)| {
+                Descriptor::new(
+                    base + (s * block) as u64,
+                    0x10_0000 + (k * 3 * block) as u64,
+                    block as u64,
+                )
+            })
+            .collect();
+        let max = 16 * block as u64;
+        let uniform = Arc::new(descs);
+        for index in 0..4 {
+            let fast = gather_chunk(&HostCopyEngine, &uniform, max, index);
+            let slow = gather_chunk(&RunsOnly, &uniform, max, index);
+            assert_eq!(fast.0, slow.0, "chunk {index} bytes");
+            assert_eq!(fast.1, slow.1, "chunk {index} scatter runs");
+            // Bytes: piece i of the chunk is descriptor 16 * index + i.
+            let i = 5;
+            let d = uniform[16 * index + i];
+            let want = &src[(d.src - base) as usize..][..block];
+            assert_eq!(&fast.0[i * block..][..block], want);
+        }
+        // One shorter descriptor: not uniform, planned runs, same bytes.
+        let mut mixed = (*uniform).clone();
+        mixed[3].len = 100;
+        let mixed = Arc::new(mixed);
+        let bounds = TransferPlan::chunk_bounds(&mixed, max).unwrap();
+        assert!(TransferPlan::uniform_pieces(&mixed, &bounds[0], max).is_none());
+        assert_eq!(
+            gather_chunk(&HostCopyEngine, &mixed, max, 0),
+            gather_chunk(&RunsOnly, &mixed, max, 0)
+        );
+    }
 
     fn job(token: u64) -> WorkerMsg {
         WorkerMsg::Job(CopyJob {

@@ -1341,7 +1341,13 @@ impl Io {
     /// Feeds `input` to the machine and performs what it asks for.
     fn feed(&mut self, input: Input) {
         let now = self.now();
+        let t = tracing::enabled!(tracing::Level::TRACE).then(Instant::now);
         self.m.handle(now, input);
+        if let Some(us) = t.map(|t| t.elapsed().as_micros() as u64) {
+            if us >= 10 {
+                tracing::trace!(us, "machine input slow");
+            }
+        }
         self.after_input();
     }
 
@@ -1544,8 +1550,20 @@ impl Io {
         // One warm encode buffer (a 16,384-run DATA is 786 KB).
         let mut bytes = std::mem::take(&mut self.tx_buf);
         bytes.clear();
+        // Timed only for the trace timeline.
+        let t = tracing::enabled!(tracing::Level::TRACE).then(Instant::now);
         msg.encode_into(&mut bytes);
+        let encoded = t.map(|t| t.elapsed());
         let sent = self.channel.send_to(&to, &bytes);
+        if let (Some(t), Some(encoded)) = (t, encoded) {
+            tracing::trace!(
+                ty = %msg.message_type(),
+                bytes = bytes.len(),
+                encode_us = encoded.as_micros() as u64,
+                send_us = (t.elapsed() - encoded).as_micros() as u64,
+                "message out"
+            );
+        }
         self.tx_buf = bytes;
         match sent {
             Ok(()) => {
@@ -1604,6 +1622,12 @@ impl Io {
                 len: bytes,
                 device_id: credit.device_id.max(0) as u64,
             }],
+        );
+        tracing::trace!(
+            rid,
+            chunk,
+            post_us = posted_at.elapsed().as_micros() as u64,
+            "write post returned"
         );
         match posted {
             Ok(handle) => {
@@ -1958,7 +1982,15 @@ impl Io {
     fn on_message(&mut self, peer: String, bytes: &[u8]) {
         tracing::trace!(bytes = bytes.len(), "message in");
         self.note_heard(&peer);
-        let msg = match Message::decode(bytes) {
+        let t = tracing::enabled!(tracing::Level::TRACE).then(Instant::now);
+        let decoded = Message::decode(bytes);
+        if let Some(t) = t {
+            tracing::trace!(
+                decode_us = t.elapsed().as_micros() as u64,
+                "message decoded"
+            );
+        }
+        let msg = match decoded {
             Ok(Message::Handshake(_)) => {
                 return tracing::warn!(agent = %self.name, %peer, "handshake on the control channel; ignored");
             }
