@@ -1181,7 +1181,7 @@ impl Machine {
             chunk_bytes: chunks.iter().map(|c| c.packed_bytes).collect(),
             endpoint: self.cfg.endpoint.clone(),
         });
-        self.send(&peer, want);
+        let to = peer.clone();
         let state = chunks
             .iter()
             .map(|_| SendChunk {
@@ -1212,7 +1212,15 @@ impl Machine {
                 traced: false,
             },
         );
+        // The eager gathers first, then the WANT: a control send can take
+        // tens of µs (a loopback TCP write that wakes the receiver's IO
+        // thread: 47 µs on the H200 host), and the gathers do not depend
+        // on it (issue 18 step 3). Nothing the peer sends back can precede
+        // the WANT.
         self.pump(rid);
+        if self.requests.contains_key(&rid) {
+            self.send(&to, want);
+        }
     }
 
     /// Retries the starved requests, oldest first, while a copy context is

@@ -176,12 +176,12 @@ fn mutation_unscoped_data_validation() {
 #[test]
 fn regression_seeds() {
     for (name, seed, scoped) in [
-        ("unkeyed_credits", 19, false),
-        ("unchecked_data_chunk", 31, false),
-        ("legacy_eager_reserve", 57, false),
+        ("unkeyed_credits", 127, false),
+        ("unchecked_data_chunk", 337, false),
+        ("legacy_eager_reserve", 205, false),
         ("legacy_flow_silence", 5363, false),
         ("legacy_credit_expiry", 2003298, false),
-        ("legacy_forget_scope_queue", 1038, true),
+        ("legacy_forget_scope_queue", 1161, true),
     ] {
         assert!(
             run_seed_in(seed, mutation_named(name), scoped).is_err(),
