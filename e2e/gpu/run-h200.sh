@@ -37,10 +37,12 @@ mps_off() {
 # split (4 KiB descriptors), 8,192-token prompts (151 MB per transfer).
 seed_args=(bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
 # The build to compare against, carried as .gpu/before.xz (ab17, loadab).
+# before_exe NAME: another build carried as .gpu/NAME.xz (default "before").
 before_exe() {
-  [ -x /tmp/kvf/kvfabric-gpu-before ] || { xz -dc .gpu/before.xz > /tmp/kvf/kvfabric-gpu-before \
-    && chmod +x /tmp/kvf/kvfabric-gpu-before; }
-  echo /tmp/kvf/kvfabric-gpu-before
+  local n=${1:-before}
+  [ -x /tmp/kvf/kvfabric-gpu-$n ] || { xz -dc .gpu/$n.xz > /tmp/kvf/kvfabric-gpu-$n \
+    && chmod +x /tmp/kvf/kvfabric-gpu-$n; }
+  echo /tmp/kvf/kvfabric-gpu-$n
 }
 # KVF_CONFIGS entries: "GRANT_POLICY=oldestFirst,ARENA_SIZE_BYTES=1GiB" →
 # the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag).
@@ -177,12 +179,16 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # vram-bench variants side by side in one call, MPS on: KVF_SWEEP is
       # a ';'-separated list of extra arguments (with optional leading
       # VAR=value environment words), e.g. "--chunks 16MiB;--workers 8";
-      # a variant starting with "before" runs the build in .gpu/before.xz.
+      # a variant starting with "before" runs the build in .gpu/before.xz,
+      # one starting with "build:NAME" the build in .gpu/NAME.xz.
       mps_on
       IFS=';' read -ra variants <<< "${KVF_SWEEP:---chunks 16MiB}"
       for i in "${!variants[@]}"; do
         v="${variants[$i]}"; exe=/tmp/kvf/kvfabric-gpu
-        case "$v" in before*) exe=$(before_exe); v="${v#before}" ;; esac
+        case "$v" in
+          before*) exe=$(before_exe); v="${v#before}" ;;
+          build:*) b="${v#build:}"; b="${b%% *}"; exe=$(before_exe "$b"); v="${v#build:$b}" ;;
+        esac
         echo "== variant $i: ${variants[$i]}"
         env KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp ${v%%--*} timeout 120 $exe vram-bench --skip-standard \
           --iterations ${KVF_SWEEP_ITERS:-21} --json "$out/sweep_$i.json" --${v#*--} > "$out/sweep_$i.log" 2>&1 || rc=1
