@@ -751,6 +751,7 @@ impl TransferPlan {
         bound: &ChunkBound,
         max_chunk_size_bytes: u64,
     ) -> Option<UniformPieces> {
+        check_chunk_size(max_chunk_size_bytes).ok()?;
         if bound.first_done != 0 || bound.pieces == 0 {
             return None;
         }

@@ -2485,6 +2485,40 @@ mod tests {
         m.scheduler().check_conservation().unwrap();
     }
 
+    /// Issue 18 step 3: a submit's eager gathers are asked for before its
+    /// WANT (a control send can take tens of µs), and the WANT goes once.
+    #[test]
+    fn a_submit_starts_its_eager_gathers_before_its_want() {
+        let mut a = machine("a");
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 0,
+                chunks: chunks(&[1024, 512]),
+            },
+        );
+        let mut order = Vec::new();
+        while let Some(step) = a.poll() {
+            match step {
+                Step::Action(Action::StartGather { chunk, .. }) => {
+                    order.push(format!("gather {chunk}"))
+                }
+                Step::Action(Action::Send {
+                    msg: Message::Want(w),
+                    ..
+                }) => {
+                    assert_eq!(w.chunk_bytes.len(), 2);
+                    order.push("want".to_string());
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(order, ["gather 0", "gather 1", "want"]);
+    }
+
     #[test]
     fn a_want_for_a_scope_not_attached_fails_at_once_by_reject() {
         let (mut a, mut b) = (machine("a"), machine("b"));

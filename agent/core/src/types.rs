@@ -20,7 +20,12 @@ pub struct Descriptor {
     pub len: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<Descriptor>() == 24);
+const _: () = assert!(
+    std::mem::size_of::<Descriptor>() == 24
+        && std::mem::offset_of!(Descriptor, src) == 0
+        && std::mem::offset_of!(Descriptor, dst) == 8
+        && std::mem::offset_of!(Descriptor, len) == 16
+);
 
 impl Descriptor {
     /// Builds a descriptor of `len` bytes from `src` to `dst`.

@@ -7,7 +7,7 @@
 //! several chunks long), so merging, splitting and the move-to-fresh-chunk rule
 //! are all exercised.
 
-use kvfabric_core::plan::{expand, Chunk, TransferPlan, ALIGN};
+use kvfabric_core::plan::{expand, Chunk, ChunkBound, TransferPlan, ALIGN};
 use kvfabric_core::wire::{decode_data, Data, Message};
 use kvfabric_core::Descriptor;
 use proptest::prelude::*;
@@ -287,6 +287,22 @@ proptest! {
             if let Some(u) = u {
                 prop_assert_eq!(u.first_desc, covered);
                 covered += u.count;
+                // The layout is the plan's: piece i of the chunk at i × stride.
+                let c = TransferPlan::build_chunk(&descs, b, max, false).expect("valid");
+                let segs = (0..u.count)
+                    .map(|i| (i as u64 * u.stride, descs[u.first_desc + i].src, u.len));
+                prop_assert_eq!(coalesce(c.gather_segments()), coalesce(segs));
+                // A bound whose sizes are not this layout's, or that points
+                // past the list, is not uniform (the region is sized from it).
+                let forged = [
+                    ChunkBound { packed_bytes: b.packed_bytes - 1, ..*b },
+                    ChunkBound { payload_bytes: b.payload_bytes + 1, ..*b },
+                    ChunkBound { first_desc: descs.len(), ..*b },
+                    ChunkBound { pieces: b.pieces + descs.len() as u64, ..*b },
+                ];
+                for f in forged {
+                    prop_assert!(TransferPlan::uniform_pieces(&descs, &f, max).is_none(), "{:?}", f);
+                }
             }
         }
         if len <= max {

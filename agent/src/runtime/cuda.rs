@@ -449,7 +449,7 @@ impl CudaGpu {
 
     /// Enqueues `kvf_gather_descs` on `stream`: descriptor `i` of the `n`
     /// at device address `descs` (each `len` bytes) to `region + i *
-    /// stride`, a warp per descriptor. The context must be bound.
+    /// stride` (bytes), a warp per descriptor. The context must be bound.
     ///
     /// # Safety
     /// `stream` is a live stream of this GPU; `descs` holds `n`
@@ -1758,9 +1758,13 @@ impl CudaCopyEngine {
     /// `kvf_gather_descs` launch; `meanwhile` runs between the enqueue and
     /// the wait (also after a failed enqueue, so its work is never lost).
     ///
+    /// `stride` is in bytes. The caller
+    /// ([`CopyEngine::gather_uniform`]) keeps descriptors longer than a
+    /// kernel piece off this path (one warp copies a descriptor).
+    ///
     /// # Errors
-    /// [`CudaError::Invalid`] for descriptors of different lengths or more
-    /// than `u32::MAX`; the driver's error otherwise.
+    /// [`CudaError::Invalid`] with [`super::exec::check_uniform`]'s
+    /// message; the driver's error otherwise.
     pub fn run_uniform(
         &self,
         region_addr: u64,
@@ -1768,20 +1772,10 @@ impl CudaCopyEngine {
         stride: u64,
         meanwhile: &mut dyn FnMut(),
     ) -> Result<(), CudaError> {
-        let len = descs.first().map_or(0, |d| d.len);
-        let n = u32::try_from(descs.len())
-            .map_err(|_| CudaError::Invalid(format!("{} descriptors", descs.len())));
-        let checked = n.and_then(|n| {
-            if descs.iter().any(|d| d.len != len) || stride < len {
-                Err(CudaError::Invalid(
-                    "uniform gather of descriptors of different lengths".into(),
-                ))
-            } else {
-                Ok(n)
-            }
-        });
-        let n = match checked {
-            Ok(n) if n > 0 && len > 0 => n,
+        let checked =
+            super::exec::check_uniform(descs, stride).map_err(|e| CudaError::Invalid(e.0));
+        let (n, len) = match checked {
+            Ok(len) if len > 0 && !descs.is_empty() => (descs.len() as u32, len),
             other => {
                 meanwhile();
                 return other.map(|_| ());
@@ -1889,6 +1883,19 @@ impl CopyEngine for CudaCopyEngine {
         stride: u64,
         meanwhile: &mut dyn FnMut(),
     ) -> Result<(), CopyError> {
+        // The uniform kernel copies a descriptor with one warp: for
+        // descriptors longer than a kernel piece, and for the memcpy
+        // paths, the run path (which splits pieces) serves them.
+        let len = descs.first().map_or(0, |d| d.len);
+        if self.cfg.path != CopyPath::Kernel || len > self.cfg.piece_bytes {
+            return super::exec::gather_uniform_by_runs(
+                self,
+                region_addr,
+                descs,
+                stride,
+                meanwhile,
+            );
+        }
         self.run_uniform(region_addr, descs, stride, meanwhile)
             .map_err(CopyError::from)
     }

@@ -73,11 +73,16 @@ pub trait CopyEngine: Send + Sync {
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError>;
     /// Gathers a uniform chunk ([`kvfabric_core::plan::UniformPieces`])
     /// straight from its descriptors: `descs[i].len` (all equal) bytes from
-    /// `descs[i].src` to `region_addr + i * stride` — no runs planned
-    /// (issue 18). Calls `meanwhile` exactly once, after the copy was
-    /// started and before waiting for it, so the caller can plan the
-    /// chunk's scatter runs while it runs. The default builds one run per
-    /// descriptor and calls [`CopyEngine::gather`].
+    /// `descs[i].src` to `region_addr + i * stride` (`stride` in bytes, ≥
+    /// the length) — no runs planned (issue 18). Calls `meanwhile` exactly
+    /// once, also on an error; engines that can overlap call it while the
+    /// copy runs (the CUDA engine: between launch and wait), so the caller
+    /// plans the chunk's scatter runs meanwhile. The default is
+    /// [`gather_uniform_by_runs`].
+    ///
+    /// # Errors
+    /// [`check_uniform`]'s for descriptors of different lengths or a
+    /// stride below their length; the engine's copy error otherwise.
     fn gather_uniform(
         &self,
         region_addr: u64,
@@ -85,20 +90,7 @@ pub trait CopyEngine: Send + Sync {
         stride: u64,
         meanwhile: &mut dyn FnMut(),
     ) -> Result<(), CopyError> {
-        let runs: Vec<ScatterRun> = descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| ScatterRun {
-                region_offset: i as u64 * stride,
-                addr: d.src,
-                segment_len: d.len,
-                region_stride: 0,
-                addr_stride: 0,
-                count: 1,
-            })
-            .collect();
-        meanwhile();
-        self.gather(region_addr, &runs)
+        gather_uniform_by_runs(self, region_addr, descs, stride, meanwhile)
     }
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
@@ -108,6 +100,70 @@ pub trait CopyEngine: Send + Sync {
         let _ = addr;
         Err(CopyError(format!("{}: no fault hook", self.name())))
     }
+}
+
+/// Checks a uniform gather's input ([`CopyEngine::gather_uniform`]):
+/// every descriptor of one length, `stride` (bytes) at least that length,
+/// at most `u32::MAX` descriptors. Returns the length (0 for no
+/// descriptors).
+///
+/// # Errors
+/// A [`CopyError`] naming what is wrong.
+pub fn check_uniform(descs: &[Descriptor], stride: u64) -> Result<u64, CopyError> {
+    let len = descs.first().map_or(0, |d| d.len);
+    if u32::try_from(descs.len()).is_err() {
+        return Err(CopyError(format!(
+            "uniform gather of {} descriptors (at most {})",
+            descs.len(),
+            u32::MAX
+        )));
+    }
+    if let Some((i, d)) = descs.iter().enumerate().find(|(_, d)| d.len != len) {
+        return Err(CopyError(format!(
+            "uniform gather: descriptor {i} is {} bytes, the first {len}",
+            d.len
+        )));
+    }
+    if stride < len {
+        return Err(CopyError(format!(
+            "uniform gather: stride {stride} bytes is below the descriptor length {len}"
+        )));
+    }
+    Ok(len)
+}
+
+/// [`CopyEngine::gather_uniform`] through the run path: checks the input,
+/// builds one run per descriptor, calls `meanwhile`, then
+/// [`CopyEngine::gather`] (no overlap). Also the CUDA engine's fallback for
+/// what its uniform kernel does not serve.
+///
+/// # Errors
+/// As [`CopyEngine::gather_uniform`].
+pub fn gather_uniform_by_runs<E: CopyEngine + ?Sized>(
+    engine: &E,
+    region_addr: u64,
+    descs: &[Descriptor],
+    stride: u64,
+    meanwhile: &mut dyn FnMut(),
+) -> Result<(), CopyError> {
+    if let Err(e) = check_uniform(descs, stride) {
+        meanwhile();
+        return Err(e);
+    }
+    let runs: Vec<ScatterRun> = descs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| ScatterRun {
+            region_offset: i as u64 * stride,
+            addr: d.src,
+            segment_len: d.len,
+            region_stride: 0,
+            addr_stride: 0,
+            count: 1,
+        })
+        .collect();
+    meanwhile();
+    engine.gather(region_addr, &runs)
 }
 
 /// Host-memory copy engine: `memcpy` per segment (contiguous runs are one
@@ -150,6 +206,10 @@ impl CopyEngine for HostCopyEngine {
         stride: u64,
         meanwhile: &mut dyn FnMut(),
     ) -> Result<(), CopyError> {
+        if let Err(e) = check_uniform(descs, stride) {
+            meanwhile();
+            return Err(e);
+        }
         for (i, d) in descs.iter().enumerate() {
             let region = (region_addr + i as u64 * stride) as usize as *mut u8;
             // SAFETY: as for `copy`: sources were validated, the region
@@ -199,8 +259,11 @@ pub enum CopyPlan {
     /// thread, so a request's chunks are planned
     /// in parallel on the workers, each just before its gather, instead of
     /// the whole plan (≈0.7–0.9 ms for 16,384 descriptors on the H200
-    /// host) serially before the first gather. Only valid with
-    /// [`CopyKind::Gather`].
+    /// host) serially before the first gather. A chunk of whole
+    /// equal-length descriptors ([`TransferPlan::uniform_pieces`]) is
+    /// gathered straight from them ([`CopyEngine::gather_uniform`]) and
+    /// only its scatter runs are planned, while the copy runs. Only valid
+    /// with [`CopyKind::Gather`].
     Chunk {
         /// The request's descriptors (shared by all its chunk jobs).
         descs: Arc<Vec<Descriptor>>,
@@ -277,9 +340,10 @@ fn flip_if_armed(
     Ok(())
 }
 
-/// Runs one job on `engine`: plans it first when it is a
-/// [`CopyPlan::Chunk`]. Returns the outcome and, for a planned chunk, its
-/// scatter runs.
+/// Runs one job on `engine`: a [`CopyPlan::Chunk`] is planned first (or,
+/// when uniform, gathered from its descriptors while its scatter runs are
+/// planned). Returns the outcome and, for a planned chunk, its scatter
+/// runs.
 fn run_job(
     engine: &dyn CopyEngine,
     kind: CopyKind,
@@ -591,16 +655,20 @@ impl Drop for CopyWorkers {
 mod tests {
     use super::*;
 
-    /// A chunk plan of `descs` gathered into a fresh region by `engine`:
+    /// Guard bytes after a chunk's packed bytes in the test regions.
+    const GUARD: usize = 64;
+
+    /// Chunk `index` of `descs` gathered by `run_job` on `engine` into a
+    /// region of the chunk's packed bytes plus [`GUARD`] bytes of 0xA5:
     /// the region's bytes and the returned scatter runs.
     fn gather_chunk(
         engine: &dyn CopyEngine,
         descs: &Arc<Vec<Descriptor>>,
         max: u64,
         index: usize,
-    ) -> (Vec<u8>, Vec<ScatterRun>) {
+    ) -> (Vec<u8>, Result<Vec<ScatterRun>, CopyError>) {
         let bounds = TransferPlan::chunk_bounds(descs, max).unwrap();
-        let mut region = vec![0u8; max as usize];
+        let mut region = vec![0xA5u8; bounds[index].packed_bytes as usize + GUARD];
         let (r, runs) = run_job(
             engine,
             CopyKind::Gather,
@@ -612,11 +680,22 @@ mod tests {
                 merge_runs: true,
             },
         );
-        r.unwrap();
-        (region, runs)
+        (region, r.map(|()| runs))
     }
 
-    /// Runs only the generic run path (the trait's default uniform gather).
+    /// The reference: the full plan's chunk gathered through its gather
+    /// runs, and its scatter runs.
+    fn planned_chunk(descs: &[Descriptor], max: u64, index: usize) -> (Vec<u8>, Vec<ScatterRun>) {
+        let plan = TransferPlan::build(descs, max, true).unwrap();
+        let c = &plan.chunks()[index];
+        let mut region = vec![0xA5u8; c.packed_bytes as usize + GUARD];
+        HostCopyEngine
+            .gather(region.as_mut_ptr() as u64, &c.gather_runs)
+            .unwrap();
+        (region, c.scatter_runs.clone())
+    }
+
+    /// Only the trait's default uniform gather (through runs).
     struct RunsOnly;
     impl CopyEngine for RunsOnly {
         fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
@@ -631,50 +710,69 @@ mod tests {
     }
 
     /// A chunk of equal-length descriptors (the uniform gather, issue 18)
-    /// lands the same bytes and hands back the same scatter runs as the
-    /// planned run path; a chunk of mixed lengths takes the run path.
+    /// lands exactly the bytes the full plan's gather runs land — padding
+    /// between pieces untouched, nothing past the chunk — and hands back
+    /// the full plan's scatter runs, on the host engine and the trait's
+    /// default; a chunk of mixed lengths is planned as before; bad uniform
+    /// input is an error, with `meanwhile` still called once.
     #[test]
-    fn uniform_chunks_gather_like_the_run_path() {
-        let block = 4096usize;
+    fn uniform_chunks_gather_like_the_full_plan() {
+        let len = 4090usize; // stride 4096: 6 padding bytes a piece
         let n = 64usize;
-        let src: Vec<u8> = (0..n * block).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let src: Vec<u8> = (0..n * 4096).map(|i| (i * 7 + i / 4096) as u8).collect();
         let base = src.as_ptr() as u64;
-        // Random-ish slots, one pair contiguous, destinations anywhere.
         let order: Vec<usize> = (0..n).map(|i| (i * 37 + 11) % n).collect();
         let descs: Vec<Descriptor> = order
             .iter()
             .enumerate()
             .map(|(k, &s)| {
                 Descriptor::new(
-                    base + (s * block) as u64,
-                    0x10_0000 + (k * 3 * block) as u64,
-                    block as u64,
+                    base + (s * 4096) as u64,
+                    0x10_0000 + (k * 3 * 4096) as u64,
+                    len as u64,
                 )
             })
             .collect();
-        let max = 16 * block as u64;
+        let max = 16 * 4096u64;
         let uniform = Arc::new(descs);
-        for index in 0..4 {
-            let fast = gather_chunk(&HostCopyEngine, &uniform, max, index);
-            let slow = gather_chunk(&RunsOnly, &uniform, max, index);
-            assert_eq!(fast.0, slow.0, "chunk {index} bytes");
-            assert_eq!(fast.1, slow.1, "chunk {index} scatter runs");
-            // Bytes: piece i of the chunk is descriptor 16 * index + i.
-            let i = 5;
-            let d = uniform[16 * index + i];
-            let want = &src[(d.src - base) as usize..][..block];
-            assert_eq!(&fast.0[i * block..][..block], want);
+        let bounds = TransferPlan::chunk_bounds(&uniform, max).unwrap();
+        assert_eq!(bounds.len(), 4);
+        for (index, bound) in bounds.iter().enumerate() {
+            assert!(TransferPlan::uniform_pieces(&uniform, bound, max).is_some());
+            let want = planned_chunk(&uniform, max, index);
+            for engine in [&HostCopyEngine as &dyn CopyEngine, &RunsOnly] {
+                let (region, runs) = gather_chunk(engine, &uniform, max, index);
+                assert_eq!(region, want.0, "chunk {index} bytes ({})", engine.name());
+                assert_eq!(
+                    runs.unwrap(),
+                    want.1,
+                    "chunk {index} runs ({})",
+                    engine.name()
+                );
+            }
+            assert!(want.0[want.0.len() - GUARD..].iter().all(|&b| b == 0xA5));
+            assert_eq!(want.0[len], 0xA5, "padding after piece 0");
         }
-        // One shorter descriptor: not uniform, planned runs, same bytes.
+        // One shorter descriptor: not uniform, planned runs.
         let mut mixed = (*uniform).clone();
         mixed[3].len = 100;
         let mixed = Arc::new(mixed);
-        let bounds = TransferPlan::chunk_bounds(&mixed, max).unwrap();
-        assert!(TransferPlan::uniform_pieces(&mixed, &bounds[0], max).is_none());
-        assert_eq!(
-            gather_chunk(&HostCopyEngine, &mixed, max, 0),
-            gather_chunk(&RunsOnly, &mixed, max, 0)
-        );
+        let b0 = TransferPlan::chunk_bounds(&mixed, max).unwrap()[0];
+        assert!(TransferPlan::uniform_pieces(&mixed, &b0, max).is_none());
+        let (region, runs) = gather_chunk(&HostCopyEngine, &mixed, max, 0);
+        assert_eq!((region, runs.unwrap()), planned_chunk(&mixed, max, 0));
+        // Bad uniform input: an error, `meanwhile` called once.
+        for (ds, stride) in [(&uniform[..2], 4000u64), (&mixed[..8], 4096)] {
+            let mut calls = 0;
+            let mut region = vec![0u8; 16 * 4096];
+            for engine in [&HostCopyEngine as &dyn CopyEngine, &RunsOnly] {
+                let r = engine
+                    .gather_uniform(region.as_mut_ptr() as u64, ds, stride, &mut || calls += 1);
+                assert!(r.is_err(), "{} accepted stride {stride}", engine.name());
+            }
+            assert_eq!(calls, 2);
+            assert!(region.iter().all(|&b| b == 0));
+        }
     }
 
     fn job(token: u64) -> WorkerMsg {
