@@ -252,6 +252,23 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// Uniform scatter (issue 18 step 3, DATA_UNIFORM): the receiver's side of
+// the uniform gather. Warp w copies region_base + w * stride -> dsts[w],
+// `len` bytes each. The host validated every destination against the
+// destination's memory and the pieces against the granted region.
+extern "C" __global__ void __launch_bounds__(256)
+    kvf_scatter_dsts(const kvf_u64* __restrict__ dsts, kvf_u32 n, kvf_u64 len,
+                     kvf_u64 stride, kvf_u64 region_base) {
+    const kvf_u32 lane = threadIdx.x & 31u;
+    const kvf_u64 warps_per_block = blockDim.x >> 5;
+    for (kvf_u64 w = (kvf_u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5); w < n;
+         w += (kvf_u64)gridDim.x * warps_per_block) {
+        const unsigned char* s = (const unsigned char*)(region_base + w * stride);
+        unsigned char* d = (unsigned char*)dsts[w];
+        kvf_copy(d, s, len, lane, 32u);
+    }
+}
+
 // Same-node direct path (issue 19): copies whole KV blocks between two pools
 // straight from their block ids, no run table. Warp w copies block pair
 // p = w % npairs of plane (layer x K/V) q = w / npairs:

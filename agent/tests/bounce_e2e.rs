@@ -133,3 +133,76 @@ fn request_sixteen_times_the_arena_streams_within_w_regions() {
     quiesced(&tx);
     quiesced(&rx);
 }
+
+/// Issue 18 step 3, DATA_UNIFORM: agents that both advertise `uniformData`
+/// describe uniform chunks by their blocks' destinations (8 bytes a block
+/// instead of 48 a run); an agent with it off gets the seed's DATA from a
+/// peer that has it on, and sends the seed's DATA itself. Every transfer
+/// lands byte-exact and both arenas quiesce.
+#[test]
+fn uniform_data_is_used_only_between_agents_that_advertise_it() {
+    let on = test_config("8MiB", "1MiB", 4);
+    let mut off = on.clone();
+    off.uniform_data = false;
+    let mut src = Pool::new(1024 * BLOCK);
+    let dst = Pool::new(1024 * BLOCK);
+    let Some(a) = agent("ud-a", &on, &[&src, &dst]) else {
+        return;
+    };
+    let Some(b) = agent("ud-b", &on, &[&src, &dst]) else {
+        return;
+    };
+    let Some(c) = agent("ud-c", &off, &[&src, &dst]) else {
+        return;
+    };
+    connect(&a, &b);
+    connect(&a, &c);
+    let stats = |x: &kvfabric_agent::runtime::fabric::FabricAgent| {
+        let t = x.transport().unwrap();
+        let s = t.stats();
+        let o = std::sync::atomic::Ordering::Relaxed;
+        (
+            s.data_uniform.load(o),
+            s.data_wire_bytes.load(o),
+            s.chunks_written.load(o),
+        )
+    };
+    let slots = permutation(1024, 11);
+    let descs = block_descs(&src, 0, &dst, &slots, BLOCK);
+    // (sender, receiver, whether DATA is uniform)
+    for (k, (tx, rx, uniform)) in [(&a, &b, true), (&a, &c, false), (&c, &a, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let value = 20 + k as u64;
+        fill(&mut src, &descs, value);
+        let before = stats(tx);
+        let (path, h) = tx.submit_write(rx.name(), descs.clone());
+        assert_eq!(path, PathKind::Bounce, "{} -> {}", tx.name(), rx.name());
+        assert_eq!(
+            h.wait(Duration::from_secs(20)),
+            Some(TransferOutcome::Success),
+            "{} -> {}",
+            tx.name(),
+            rx.name()
+        );
+        verify(&dst, &descs, value).unwrap();
+        quiesced(tx);
+        quiesced(rx);
+        let after = stats(tx);
+        let chunks = after.2 - before.2;
+        let uniform_sent = after.0 - before.0;
+        let bytes_per_chunk = (after.1 - before.1) / chunks;
+        assert_eq!(chunks, 4, "4 MiB in 1 MiB chunks");
+        if uniform {
+            assert_eq!(uniform_sent, chunks, "{} -> {}", tx.name(), rx.name());
+            // 256 blocks a chunk: 56 bytes of header and fixed fields and
+            // 8 a block.
+            assert_eq!(bytes_per_chunk, 56 + 256 * 8);
+        } else {
+            assert_eq!(uniform_sent, 0, "{} -> {}", tx.name(), rx.name());
+            // ≈ 160 merged runs of random blocks, 48 bytes each.
+            assert!(bytes_per_chunk > 100 * 48, "{bytes_per_chunk} bytes a DATA");
+        }
+    }
+}

@@ -259,7 +259,8 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
                                  "rule": "type(self) == int ? (self >= 0 && self <= 100000) : self == 'auto'",
                                  "message": "ioBusyPollUs must be \"auto\" or 0..100000 microseconds"}]},
             "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst"], "default": def("grantPolicy"),
-                            "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."}
+                            "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."},
+            "uniformData": flag("uniformData", "Uniform chunks described by their blocks' destinations (DATA_UNIFORM; advertised in the handshake, used only when both agents advertise it, else the seed's DATA).")
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

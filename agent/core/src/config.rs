@@ -627,6 +627,7 @@ field_deserializers! {
     de_control_transport: ControlTransport = "controlTransport";
     de_io_busy_poll_us: BusyPoll = "ioBusyPollUs";
     de_grant_policy: GrantPolicy = "grantPolicy";
+    de_uniform_data: bool = "uniformData";
 }
 
 // ---------------------------------------------------------------------------
@@ -769,6 +770,15 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
+
+    /// kvfabric (issue 18 step 3): describe a chunk of whole equal-length
+    /// descriptors by its pieces' destinations (DATA_UNIFORM: 8 bytes a
+    /// piece, nothing planned on the sender) instead of scatter runs;
+    /// advertised in the handshake's capabilities, used only between two
+    /// agents that both advertise it, so `false` on either end keeps the
+    /// seed's DATA. Default `true`. Env `KVFABRIC_BOUNCE_UNIFORM_DATA`.
+    #[serde(deserialize_with = "de_uniform_data")]
+    pub uniform_data: bool,
 }
 
 impl Default for BounceConfig {
@@ -794,6 +804,7 @@ impl Default for BounceConfig {
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
             grant_policy: GrantPolicy::RoundRobin,
+            uniform_data: true,
         }
     }
 }
@@ -808,7 +819,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 19] = [
+pub const FIELDS: [FieldName; 20] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -885,6 +896,10 @@ pub const FIELDS: [FieldName; 19] = [
         yaml: "grantPolicy",
         env: "GRANT_POLICY",
     },
+    FieldName {
+        yaml: "uniformData",
+        env: "UNIFORM_DATA",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -905,7 +920,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 19] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 20] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -927,6 +942,7 @@ impl BounceConfig {
             (f[16], &mut self.control_transport),
             (f[17], &mut self.io_busy_poll_us),
             (f[18], &mut self.grant_policy),
+            (f[19], &mut self.uniform_data),
         ]
     }
 
@@ -1281,6 +1297,12 @@ impl EffectiveBounceConfig {
         self.config.grant_policy
     }
 
+    /// Whether the agent takes DATA_UNIFORM (`uniformData`; advertised as
+    /// [`crate::wire::CAP_UNIFORM_DATA`]).
+    pub fn uniform_data(&self) -> bool {
+        self.config.uniform_data
+    }
+
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
     pub fn max_inflight_chunks_per_request(&self) -> u32 {
         self.config.max_inflight_chunks_per_request
@@ -1625,6 +1647,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
+            ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1649,8 +1672,21 @@ mod tests {
             control_transport: ControlTransport::Tcp,
             io_busy_poll_us: BusyPoll::Micros(500),
             grant_policy: GrantPolicy::OldestFirst,
+            uniform_data: false,
         };
         assert_eq!(c, want);
+    }
+
+    #[test]
+    fn uniform_data_defaults_on_and_parses_from_yaml_and_env() {
+        assert!(BounceConfig::default().uniform_data);
+        let c = BounceConfig::from_yaml_str("uniformData: false").unwrap();
+        assert!(!c.uniform_data);
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_UNIFORM_DATA", "off")]);
+        assert!(w.is_empty() && !c.uniform_data, "{w:?}");
+        let e = BounceConfig::from_yaml_str("uniformData: maybe").unwrap_err();
+        assert!(e.to_string().contains("uniformData"), "{e}");
     }
 
     #[test]

@@ -32,4 +32,4 @@ pub mod text;
 pub mod types;
 pub mod wire;
 
-pub use types::{ControlKind, Descriptor, FlowKey, ScatterRun};
+pub use types::{ControlKind, Descriptor, FlowKey, ScatterList, ScatterRun, UniformScatter};

@@ -39,7 +39,7 @@
 //! | `drain_orphan_writes` | [`Input::WriteDone`] for an orphaned write id; its overdue cancel on [`Input::Tick`] |
 //! | `check_timeouts` (requests and flow silence) | [`Input::Tick`] at [`Machine::next_deadline`] |
 //! | `reclaim_flow`, `forget_regions`, `schedule_and_send` (with the bidirectional reserve) | internal; GRANTs as [`Action::Send`] |
-//! | `validate_runs` (held-by-flow first, then bounds and allowed ranges) | internal, on DATA |
+//! | `validate_scatter` (held-by-flow first, then bounds and allowed ranges) | internal, on DATA and DATA_UNIFORM |
 //! | `drain_scatter_queue` | [`Action::StartScatter`] when a copy context is free |
 //! | `drain_copies` | [`Input::GatherDone`], [`Input::ScatterDone`] |
 //! | `answer_disallowed`, `Command::{AllowScatter, DisallowScatter, Quiesce}` | [`Input::AllowScatter`], [`Input::DisallowScatter`], [`Input::QuiesceScatter`] → [`Action::Quiesced`] |
@@ -154,8 +154,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
 use crate::scheduler::{CreditScheduler, GrantPolicy};
-use crate::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
-use crate::{FlowKey, ScatterRun};
+use crate::wire::{Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want};
+use crate::{FlowKey, ScatterList};
 
 /// Virtual or real time in nanoseconds from an origin the caller picks.
 pub type Nanos = u64;
@@ -313,8 +313,9 @@ pub enum Input {
     GatherDone {
         /// Job id from [`Action::StartGather`].
         job: u64,
-        /// Runs planned by the worker, or the failure.
-        result: Result<Vec<ScatterRun>, String>,
+        /// The chunk's scatter as planned by the worker (runs, or the
+        /// uniform form for a peer that takes it), or the failure.
+        result: Result<ScatterList, String>,
     },
     /// Write `write` is terminal (engine SUCCESS, or FAILED / post error).
     WriteDone {
@@ -467,8 +468,8 @@ pub enum Action {
         region: u64,
         /// Chunk index.
         chunk: u32,
-        /// Validated runs.
-        runs: Vec<ScatterRun>,
+        /// The validated scatter (runs, or the uniform form).
+        runs: ScatterList,
     },
     /// The staging region at `local` went back to the arena (informational:
     /// the reactor has nothing to free).
@@ -638,7 +639,7 @@ struct SendChunk {
     credit: Option<Credit>,
     /// When the credit's GRANT arrived (ns).
     credit_at: Nanos,
-    runs: Vec<ScatterRun>,
+    runs: ScatterList,
 }
 
 #[derive(Debug)]
@@ -718,8 +719,16 @@ struct PendingScatter {
     flow: FlowKey,
     offset: u64,
     chunk: u32,
-    runs: Vec<ScatterRun>,
+    runs: ScatterList,
     dst: (u64, u64),
+}
+
+/// The header fields of a DATA or DATA_UNIFORM.
+#[derive(Clone, Copy)]
+struct DataRef {
+    request_id: u64,
+    chunk_index: u32,
+    region_handle: u64,
 }
 
 /// One agent's protocol state (both roles). See the [module docs](self).
@@ -772,19 +781,29 @@ pub struct Machine {
     log_name: String,
 }
 
-/// Destination bounds [start, end) of runs ((0, 0) for none).
-fn scatter_bounds(runs: &[ScatterRun]) -> (u64, u64) {
+/// Destination bounds [start, end) of a scatter ((0, 0) for none).
+fn scatter_bounds(list: &ScatterList) -> (u64, u64) {
     let mut lo = u64::MAX;
     let mut hi = 0u64;
-    for r in runs {
-        let end = u64::from(r.count.saturating_sub(1))
-            .saturating_mul(r.addr_stride)
-            .saturating_add(r.addr)
-            .saturating_add(r.segment_len);
-        lo = lo.min(r.addr);
-        hi = hi.max(end);
+    match list {
+        ScatterList::Runs(runs) => {
+            for r in runs {
+                let end = u64::from(r.count.saturating_sub(1))
+                    .saturating_mul(r.addr_stride)
+                    .saturating_add(r.addr)
+                    .saturating_add(r.segment_len);
+                lo = lo.min(r.addr);
+                hi = hi.max(end);
+            }
+        }
+        ScatterList::Uniform(u) => {
+            for &a in &u.dsts {
+                lo = lo.min(a);
+                hi = hi.max(a.saturating_add(u.segment_len));
+            }
+        }
     }
-    if runs.is_empty() {
+    if list.is_empty() {
         (0, 0)
     } else {
         (lo, hi)
@@ -1190,7 +1209,7 @@ impl Machine {
                 eager: false,
                 credit: None,
                 credit_at: 0,
-                runs: Vec::new(),
+                runs: ScatterList::default(),
             })
             .collect();
         self.requests.insert(
@@ -1434,12 +1453,20 @@ impl Machine {
                         let Some(credit) = req.state[i].credit else {
                             return;
                         };
-                        let data = Message::Data(Data {
-                            request_id: rid,
-                            chunk_index: i as u32,
-                            region_handle: credit.region_handle,
-                            runs: std::mem::take(&mut req.state[i].runs),
-                        });
+                        let data = match std::mem::take(&mut req.state[i].runs) {
+                            ScatterList::Runs(runs) => Message::Data(Data {
+                                request_id: rid,
+                                chunk_index: i as u32,
+                                region_handle: credit.region_handle,
+                                runs,
+                            }),
+                            ScatterList::Uniform(scatter) => Message::DataUniform(DataUniform {
+                                request_id: rid,
+                                chunk_index: i as u32,
+                                region_handle: credit.region_handle,
+                                scatter,
+                            }),
+                        };
                         let traced = req.traced;
                         let to = match self.spare_names.pop() {
                             Some(mut b) => {
@@ -1658,7 +1685,7 @@ impl Machine {
         }
     }
 
-    fn on_gather_done(&mut self, job: u64, result: Result<Vec<ScatterRun>, String>) {
+    fn on_gather_done(&mut self, job: u64, result: Result<ScatterList, String>) {
         let Some(j) = self.jobs.remove(&job) else {
             return;
         };
@@ -1787,7 +1814,20 @@ impl Machine {
         match msg {
             Message::Want(w) => self.on_want(from, w, route),
             Message::Grant(g) => self.on_grant(from, g),
-            Message::Data(d) => self.on_data(from, d),
+            Message::Data(d) => self.on_data(
+                from,
+                d.request_id,
+                d.chunk_index,
+                d.region_handle,
+                ScatterList::Runs(d.runs),
+            ),
+            Message::DataUniform(d) => self.on_data(
+                from,
+                d.request_id,
+                d.chunk_index,
+                d.region_handle,
+                ScatterList::Uniform(d.scatter),
+            ),
             Message::Ack(a) => self.on_ack(from, a),
             Message::Reject(r) => self.on_reject(from, r),
             // Handshakes never travel here; notices are the reactor's.
@@ -2068,11 +2108,16 @@ impl Machine {
         }
     }
 
-    fn validate_runs(
+    /// Checks a DATA's scatter against the granted region (`region_len`
+    /// bytes) and the memory the flow's scope may write (seed §9 "scatter
+    /// input validation"; issue 12 scopes): every run or piece non-empty,
+    /// inside the region and inside one allowed range; at most
+    /// `region_len` bytes in all.
+    fn validate_scatter(
         &self,
         scope: u64,
         region_len: u64,
-        runs: &[ScatterRun],
+        list: &ScatterList,
     ) -> Result<(), String> {
         let union: Vec<(u64, u64)>;
         let allowed: &[(u64, u64)] = if self.cfg.mutations.unscoped_data_validation {
@@ -2087,6 +2132,54 @@ impl Machine {
             &self.allowed
         } else {
             self.scopes.get(&scope).map_or(&[], Vec::as_slice)
+        };
+        let outside = |what: String, addr: u64, end: u64| {
+            if scope == 0 {
+                format!("{what} destination [{addr:#x}, {end:#x}) is outside registered memory")
+            } else {
+                format!(
+                    "{what} destination [{addr:#x}, {end:#x}) is outside the pool of destination engine scope {scope}"
+                )
+            }
+        };
+        let runs = match list {
+            ScatterList::Runs(runs) => runs,
+            ScatterList::Uniform(u) => {
+                if u.segment_len == 0 || u.dsts.is_empty() {
+                    return Err("uniform scatter is empty".into());
+                }
+                if u.region_stride < u.segment_len {
+                    return Err(format!(
+                        "uniform scatter stride {} is below its piece length {}",
+                        u.region_stride, u.segment_len
+                    ));
+                }
+                let end = u.region_end().ok_or("uniform scatter overflows")?;
+                if end > region_len {
+                    return Err(format!(
+                        "uniform scatter ends at region byte {end}, beyond the granted {region_len} bytes"
+                    ));
+                }
+                // Most pools are one range: keep the last one that held a
+                // piece and try it first.
+                let mut last = 0usize;
+                for (k, &a) in u.dsts.iter().enumerate() {
+                    let e = a
+                        .checked_add(u.segment_len)
+                        .ok_or_else(|| format!("piece {k} destination overflows"))?;
+                    let fits = |&(lo, l): &(u64, u64)| a >= lo && e <= lo.saturating_add(l);
+                    if allowed.get(last).is_some_and(fits) {
+                        continue;
+                    }
+                    match allowed.iter().position(fits) {
+                        Some(p) => last = p,
+                        None => return Err(outside(format!("piece {k}"), a, e)),
+                    }
+                }
+                // Pieces do not overlap in the region (stride ≥ length):
+                // their total is below the region end checked above.
+                return Ok(());
+            }
         };
         let mut total: u64 = 0;
         for (k, r) in runs.iter().enumerate() {
@@ -2108,17 +2201,7 @@ impl Machine {
                 .iter()
                 .any(|&(a, l)| r.addr >= a && dst_end <= a.saturating_add(l));
             if !inside {
-                return Err(if scope == 0 {
-                    format!(
-                        "run {k} destination [{:#x}, {dst_end:#x}) is outside registered memory",
-                        r.addr
-                    )
-                } else {
-                    format!(
-                        "run {k} destination [{:#x}, {dst_end:#x}) is outside the pool of destination engine scope {scope}",
-                        r.addr
-                    )
-                });
+                return Err(outside(format!("run {k}"), r.addr, dst_end));
             }
             total = total.saturating_add(r.total_bytes());
         }
@@ -2130,7 +2213,21 @@ impl Machine {
         Ok(())
     }
 
-    fn on_data(&mut self, peer: &str, d: Data) {
+    /// A DATA or DATA_UNIFORM: chunk `chunk_index` of `request_id` landed
+    /// in region `region_handle`; scatter it with `list` once validated.
+    fn on_data(
+        &mut self,
+        peer: &str,
+        request_id: u64,
+        chunk_index: u32,
+        region_handle: u64,
+        list: ScatterList,
+    ) {
+        let d = DataRef {
+            request_id,
+            chunk_index,
+            region_handle,
+        };
         let m = self.cfg.mutations;
         let flow = FlowKey::new(peer, d.request_id);
         let held = self.scheduler.held_by_flow(&flow, d.region_handle);
@@ -2164,7 +2261,7 @@ impl Machine {
             self.send_reject(peer, d.request_id, RejectReason::ScopeDetached);
             return;
         }
-        if let Err(why) = self.validate_runs(scope, len, &d.runs) {
+        if let Err(why) = self.validate_scatter(scope, len, &list) {
             tracing::warn!(agent = %self.log_name, peer, rid = d.request_id, reason = %why, "DATA with invalid scatter runs; no scatter, no ACK");
             self.counters.data_rejected += 1;
             if held {
@@ -2184,12 +2281,12 @@ impl Machine {
             return;
         }
         self.touch_flow(&flow);
-        let dst = scatter_bounds(&d.runs);
+        let dst = scatter_bounds(&list);
         self.scatter_queue.push_back(PendingScatter {
             flow,
             offset: d.region_handle,
             chunk: d.chunk_index,
-            runs: d.runs,
+            runs: list,
             dst,
         });
         self.drain_scatter_queue();
@@ -2362,6 +2459,7 @@ impl Machine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ScatterRun, UniformScatter};
 
     const T: Nanos = 1_000_000_000;
 
@@ -2451,7 +2549,7 @@ mod tests {
                         now,
                         Input::GatherDone {
                             job,
-                            result: Ok(run(bound.packed_bytes)),
+                            result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
                         },
                     ),
                     Action::PostWrite { write, .. } => me.handle(
@@ -2634,7 +2732,7 @@ mod tests {
                     2,
                     Input::GatherDone {
                         job,
-                        result: Ok(run(bound.packed_bytes)),
+                        result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
                     },
                 );
             }
@@ -2739,7 +2837,7 @@ mod tests {
                             1,
                             Input::GatherDone {
                                 job,
-                                result: Ok(run(bound.packed_bytes)),
+                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
                             },
                         ),
                         Action::PostWrite { write, .. } => me.handle(
@@ -2836,7 +2934,7 @@ mod tests {
             1,
             Input::GatherDone {
                 job: gather,
-                result: Ok(run(512)),
+                result: Ok(ScatterList::Runs(run(512))),
             },
         );
         let credit = Credit {
@@ -3075,7 +3173,7 @@ mod tests {
                 T,
                 Input::GatherDone {
                     job: j0,
-                    result: Ok(run(512)),
+                    result: Ok(ScatterList::Runs(run(512))),
                 },
             );
             let acts = drain(&mut a);
@@ -3084,7 +3182,7 @@ mod tests {
                 2 * T,
                 Input::GatherDone {
                     job: j1,
-                    result: Ok(run(512)),
+                    result: Ok(ScatterList::Runs(run(512))),
                 },
             );
             let acts = drain(&mut a);
@@ -3187,6 +3285,101 @@ mod tests {
             .collect()
     }
 
+    /// DATA_UNIFORM (issue 18 step 3) is checked like runs before anything
+    /// is scattered: pieces past the granted region, a stride below the
+    /// piece length, or one piece outside the destination's memory → no
+    /// scatter, REJECT `InvalidRuns`; a valid one starts one scatter with
+    /// the list as sent, and a quiesce of its destinations waits for it.
+    #[test]
+    fn uniform_data_is_validated_like_runs() {
+        let uniform = |rid: u64, region: u64, len: u64, stride: u64, dsts: &[u64]| {
+            Message::DataUniform(DataUniform {
+                request_id: rid,
+                chunk_index: 0,
+                region_handle: region,
+                scatter: UniformScatter {
+                    segment_len: len,
+                    region_stride: stride,
+                    dsts: dsts.to_vec(),
+                },
+            })
+        };
+        let bad: [(&str, u64, u64, &[u64]); 4] = [
+            (
+                "past the region",
+                256,
+                256,
+                &[0x1000, 0x2000, 0x3000, 0x4000, 0x5000],
+            ),
+            ("stride below length", 256, 128, &[0x1000, 0x2000]),
+            (
+                "outside memory",
+                256,
+                256,
+                &[0x1000, 0x10_0000 + 0xF_FF00 + 0x200],
+            ),
+            ("empty", 0, 0, &[0x1000]),
+        ];
+        for (k, (what, len, stride, dsts)) in bad.into_iter().enumerate() {
+            let mut b = machine("b");
+            let rid = 10 + k as u64;
+            let g = grants(&from_a(&mut b, 1, want(rid, &[1024], 0)));
+            assert_eq!(g.len(), 1, "{what}");
+            let acts = from_a(
+                &mut b,
+                2,
+                uniform(rid, g[0].region_handle, len, stride, dsts),
+            );
+            assert_eq!(rejects(&acts), [RejectReason::InvalidRuns], "{what}");
+            assert!(
+                !acts
+                    .iter()
+                    .any(|x| matches!(x, Action::StartScatter { .. })),
+                "{what}"
+            );
+            assert_eq!(b.counters().data_rejected, 1, "{what}");
+        }
+        // Valid: four 256-byte pieces, one per page, out of order.
+        let mut b = machine("b");
+        let g = grants(&from_a(&mut b, 1, want(1, &[1024], 0)));
+        let dsts = [0x4000u64, 0x1000, 0x3000, 0x2000];
+        let acts = from_a(&mut b, 2, uniform(1, g[0].region_handle, 256, 256, &dsts));
+        let scatter = acts.iter().find_map(|x| match x {
+            Action::StartScatter { job, runs, .. } => Some((*job, runs.clone())),
+            _ => None,
+        });
+        let Some((job, ScatterList::Uniform(u))) = scatter else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(u.dsts, dsts);
+        assert!(rejects(&acts).is_empty());
+        // A quiesce of [0x3000, 0x3100) waits for the scatter.
+        b.handle(
+            3,
+            Input::QuiesceScatter {
+                id: 7,
+                addr: 0x3000,
+                len: 0x100,
+            },
+        );
+        assert!(!drain(&mut b)
+            .iter()
+            .any(|x| matches!(x, Action::Quiesced { id: 7 })));
+        b.handle(
+            4,
+            Input::ScatterDone {
+                job,
+                result: Ok(()),
+            },
+        );
+        let acts = drain(&mut b);
+        assert!(
+            acts.iter().any(|x| matches!(x, Action::Quiesced { id: 7 })),
+            "{acts:?}"
+        );
+        assert_eq!(b.counters().chunks_scattered, 1);
+    }
+
     /// The runtime's tombstone policy (transport.rs over in-order
     /// channels): no tombstone for a cancel naming a flow never seen, and
     /// at most `max` kept, the oldest evicted first and counted.
@@ -3271,7 +3464,7 @@ mod tests {
                         1,
                         Input::GatherDone {
                             job,
-                            result: Ok(run(512)),
+                            result: Ok(ScatterList::Runs(run(512))),
                         },
                     );
                     acts.extend(drain(&mut a));
@@ -3396,7 +3589,7 @@ mod tests {
                             t,
                             Input::GatherDone {
                                 job,
-                                result: Ok(run(bound.packed_bytes)),
+                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
                             },
                         ),
                         Action::PostWrite { write, .. } => me.handle(

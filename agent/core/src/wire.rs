@@ -7,7 +7,7 @@
 //! offset size field
 //!      0    4 magic        = b"KVFB"
 //!      4    2 version      = WIRE_VERSION
-//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE, 7 REJECT)
+//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE, 7 REJECT, 8 DATA_UNIFORM)
 //!      7    1 reserved     = 0
 //!      8    4 entry count  (number of fixed-size entries)
 //!     12    4 trailer len  (bytes of the variable trailer, e.g. the endpoint)
@@ -22,7 +22,8 @@
 //! | GRANT | request_id u64 (8) | chunk_index u32, device_id i32, region_handle u64, addr u64, len u64 (32) | none |
 //! | DATA | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | region_offset u64, addr u64, segment_len u64, region_stride u64, addr_stride u64, count u32, reserved u32 (48) | none |
 //! | ACK | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | none (count 0) | none |
-//! | HANDSHAKE | wire_version u16, control_kind u8, reserved u8, reserved u32, arena_usable_capacity_bytes u64, max_chunk_size_bytes u64, config_generation u64 (32) | none (count 0) | endpoint |
+//! | DATA_UNIFORM | request_id u64, region_handle u64, chunk_index u32, reserved u32, segment_len u64, region_stride u64 (40) | destination address u64 (8) | none |
+//! | HANDSHAKE | wire_version u16, control_kind u8, reserved u8, capabilities u32, arena_usable_capacity_bytes u64, max_chunk_size_bytes u64, config_generation u64 (32) | none (count 0) | endpoint |
 //! | NOTICE | topic u64 (8) | none (count 0) | payload (≤ [`MAX_ENDPOINT_LEN`]) |
 //! | REJECT | request_id u64, reason u32, reserved u32 (16) | none (count 0) | none |
 //!
@@ -32,6 +33,17 @@
 //! a WANT it will not serve (or to a flow whose destination engine
 //! detached), so the sender fails the request at once instead of waiting
 //! for its timeout. Neither is in the seed.
+//!
+//! DATA_UNIFORM and the handshake's `capabilities` word (issue 18 step 3)
+//! are kvfabric's own: a chunk of whole equal-length descriptors is
+//! scattered from a list of destinations ([`UniformScatter`]: piece `i` at
+//! region offset `i × region_stride`), which the sender does not plan and
+//! which is 8 bytes a piece on the wire. A sender uses it only towards a
+//! peer whose handshake advertises [`CAP_UNIFORM_DATA`]. The word was a
+//! reserved zero before: an agent built before it refuses a handshake with
+//! capability bits (strict decoding), so such a pair does not engage
+//! bounce until both run a build that knows the word (or the new one is
+//! configured with `uniformData: false`).
 //!
 //! NOTICE is kvfabric's own (not in the seed): an opaque, bounded payload
 //! the service layer sends between agents on the control channel, e.g. "the
@@ -57,7 +69,7 @@
 //! All decoders return an error value on any malformed input; none panics,
 //! and the module contains no `unsafe`.
 
-use crate::types::{ControlKind, ScatterRun};
+use crate::types::{ControlKind, ScatterRun, UniformScatter};
 use std::fmt;
 use thiserror::Error;
 
@@ -88,6 +100,16 @@ pub const WANT_ENTRY_LEN: usize = 8;
 pub const GRANT_ENTRY_LEN: usize = 32;
 /// Entry size of a DATA scatter run, bytes.
 pub const DATA_ENTRY_LEN: usize = 48;
+/// Entry size of a DATA_UNIFORM destination, bytes.
+pub const DATA_UNIFORM_ENTRY_LEN: usize = 8;
+
+/// Handshake capability bit: the agent decodes and scatters DATA_UNIFORM
+/// ([`DataUniform`]). kvfabric's own (issue 18 step 3).
+pub const CAP_UNIFORM_DATA: u32 = 1;
+
+/// Every capability bit this build knows; others are ignored (a newer
+/// peer's features this build does not use).
+pub const KNOWN_CAPABILITIES: u32 = CAP_UNIFORM_DATA;
 
 /// Message type, the header's `type` byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -107,6 +129,9 @@ pub enum MessageType {
     /// Receiver → sender: the request is refused / its flow was dropped
     /// (kvfabric's own, wire version 2).
     Reject,
+    /// Sender → receiver: like DATA, the scatter as equal-length pieces
+    /// and their destinations (kvfabric's own, [`CAP_UNIFORM_DATA`]).
+    DataUniform,
 }
 
 impl MessageType {
@@ -120,6 +145,7 @@ impl MessageType {
             MessageType::Handshake => 5,
             MessageType::Notice => 6,
             MessageType::Reject => 7,
+            MessageType::DataUniform => 8,
         }
     }
 
@@ -133,6 +159,7 @@ impl MessageType {
             5 => Some(MessageType::Handshake),
             6 => Some(MessageType::Notice),
             7 => Some(MessageType::Reject),
+            8 => Some(MessageType::DataUniform),
             _ => None,
         }
     }
@@ -144,6 +171,7 @@ impl MessageType {
             MessageType::Want | MessageType::Reject => 16,
             MessageType::Data | MessageType::Ack => 24,
             MessageType::Handshake => 32,
+            MessageType::DataUniform => 40,
         }
     }
 
@@ -153,6 +181,7 @@ impl MessageType {
             MessageType::Want => WANT_ENTRY_LEN,
             MessageType::Grant => GRANT_ENTRY_LEN,
             MessageType::Data => DATA_ENTRY_LEN,
+            MessageType::DataUniform => DATA_UNIFORM_ENTRY_LEN,
             MessageType::Ack
             | MessageType::Handshake
             | MessageType::Notice
@@ -180,6 +209,7 @@ impl fmt::Display for MessageType {
             MessageType::Handshake => "HANDSHAKE",
             MessageType::Notice => "NOTICE",
             MessageType::Reject => "REJECT",
+            MessageType::DataUniform => "DATA_UNIFORM",
         })
     }
 }
@@ -362,6 +392,24 @@ pub struct Data {
     pub runs: Vec<ScatterRun>,
 }
 
+/// DATA_UNIFORM (sender → receiver, kvfabric's own, issue 18 step 3): as
+/// [`Data`], with the scatter as equal-length pieces
+/// ([`UniformScatter`]). Sent only to a peer advertising
+/// [`CAP_UNIFORM_DATA`].
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct DataUniform {
+    /// The sender's request id.
+    pub request_id: u64,
+    /// Chunk index within the request.
+    pub chunk_index: u32,
+    /// The granted region the chunk was written to.
+    pub region_handle: u64,
+    /// The pieces: `segment_len > 0`, `region_stride >= segment_len`, at
+    /// least one destination. Bounds against the region and the
+    /// destination's memory are the receiver's job, as for runs.
+    pub scatter: UniformScatter,
+}
+
 /// ACK (receiver → sender, seed §5): chunk scattered, region recyclable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Ack {
@@ -391,6 +439,10 @@ pub struct Handshake {
     pub endpoint: Vec<u8>,
     /// Generation of the config that produced this blob (bumped on reload).
     pub config_generation: u64,
+    /// Capability bits ([`CAP_UNIFORM_DATA`]; kvfabric's own, issue 18).
+    /// A feature is used between two agents only when both advertise it;
+    /// unknown bits are ignored.
+    pub capabilities: u32,
 }
 
 /// Why a receiver refused a request ([`Reject`]).
@@ -491,6 +543,8 @@ pub enum Message {
     Notice(Notice),
     /// See [`Reject`].
     Reject(Reject),
+    /// See [`DataUniform`].
+    DataUniform(DataUniform),
 }
 
 // ---------------------------------------------------------------- encoding
@@ -569,6 +623,7 @@ impl Message {
             Message::Handshake(_) => MessageType::Handshake,
             Message::Notice(_) => MessageType::Notice,
             Message::Reject(_) => MessageType::Reject,
+            Message::DataUniform(_) => MessageType::DataUniform,
         }
     }
 
@@ -577,6 +632,7 @@ impl Message {
             Message::Want(w) => (w.chunk_bytes.len(), w.endpoint.len()),
             Message::Grant(g) => (g.credits.len(), 0),
             Message::Data(d) => (d.runs.len(), 0),
+            Message::DataUniform(d) => (d.scatter.dsts.len(), 0),
             Message::Ack(_) | Message::Reject(_) => (0, 0),
             Message::Handshake(h) => (0, h.endpoint.len()),
             Message::Notice(n) => (0, n.payload.len()),
@@ -620,6 +676,9 @@ impl Message {
             for (index, r) in d.runs.iter().enumerate() {
                 check_run(index, r)?;
             }
+        }
+        if let Message::DataUniform(d) = self {
+            check_uniform(&d.scatter)?;
         }
         Ok(())
     }
@@ -696,6 +755,17 @@ impl Message {
                 put_u32(out, r.reason.code());
                 put_u32(out, 0);
             }
+            Message::DataUniform(d) => {
+                put_u64(out, d.request_id);
+                put_u64(out, d.region_handle);
+                put_u32(out, d.chunk_index);
+                put_u32(out, 0);
+                put_u64(out, d.scatter.segment_len);
+                put_u64(out, d.scatter.region_stride);
+                for &a in &d.scatter.dsts {
+                    put_u64(out, a);
+                }
+            }
         }
     }
 
@@ -714,6 +784,7 @@ impl Message {
             MessageType::Handshake => frame.handshake().map(Message::Handshake),
             MessageType::Notice => frame.notice().map(Message::Notice),
             MessageType::Reject => frame.reject().map(Message::Reject),
+            MessageType::DataUniform => frame.data_uniform().map(Message::DataUniform),
         }
     }
 }
@@ -731,6 +802,11 @@ impl From<Grant> for Message {
 impl From<Data> for Message {
     fn from(m: Data) -> Self {
         Message::Data(m)
+    }
+}
+impl From<DataUniform> for Message {
+    fn from(m: DataUniform) -> Self {
+        Message::DataUniform(m)
     }
 }
 impl From<Ack> for Message {
@@ -769,6 +845,21 @@ fn check_run(index: usize, r: &ScatterRun) -> Result<(), WireError> {
         });
     }
     Ok(())
+}
+
+/// Structural checks of a uniform scatter (as [`check_run`] for runs):
+/// at least one piece, `segment_len > 0`, `region_stride >= segment_len`.
+fn check_uniform(u: &UniformScatter) -> Result<(), WireError> {
+    let reason = if u.dsts.is_empty() {
+        "no destinations"
+    } else if u.segment_len == 0 {
+        "segment_len is 0"
+    } else if u.region_stride < u.segment_len {
+        "region_stride is below segment_len"
+    } else {
+        return Ok(());
+    };
+    Err(WireError::InvalidRun { index: 0, reason })
 }
 
 /// Encodes a cancel: a WANT with no chunks for `request_id`, still carrying
@@ -841,7 +932,7 @@ fn put_handshake_body(out: &mut Vec<u8>, h: &Handshake) {
     put_u16(out, h.wire_version);
     out.push(h.control_kind.code());
     out.push(0);
-    put_u32(out, 0);
+    put_u32(out, h.capabilities);
     put_u64(out, h.arena_usable_capacity_bytes);
     put_u64(out, h.max_chunk_size_bytes);
     put_u64(out, h.config_generation);
@@ -1121,7 +1212,7 @@ impl<'a> Frame<'a> {
         let control_kind =
             ControlKind::from_code(code).ok_or(WireError::UnknownControlKind { code })?;
         reserved_zero("handshake.reserved8", u64::from(self.body.u8()?))?;
-        reserved_zero("handshake.reserved32", u64::from(self.body.u32()?))?;
+        let capabilities = self.body.u32()?;
         let arena_usable_capacity_bytes = self.body.u64()?;
         let max_chunk_size_bytes = self.body.u64()?;
         let config_generation = self.body.u64()?;
@@ -1132,6 +1223,34 @@ impl<'a> Frame<'a> {
             max_chunk_size_bytes,
             endpoint: self.body.rest().to_vec(),
             config_generation,
+            capabilities,
+        })
+    }
+
+    fn data_uniform(mut self) -> Result<DataUniform, WireError> {
+        let request_id = self.body.u64()?;
+        let region_handle = self.body.u64()?;
+        let chunk_index = self.body.u32()?;
+        reserved_zero("data_uniform.reserved", u64::from(self.body.u32()?))?;
+        let segment_len = self.body.u64()?;
+        let region_stride = self.body.u64()?;
+        // `parse` checked that exactly `count` entries follow.
+        let entries = self.body.take_slice(self.count * DATA_UNIFORM_ENTRY_LEN)?;
+        let dsts = entries
+            .chunks_exact(DATA_UNIFORM_ENTRY_LEN)
+            .map(|e| u64::from_le_bytes(e.try_into().expect("chunks_exact")))
+            .collect();
+        let scatter = UniformScatter {
+            segment_len,
+            region_stride,
+            dsts,
+        };
+        check_uniform(&scatter)?;
+        Ok(DataUniform {
+            request_id,
+            chunk_index,
+            region_handle,
+            scatter,
         })
     }
 }
@@ -1209,6 +1328,17 @@ mod tests {
                 max_chunk_size_bytes: 32 << 20,
                 endpoint: vec![0xAB; 5000],
                 config_generation: 42,
+                capabilities: CAP_UNIFORM_DATA | 0x8000_0000,
+            }),
+            Message::DataUniform(DataUniform {
+                request_id: 6,
+                chunk_index: 1,
+                region_handle: 4096,
+                scatter: UniformScatter {
+                    segment_len: 4000,
+                    region_stride: 4000,
+                    dsts: vec![0x1000, 0x9000, 0x5000],
+                },
             }),
         ]
     }

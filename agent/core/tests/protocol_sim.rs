@@ -34,6 +34,7 @@ fn seeds_part(part: u64, parts: u64) {
     let start = env_u64("KVFABRIC_SIM_START", 0);
     let t0 = std::time::Instant::now();
     let (mut steps, mut ok, mut failed, mut crashes) = (0u64, 0u64, 0u64, 0u64);
+    let mut uniform = 0u64;
     let mut c = kvfabric_core::protocol::Counters::default();
     let mut seed = start + part;
     while seed < start + n {
@@ -43,6 +44,7 @@ fn seeds_part(part: u64, parts: u64) {
                 ok += s.succeeded;
                 failed += s.failed;
                 crashes += s.crashes;
+                uniform += s.uniform_scatters;
                 sim::add_counters(&mut c, &s.counters);
             }
             Err(f) => panic!("{f}"),
@@ -50,11 +52,16 @@ fn seeds_part(part: u64, parts: u64) {
         seed += parts;
     }
     eprintln!(
-        "protocol_sim part {part}/{parts}: {} seeds from {start}, {steps} steps, {ok} requests succeeded, {failed} failed, {crashes} crashes, {:.1} s",
+        "protocol_sim part {part}/{parts}: {} seeds from {start}, {steps} steps, {ok} requests succeeded, {failed} failed, {crashes} crashes, {uniform} uniform scatters, {:.1} s",
         n.div_ceil(parts),
         t0.elapsed().as_secs_f64()
     );
     eprintln!("protocol_sim part {part}/{parts} machine counters: {c:?}");
+    // Half the seeds send DATA_UNIFORM: the run must have scattered some.
+    assert!(
+        n < 100 || uniform > 0,
+        "no DATA_UNIFORM was scattered in {n} seeds"
+    );
 }
 
 #[test]

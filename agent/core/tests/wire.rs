@@ -4,11 +4,11 @@
 use kvfabric_core::plan::TransferPlan;
 use kvfabric_core::wire::{
     decode_ack, decode_data, decode_grant, decode_handshake, decode_want, encode_cancel,
-    encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, Grant, Handshake, Message,
-    MessageType, Reject, RejectReason, Want, WireError, HEADER_LEN, MAGIC, MAX_ENDPOINT_LEN,
-    MAX_ENTRIES, WIRE_VERSION,
+    encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, DataUniform, Grant, Handshake,
+    Message, MessageType, Reject, RejectReason, Want, WireError, CAP_UNIFORM_DATA, HEADER_LEN,
+    MAGIC, MAX_ENDPOINT_LEN, MAX_ENTRIES, WIRE_VERSION,
 };
-use kvfabric_core::{ControlKind, Descriptor, ScatterRun};
+use kvfabric_core::{ControlKind, Descriptor, ScatterRun, UniformScatter};
 
 fn want() -> Want {
     Want {
@@ -63,6 +63,7 @@ fn handshake() -> Handshake {
         max_chunk_size_bytes: 32 << 20,
         endpoint: b"tcp://10.1.2.3:5000".to_vec(),
         config_generation: 3,
+        capabilities: CAP_UNIFORM_DATA,
     }
 }
 
@@ -78,7 +79,74 @@ fn all() -> Vec<Message> {
             reason: RejectReason::ScopeDetached,
         }
         .into(),
+        data_uniform().into(),
     ]
+}
+
+fn data_uniform() -> DataUniform {
+    DataUniform {
+        request_id: 9,
+        chunk_index: 3,
+        region_handle: 1 << 20,
+        scatter: UniformScatter {
+            segment_len: 4096,
+            region_stride: 4096,
+            dsts: (0..64u64)
+                .map(|i| 0x7f00_0000_0000 + (i * 7919 % 64) * 4096)
+                .collect(),
+        },
+    }
+}
+
+/// DATA_UNIFORM (issue 18 step 3): 40 fixed bytes and 8 a destination; a
+/// structurally invalid list (no pieces, empty pieces, pieces overlapping
+/// in the region) is refused by the decoder and by `check_limits`; a
+/// handshake's capability word survives the round trip, unknown bits too.
+#[test]
+fn data_uniform_round_trips_and_refuses_bad_lists() {
+    let d = data_uniform();
+    let m = Message::from(d.clone());
+    let b = m.encode();
+    assert_eq!(b.len(), HEADER_LEN + 40 + 64 * 8);
+    assert_eq!(peek_type(&b).unwrap(), MessageType::DataUniform);
+    assert_eq!(Message::decode(&b).unwrap(), m);
+    assert_eq!(
+        decode_data(&b).unwrap_err(),
+        WireError::UnexpectedType {
+            expected: MessageType::Data,
+            found: MessageType::DataUniform
+        }
+    );
+    // Same bytes moved as the seed's runs, one a piece.
+    assert_eq!(
+        d.scatter
+            .to_runs()
+            .iter()
+            .map(ScatterRun::total_bytes)
+            .sum::<u64>(),
+        d.scatter.total_bytes()
+    );
+    assert_eq!(d.scatter.region_end(), Some(63 * 4096 + 4096));
+    let bad = |f: &dyn Fn(&mut UniformScatter), reason: &str| {
+        let mut x = d.clone();
+        f(&mut x.scatter);
+        let m = Message::from(x);
+        let want = WireError::InvalidRun {
+            index: 0,
+            reason: reason.to_string().leak(),
+        };
+        assert_eq!(m.check_limits().unwrap_err(), want);
+        assert_eq!(Message::decode(&m.encode()).unwrap_err(), want);
+    };
+    bad(&|u| u.dsts.clear(), "no destinations");
+    bad(&|u| u.segment_len = 0, "segment_len is 0");
+    bad(
+        &|u| u.region_stride = 4095,
+        "region_stride is below segment_len",
+    );
+    let mut h = handshake();
+    h.capabilities = CAP_UNIFORM_DATA | 0x4000_0000;
+    assert_eq!(decode_handshake(&encode_handshake(&h)).unwrap(), h);
 }
 
 #[test]

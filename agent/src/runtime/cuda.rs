@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
-use kvfabric_core::{Descriptor, ScatterRun};
+use kvfabric_core::{Descriptor, ScatterRun, UniformScatter};
 
 use super::engine::{
     EngineError, MemDesc, MemKind, PreparedList, TransferEngine, XferHandle, XferState,
@@ -47,6 +47,10 @@ pub const BLOCK_COPY_KERNEL: &str = "kvf_block_copy";
 /// The uniform gather's kernel: a chunk of equal-length descriptors
 /// straight from the descriptor list (issue 18).
 pub const GATHER_DESCS_KERNEL: &str = "kvf_gather_descs";
+
+/// The uniform scatter's kernel: a DATA_UNIFORM's pieces to their
+/// destinations (issue 18 step 3).
+pub const SCATTER_DSTS_KERNEL: &str = "kvf_scatter_dsts";
 
 /// Default bytes per kernel task (one warp each): longer segments are split
 /// into pieces of this size, shorter ones grouped up to it.
@@ -308,6 +312,7 @@ pub struct CudaGpu {
     kernel_occ: KernelFn,
     block_copy: KernelFn,
     gather_descs: KernelFn,
+    scatter_dsts: KernelFn,
     info: GpuInfo,
 }
 
@@ -354,6 +359,7 @@ impl CudaGpu {
         let kernel_occ = KernelFn::load(module, GATHER_SCATTER_KERNEL_OCC)?;
         let block_copy = KernelFn::load(module, BLOCK_COPY_KERNEL)?;
         let gather_descs = KernelFn::load(module, GATHER_DESCS_KERNEL)?;
+        let scatter_dsts = KernelFn::load(module, SCATTER_DSTS_KERNEL)?;
         let info = GpuInfo {
             ordinal,
             name,
@@ -369,6 +375,7 @@ impl CudaGpu {
                 kernel_occ.info.clone(),
                 block_copy.info.clone(),
                 gather_descs.info.clone(),
+                scatter_dsts.info.clone(),
             ],
         };
         tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
@@ -379,6 +386,7 @@ impl CudaGpu {
             kernel_occ,
             block_copy,
             gather_descs,
+            scatter_dsts,
             info,
         }))
     }
@@ -468,7 +476,52 @@ impl CudaGpu {
         stride: u64,
         region: u64,
     ) -> Result<(), CudaError> {
-        let k = &self.gather_descs;
+        // SAFETY: as this function's contract.
+        unsafe { self.launch_pieces(&self.gather_descs, stream, descs, n, len, stride, region) }
+    }
+
+    /// Enqueues `kvf_scatter_dsts` on `stream`: `region + i * stride` to
+    /// destination `i` of the `n` addresses (u64) at device address
+    /// `dsts`, `len` bytes each, a warp per piece. The context must be
+    /// bound.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this GPU; `dsts` holds `n` addresses
+    /// readable by the device until the launch completes, each writable
+    /// for `len` bytes; the region holds `(n - 1) * stride + len` bytes.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    pub unsafe fn launch_scatter_dsts(
+        &self,
+        stream: sys::CUstream,
+        dsts: u64,
+        n: u32,
+        len: u64,
+        stride: u64,
+        region: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as this function's contract.
+        unsafe { self.launch_pieces(&self.scatter_dsts, stream, dsts, n, len, stride, region) }
+    }
+
+    /// Launches one of the piece kernels (`kvf_gather_descs`,
+    /// `kvf_scatter_dsts`: same parameters), a warp per piece.
+    ///
+    /// # Safety
+    /// As [`CudaGpu::launch_gather_descs`] / [`CudaGpu::launch_scatter_dsts`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_pieces(
+        &self,
+        k: &KernelFn,
+        stream: sys::CUstream,
+        table: u64,
+        n: u32,
+        len: u64,
+        stride: u64,
+        region: u64,
+    ) -> Result<(), CudaError> {
+        let descs = table;
         let threads = 256u32.min(k.info.max_threads.max(32) as u32) / 32 * 32;
         let g = u64::from(n)
             .div_ceil(u64::from(threads / 32))
@@ -481,8 +534,9 @@ impl CudaGpu {
             (&mut st as *mut u64).cast(),
             (&mut r as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match `kvf_gather_descs`; the caller
-        // guarantees the stream, the descriptors and the region.
+        // SAFETY: the parameters match `kvf_gather_descs` and
+        // `kvf_scatter_dsts`; the caller guarantees the stream, the table
+        // and the region.
         drv("cuLaunchKernel", unsafe {
             result::launch_kernel(k.f, (g, 1, 1), (threads, 1, 1), 0, stream, &mut params)
         })?;
@@ -1781,31 +1835,113 @@ impl CudaCopyEngine {
                 return other.map(|_| ());
             }
         };
+        // SAFETY: Descriptor is repr(C) plain data, the layout of `struct
+        // kvf_desc`; the slice is borrowed for the call.
+        let table = unsafe {
+            std::slice::from_raw_parts(descs.as_ptr().cast::<u8>(), std::mem::size_of_val(descs))
+        };
+        self.run_pieces(
+            Direction::Gather,
+            region_addr,
+            table,
+            n,
+            len,
+            stride,
+            meanwhile,
+        )
+    }
+
+    /// The uniform scatter ([`CopyEngine::scatter_uniform`], DATA_UNIFORM):
+    /// the destinations (8 bytes each) are uploaded through the context's
+    /// pinned buffer and read by one `kvf_scatter_dsts` launch.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for more than `u32::MAX` pieces or a stride
+    /// below the piece length; the driver's error otherwise.
+    pub fn run_scatter_uniform(
+        &self,
+        region_addr: u64,
+        u: &UniformScatter,
+    ) -> Result<(), CudaError> {
+        let n = u32::try_from(u.dsts.len())
+            .map_err(|_| CudaError::Invalid(format!("{} pieces in one scatter", u.dsts.len())))?;
+        if u.region_stride < u.segment_len {
+            return Err(CudaError::Invalid(format!(
+                "uniform scatter stride {} below its piece length {}",
+                u.region_stride, u.segment_len
+            )));
+        }
+        if n == 0 || u.segment_len == 0 {
+            return Ok(());
+        }
+        let table: Vec<u8> = u.dsts.iter().flat_map(|a| a.to_ne_bytes()).collect();
+        self.run_pieces(
+            Direction::Scatter,
+            region_addr,
+            &table,
+            n,
+            u.segment_len,
+            u.region_stride,
+            &mut || {},
+        )
+    }
+
+    /// One launch of a piece kernel (`dir` Gather: `kvf_gather_descs` over
+    /// a descriptor table; Scatter: `kvf_scatter_dsts` over an address
+    /// table): `table` is written to the context's pinned buffer, uploaded
+    /// on its stream and read by the launch; `meanwhile` runs between the
+    /// enqueue and the wait (also after a failed enqueue).
+    #[allow(clippy::too_many_arguments)]
+    fn run_pieces(
+        &self,
+        dir: Direction,
+        region_addr: u64,
+        table: &[u8],
+        n: u32,
+        len: u64,
+        stride: u64,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<(), CudaError> {
         let t0 = Instant::now();
         let mut ctx = self.acquire();
         let enqueued = self.gpu.bind().and_then(|()| {
-            let bytes = std::mem::size_of_val(descs);
+            let bytes = table.len();
             if ctx.busy {
                 ctx.synchronize()?;
             }
             ctx.ensure_capacity(bytes)?;
             // SAFETY: the pinned buffer holds `bytes` and no pending work
-            // reads it (synchronised above); Descriptor is repr(C) plain
-            // data, the layout of `struct kvf_desc`.
+            // reads it (synchronised above).
             unsafe {
-                std::ptr::copy_nonoverlapping(descs.as_ptr().cast::<u8>(), ctx.pinned, bytes);
+                std::ptr::copy_nonoverlapping(table.as_ptr(), ctx.pinned, bytes);
             }
             ctx.busy = true;
             // SAFETY: both buffers hold `bytes`.
             check("cuMemcpyHtoDAsync", unsafe {
                 sys::cuMemcpyHtoDAsync_v2(ctx.dplan, ctx.pinned.cast(), bytes, ctx.stream)
             })?;
-            // SAFETY: the stream is this context's; the descriptors stay in
-            // device memory until the completion event; the caller
-            // (`TransferPlan::uniform_pieces`) checked lengths and region.
+            // SAFETY: the stream is this context's; the table stays in
+            // device memory until the completion event; the callers checked
+            // lengths, strides, the region and (scatter) the destinations.
             unsafe {
-                self.gpu
-                    .launch_gather_descs(ctx.stream, ctx.dplan, n, len, stride, region_addr)
+                match dir {
+                    Direction::Gather => self.gpu.launch_gather_descs(
+                        ctx.stream,
+                        ctx.dplan,
+                        n,
+                        len,
+                        stride,
+                        region_addr,
+                    ),
+                    Direction::Scatter => self.gpu.launch_scatter_dsts(
+                        ctx.stream,
+                        ctx.dplan,
+                        n,
+                        len,
+                        stride,
+                        region_addr,
+                    ),
+                }
             }?;
             ctx.record_done()
         });
@@ -1813,17 +1949,18 @@ impl CudaCopyEngine {
         meanwhile();
         let out = enqueued.and_then(|()| ctx.wait_done());
         tracing::trace!(
-            descriptors = n,
+            ?dir,
+            pieces = n,
             enqueued_us = t_enqueued.as_micros() as u64,
             done_us = t0.elapsed().as_micros() as u64,
-            "cuda uniform gather"
+            "cuda uniform copy"
         );
         if out.is_err() {
             let _ = ctx.synchronize();
         }
         self.release(ctx);
         if let Err(e) = &out {
-            tracing::error!(error = %e, "CUDA uniform gather failed");
+            tracing::error!(?dir, error = %e, "CUDA uniform copy failed");
         }
         out
     }
@@ -1901,6 +2038,15 @@ impl CopyEngine for CudaCopyEngine {
     }
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
         self.run(Direction::Scatter, region_addr, runs)
+            .map_err(CopyError::from)
+    }
+    fn scatter_uniform(&self, region_addr: u64, u: &UniformScatter) -> Result<(), CopyError> {
+        // As the uniform gather: a warp a piece, so pieces longer than a
+        // kernel piece and the memcpy paths take the run path.
+        if self.cfg.path != CopyPath::Kernel || u.segment_len > self.cfg.piece_bytes {
+            return self.scatter(region_addr, &u.to_runs());
+        }
+        self.run_scatter_uniform(region_addr, u)
             .map_err(CopyError::from)
     }
     fn name(&self) -> &'static str {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
-use kvfabric_core::{Descriptor, ScatterRun};
+use kvfabric_core::{Descriptor, ScatterList, ScatterRun, UniformScatter};
 
 use super::waker::Waker;
 
@@ -91,6 +91,17 @@ pub trait CopyEngine: Send + Sync {
         meanwhile: &mut dyn FnMut(),
     ) -> Result<(), CopyError> {
         gather_uniform_by_runs(self, region_addr, descs, stride, meanwhile)
+    }
+    /// Scatters a DATA_UNIFORM's pieces (issue 18 step 3): piece `i` of
+    /// `u.segment_len` bytes from `region_addr + i * u.region_stride` to
+    /// `u.dsts[i]`. The receiver validated every destination and the
+    /// region bounds. The default copies them as runs, one a piece
+    /// ([`UniformScatter::to_runs`]).
+    ///
+    /// # Errors
+    /// The engine's copy error.
+    fn scatter_uniform(&self, region_addr: u64, u: &UniformScatter) -> Result<(), CopyError> {
+        self.scatter(region_addr, &u.to_runs())
     }
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
@@ -225,6 +236,21 @@ impl CopyEngine for HostCopyEngine {
         Self::copy(region_addr, runs, false);
         Ok(())
     }
+    fn scatter_uniform(&self, region_addr: u64, u: &UniformScatter) -> Result<(), CopyError> {
+        for (i, &dst) in u.dsts.iter().enumerate() {
+            let region = (region_addr + i as u64 * u.region_stride) as usize as *const u8;
+            // SAFETY: as for `copy`: destinations and region bounds were
+            // validated by the receiver before the scatter started.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    region,
+                    dst as usize as *mut u8,
+                    u.segment_len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
     fn name(&self) -> &'static str {
         "host"
     }
@@ -251,9 +277,12 @@ pub enum CopyPlan {
     /// Runs ready to copy (a receiver's scatter: the DATA's runs; moved
     /// in, never copied — a 16,384-descriptor chunk is 786 KB of runs).
     Runs(Vec<ScatterRun>),
+    /// A receiver's scatter of a DATA_UNIFORM ([`CopyEngine::scatter_uniform`];
+    /// only valid with [`CopyKind::Scatter`]).
+    Uniform(UniformScatter),
     /// A sender's chunk, planned on the worker: build the chunk's runs from
     /// the request's descriptors ([`TransferPlan::build_chunk`]), gather
-    /// them, and hand the scatter runs back in [`CopyDone::scatter_runs`]
+    /// them, and hand the scatter back in [`CopyDone::scatter`]
     /// for the chunk's DATA. Only the sizing pass
     /// ([`TransferPlan::chunk_bounds`]) runs before, on the submitting
     /// thread, so a request's chunks are planned
@@ -273,6 +302,10 @@ pub enum CopyPlan {
         max_chunk_size_bytes: u64,
         /// Merge runs (seed `DISABLE_SCATTER_RUN_MERGING` off).
         merge_runs: bool,
+        /// The peer takes DATA_UNIFORM: a uniform chunk hands back its
+        /// pieces' destinations ([`ScatterList::Uniform`]) instead of
+        /// planned runs (issue 18 step 3).
+        uniform_data: bool,
     },
 }
 
@@ -282,6 +315,7 @@ impl CopyPlan {
     pub fn len(&self) -> usize {
         match self {
             CopyPlan::Runs(r) => r.len(),
+            CopyPlan::Uniform(u) => u.dsts.len(),
             CopyPlan::Chunk { bound, .. } => bound.pieces as usize,
         }
     }
@@ -315,8 +349,8 @@ pub struct CopyDone {
     /// Outcome.
     pub result: Result<(), CopyError>,
     /// For a [`CopyPlan::Chunk`] gather that succeeded: the chunk's scatter
-    /// runs (its DATA). Empty otherwise.
-    pub scatter_runs: Vec<ScatterRun>,
+    /// (its DATA: runs, or the uniform form). Empty runs otherwise.
+    pub scatter: ScatterList,
 }
 
 /// The test-only in-flight fault ([`super::faults`]): when a flip is
@@ -341,15 +375,16 @@ fn flip_if_armed(
 }
 
 /// Runs one job on `engine`: a [`CopyPlan::Chunk`] is planned first (or,
-/// when uniform, gathered from its descriptors while its scatter runs are
-/// planned). Returns the outcome and, for a planned chunk, its scatter
-/// runs.
+/// when uniform, gathered from its descriptors while its scatter is
+/// described: the pieces' destinations for a peer that takes DATA_UNIFORM,
+/// else planned runs). Returns the outcome and, for a chunk, its scatter.
 fn run_job(
     engine: &dyn CopyEngine,
     kind: CopyKind,
     region_addr: u64,
     plan: CopyPlan,
-) -> (Result<(), CopyError>, Vec<ScatterRun>) {
+) -> (Result<(), CopyError>, ScatterList) {
+    let none = ScatterList::default;
     match plan {
         CopyPlan::Runs(runs) => {
             let r = match kind {
@@ -360,60 +395,86 @@ fn run_job(
                 CopyKind::Scatter => flip_if_armed(engine, region_addr, &runs)
                     .and_then(|()| engine.scatter(region_addr, &runs)),
             };
-            (r, Vec::new())
+            (r, none())
+        }
+        CopyPlan::Uniform(u) => {
+            if kind != CopyKind::Scatter {
+                return (
+                    Err(CopyError("a uniform scatter can only be scattered".into())),
+                    none(),
+                );
+            }
+            let first = u.dsts.first().map(|&addr| ScatterRun {
+                region_offset: 0,
+                addr,
+                segment_len: u.segment_len,
+                region_stride: 0,
+                addr_stride: 0,
+                count: 1,
+            });
+            let r = flip_if_armed(engine, region_addr, first.as_slice())
+                .and_then(|()| engine.scatter_uniform(region_addr, &u));
+            (r, none())
         }
         CopyPlan::Chunk {
             descs,
             bound,
             max_chunk_size_bytes,
             merge_runs,
+            uniform_data,
         } => {
             if kind != CopyKind::Gather {
                 return (
                     Err(CopyError("a chunk plan can only be gathered".into())),
-                    Vec::new(),
+                    none(),
                 );
             }
             let fail = |e: kvfabric_core::plan::PlanError| {
                 (
                     Err(CopyError(format!("planning chunk {}: {e}", bound.index))),
-                    Vec::new(),
+                    none(),
                 )
             };
             if let Some(u) = TransferPlan::uniform_pieces(&descs, &bound, max_chunk_size_bytes) {
                 // Whole descriptors of one length: gather straight from
-                // them and plan only the DATA's scatter runs, while the
-                // copy runs.
+                // them and describe the scatter while the copy runs.
                 super::faults::before_gather();
+                let pieces = &descs[u.first_desc..u.first_desc + u.count];
                 let mut planned = None;
-                let gathered = engine.gather_uniform(
-                    region_addr,
-                    &descs[u.first_desc..u.first_desc + u.count],
-                    u.stride,
-                    &mut || {
-                        planned = Some(TransferPlan::build_chunk_scatter_runs(
+                let gathered = engine.gather_uniform(region_addr, pieces, u.stride, &mut || {
+                    planned = Some(if uniform_data {
+                        // DATA_UNIFORM: the destinations, nothing planned.
+                        Ok(ScatterList::Uniform(UniformScatter {
+                            segment_len: u.len,
+                            region_stride: u.stride,
+                            dsts: pieces.iter().map(|d| d.dst).collect(),
+                        }))
+                    } else {
+                        TransferPlan::build_chunk_scatter_runs(
                             &descs,
                             &bound,
                             max_chunk_size_bytes,
                             merge_runs,
-                        ))
-                    },
-                );
+                        )
+                        .map(|c| ScatterList::Runs(c.scatter_runs))
+                    })
+                });
                 tracing::trace!(
                     chunk = bound.index,
                     pieces = u.count,
+                    uniform_data,
                     "uniform chunk gathered"
                 );
                 return match (gathered, planned) {
-                    (Ok(()), Some(Ok(c))) => (Ok(()), c.scatter_runs),
-                    (Err(e), _) => (Err(e), Vec::new()),
+                    (Ok(()), Some(Ok(list))) => (Ok(()), list),
+                    (Err(e), _) => (Err(e), none()),
                     (Ok(()), Some(Err(e))) => fail(e),
                     (Ok(()), None) => (
                         Err(CopyError(format!(
                             "chunk {}: the copy engine did not plan the scatter runs",
                             bound.index
                         ))),
-                        Vec::new(),
+                        none(),
                     ),
                 };
             }
@@ -429,8 +490,8 @@ fn run_job(
             );
             super::faults::before_gather();
             match engine.gather(region_addr, &chunk.gather_runs) {
-                Ok(()) => (Ok(()), chunk.scatter_runs),
-                Err(e) => (Err(e), Vec::new()),
+                Ok(()) => (Ok(()), ScatterList::Runs(chunk.scatter_runs)),
+                Err(e) => (Err(e), none()),
             }
         }
     }
@@ -590,7 +651,7 @@ impl CopyWorkers {
                                 WorkerMsg::Exit => break,
                             };
                             tracing::trace!(token = job.token, kind = ?job.kind, items = job.plan.len(), "copy start");
-                            let (result, scatter_runs) =
+                            let (result, scatter) =
                                 run_job(&*engine, job.kind, job.region_addr, job.plan);
                             if let Err(e) = &result {
                                 tracing::warn!(token = job.token, kind = ?job.kind, error = %e, "copy job failed");
@@ -601,7 +662,7 @@ impl CopyWorkers {
                                     token: job.token,
                                     kind: job.kind,
                                     result,
-                                    scatter_runs,
+                                    scatter,
                                 })
                                 .is_err()
                             {
@@ -660,13 +721,15 @@ mod tests {
 
     /// Chunk `index` of `descs` gathered by `run_job` on `engine` into a
     /// region of the chunk's packed bytes plus [`GUARD`] bytes of 0xA5:
-    /// the region's bytes and the returned scatter runs.
-    fn gather_chunk(
+    /// the region's bytes and the returned scatter (DATA_UNIFORM's form
+    /// for a uniform chunk when `uniform_data`).
+    fn gather_chunk_as(
         engine: &dyn CopyEngine,
         descs: &Arc<Vec<Descriptor>>,
         max: u64,
         index: usize,
-    ) -> (Vec<u8>, Result<Vec<ScatterRun>, CopyError>) {
+        uniform_data: bool,
+    ) -> (Vec<u8>, Result<ScatterList, CopyError>) {
         let bounds = TransferPlan::chunk_bounds(descs, max).unwrap();
         let mut region = vec![0xA5u8; bounds[index].packed_bytes as usize + GUARD];
         let (r, runs) = run_job(
@@ -678,9 +741,25 @@ mod tests {
                 bound: bounds[index],
                 max_chunk_size_bytes: max,
                 merge_runs: true,
+                uniform_data,
             },
         );
         (region, r.map(|()| runs))
+    }
+
+    /// [`gather_chunk_as`] with runs (a peer without DATA_UNIFORM).
+    fn gather_chunk(
+        engine: &dyn CopyEngine,
+        descs: &Arc<Vec<Descriptor>>,
+        max: u64,
+        index: usize,
+    ) -> (Vec<u8>, Result<Vec<ScatterRun>, CopyError>) {
+        let (region, r) = gather_chunk_as(engine, descs, max, index, false);
+        let runs = r.map(|l| match l {
+            ScatterList::Runs(runs) => runs,
+            other => panic!("runs expected, got {other:?}"),
+        });
+        (region, runs)
     }
 
     /// The reference: the full plan's chunk gathered through its gather
@@ -773,6 +852,80 @@ mod tests {
             assert_eq!(calls, 2);
             assert!(region.iter().all(|&b| b == 0));
         }
+    }
+
+    /// DATA_UNIFORM end to end on the host (issue 18 step 3): a uniform
+    /// chunk gathered for a peer that takes it hands back its pieces'
+    /// destinations and stride — no runs — and scattering that list
+    /// (host engine, and the trait's default through runs) lands exactly
+    /// the bytes of scattering the full plan's runs, nothing else in the
+    /// destination pool; a mixed chunk still hands back runs.
+    #[test]
+    fn uniform_data_scatters_like_the_planned_runs() {
+        let len = 4090usize;
+        let n = 48usize;
+        let src: Vec<u8> = (0..n * 4096).map(|i| (i * 13 + i / 4096) as u8).collect();
+        let pool_len = n * 2 * 4096;
+        let mut dst_a = vec![0x5Au8; pool_len];
+        let mut dst_b = vec![0x5Au8; pool_len];
+        let mut dst_ref = vec![0x5Au8; pool_len];
+        let descs_for = |pool: &mut Vec<u8>| -> Arc<Vec<Descriptor>> {
+            let (s, d) = (src.as_ptr() as u64, pool.as_mut_ptr() as u64);
+            Arc::new(
+                (0..n)
+                    .map(|k| {
+                        let slot = (k * 29 + 5) % (2 * n);
+                        Descriptor::new(s + (k * 4096) as u64, d + (slot * 4096) as u64, len as u64)
+                    })
+                    .collect(),
+            )
+        };
+        let max = 16 * 4096u64;
+        let (a, b, r) = (
+            descs_for(&mut dst_a),
+            descs_for(&mut dst_b),
+            descs_for(&mut dst_ref),
+        );
+        for index in 0..3 {
+            let (ra, la) = gather_chunk_as(&HostCopyEngine, &a, max, index, true);
+            let ScatterList::Uniform(u) = la.unwrap() else {
+                panic!("uniform list expected")
+            };
+            assert_eq!(
+                (u.segment_len, u.region_stride, u.dsts.len()),
+                (len as u64, 4096, 16)
+            );
+            let first = index * 16;
+            assert!(u
+                .dsts
+                .iter()
+                .enumerate()
+                .all(|(i, &d)| d == a[first + i].dst));
+            let (rb, lb) = gather_chunk_as(&RunsOnly, &b, max, index, true);
+            let ScatterList::Uniform(ub) = lb.unwrap() else {
+                panic!("uniform list expected")
+            };
+            let (rr, runs) = gather_chunk(&HostCopyEngine, &r, max, index);
+            assert_eq!(ra, rr);
+            assert_eq!(rb, rr);
+            HostCopyEngine
+                .scatter_uniform(ra.as_ptr() as u64, &u)
+                .unwrap();
+            RunsOnly.scatter_uniform(rb.as_ptr() as u64, &ub).unwrap();
+            HostCopyEngine
+                .scatter(rr.as_ptr() as u64, &runs.unwrap())
+                .unwrap();
+        }
+        assert_eq!(dst_a, dst_ref);
+        assert_eq!(dst_b, dst_ref);
+        assert!(dst_ref.iter().any(|&x| x != 0x5A) && dst_ref.contains(&0x5A));
+        // A chunk of mixed lengths: runs even for a peer that takes
+        // DATA_UNIFORM.
+        let mut mixed = (*a).clone();
+        mixed[2].len = 100;
+        let mixed = Arc::new(mixed);
+        let (_, l) = gather_chunk_as(&HostCopyEngine, &mixed, max, 0, true);
+        assert!(matches!(l.unwrap(), ScatterList::Runs(_)));
     }
 
     fn job(token: u64) -> WorkerMsg {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::config::EffectiveBounceConfig;
 use kvfabric_core::text::LogSafe;
-use kvfabric_core::wire::{self, Handshake, Notice, WIRE_VERSION};
+use kvfabric_core::wire::{self, Handshake, Notice, CAP_UNIFORM_DATA, WIRE_VERSION};
 use kvfabric_core::{ControlKind, Descriptor};
 
 use super::arena::HostArena;
@@ -637,6 +637,11 @@ impl FabricAgent {
             max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
             endpoint: transport.local_endpoint().to_vec(),
             config_generation: 0,
+            capabilities: if cfg.uniform_data() {
+                CAP_UNIFORM_DATA
+            } else {
+                0
+            },
         };
         Ok((transport, arena, hs))
     }
@@ -1136,7 +1141,13 @@ impl FabricAgent {
         transport
             // The handshake carries no memory kind: the peer's arena is
             // assumed to be of our arena's kind (see the module docs).
-            .add_peer(peer, &hs.endpoint, self.arena_kind)
+            // Features both ends advertise (uniform DATA: both decode it).
+            .add_peer(
+                peer,
+                &hs.endpoint,
+                self.arena_kind,
+                hs.capabilities & local.capabilities,
+            )
             .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
         if hs.max_chunk_size_bytes != local.max_chunk_size_bytes {
             return Err(Incompatibility::MaxChunk {

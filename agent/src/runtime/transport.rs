@@ -41,7 +41,7 @@ use kvfabric_core::protocol::{
 };
 use kvfabric_core::scheduler::GrantPolicy;
 use kvfabric_core::wire::{self, Message, Notice};
-use kvfabric_core::Descriptor;
+use kvfabric_core::{Descriptor, ScatterList};
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
@@ -392,6 +392,12 @@ pub struct TransportStats {
     pub bytes_sent: AtomicU64,
     /// Chunks written (RDMA writes that reached SUCCESS).
     pub chunks_written: AtomicU64,
+    /// DATA_UNIFORM messages sent (to peers advertising
+    /// [`wire::CAP_UNIFORM_DATA`]).
+    pub data_uniform: AtomicU64,
+    /// Encoded bytes of all DATA and DATA_UNIFORM messages sent (the
+    /// control-plane cost of describing scatters).
+    pub data_wire_bytes: AtomicU64,
     /// Credits granted by this agent's receiver role (GRANTs actually sent).
     pub grants: AtomicU64,
     /// Chunks scattered and ACKed by the receiver role.
@@ -539,6 +545,7 @@ enum Command {
         peer: String,
         endpoint: Vec<u8>,
         kind: MemKind,
+        capabilities: u32,
         reply: Sender<Result<(), ControlError>>,
     },
     ForgetPeer {
@@ -741,6 +748,7 @@ impl BounceTransport {
             closed: closed.clone(),
             io_blocked: io_blocked.clone(),
             peer_kinds: HashMap::new(),
+            peer_caps: HashMap::new(),
             probes: HashMap::new(),
             reqs: HashMap::new(),
             writes: Vec::new(),
@@ -833,18 +841,28 @@ impl BounceTransport {
             .cloned()
     }
 
-    /// Registers a receiver peer: its control endpoint and the memory kind
-    /// of its arena. Waits at most 5 s for the IO thread.
+    /// Registers a receiver peer: its control endpoint, the memory kind
+    /// of its arena and the capabilities its handshake advertised
+    /// ([`wire::Handshake::capabilities`], those both agents advertise:
+    /// uniform chunks are described to it as DATA_UNIFORM when it has
+    /// [`wire::CAP_UNIFORM_DATA`]). Waits at most 5 s for the IO thread.
     ///
     /// # Errors
     /// [`ControlError::InvalidEndpoint`] for a malformed endpoint;
     /// [`ControlError::Transport`] if the IO thread is gone or slow.
-    pub fn add_peer(&self, peer: &str, endpoint: &[u8], kind: MemKind) -> Result<(), ControlError> {
+    pub fn add_peer(
+        &self,
+        peer: &str,
+        endpoint: &[u8],
+        kind: MemKind,
+        capabilities: u32,
+    ) -> Result<(), ControlError> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send_cmd(Command::AddPeer {
             peer: peer.to_string(),
             endpoint: endpoint.to_vec(),
             kind,
+            capabilities,
             reply: tx,
         })
         .map_err(|_| ControlError::Transport("transport is shut down".into()))?;
@@ -1148,6 +1166,9 @@ struct ReqIo {
     descs: Arc<Vec<Descriptor>>,
     /// The peer's arena memory, from its registration at submit.
     remote_kind: MemKind,
+    /// The peer took DATA_UNIFORM at submit: uniform chunks are described
+    /// by their destinations, not planned runs.
+    uniform_data: bool,
 }
 
 /// A posted write (of a live request, or orphaned: its request resolved).
@@ -1205,6 +1226,8 @@ struct Io {
     stats: Arc<TransportStats>,
     /// Registered bounce peers and their arena memory.
     peer_kinds: HashMap<String, MemKind>,
+    /// Each peer's advertised capabilities ([`wire::Handshake::capabilities`]).
+    peer_caps: HashMap<String, u32>,
     /// Transport probes of peers whose report is not made yet.
     probes: HashMap<String, WriteProbe>,
     /// Requests in flight (exactly those in the machine's table).
@@ -1475,6 +1498,7 @@ impl Io {
                             bound,
                             max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
                             merge_runs: self.settings.merge_runs,
+                            uniform_data: r.uniform_data,
                         },
                     });
                 }
@@ -1500,7 +1524,10 @@ impl Io {
                         token: job,
                         kind: CopyKind::Scatter,
                         region_addr: self.arena.base + region,
-                        plan: CopyPlan::Runs(runs),
+                        plan: match runs {
+                            ScatterList::Runs(runs) => CopyPlan::Runs(runs),
+                            ScatterList::Uniform(u) => CopyPlan::Uniform(u),
+                        },
                     });
                 }
                 self.m.recycle(flow.peer);
@@ -1517,6 +1544,7 @@ impl Io {
             Action::ForgetRoute { peer } => {
                 self.channel.remove_peer(&peer);
                 self.peer_kinds.remove(&peer);
+                self.peer_caps.remove(&peer);
                 let _ = self.engine.forget_peer(&peer);
             }
             Action::Quiesced { id } => {
@@ -1539,6 +1567,14 @@ impl Io {
     /// Sends `msg` to `to`; a WANT or DATA that does not leave goes back to
     /// the machine ([`Input::SendFailed`]), as does a GRANT (its credits
     /// were counted before it left). A cancel goes only where a route is.
+    /// Whether DATA to `peer` may be DATA_UNIFORM (both agents advertise
+    /// [`wire::CAP_UNIFORM_DATA`]).
+    fn peer_takes_uniform(&self, peer: &str) -> bool {
+        self.peer_caps
+            .get(peer)
+            .is_some_and(|c| c & wire::CAP_UNIFORM_DATA != 0)
+    }
+
     fn perform_send(&mut self, to: String, msg: Message) {
         let (cancel, want_rid) = match &msg {
             Message::Want(w) => (w.is_cancel(), Some(w.request_id)),
@@ -1547,6 +1583,18 @@ impl Io {
         if cancel && !self.channel.has_peer(&to) {
             return self.m.recycle(to);
         }
+        // A uniform scatter for a peer that does not take DATA_UNIFORM
+        // (its capabilities changed after the gather was planned): the
+        // same scatter as runs, one a piece.
+        let msg = match msg {
+            Message::DataUniform(d) if !self.peer_takes_uniform(&to) => Message::Data(wire::Data {
+                request_id: d.request_id,
+                chunk_index: d.chunk_index,
+                region_handle: d.region_handle,
+                runs: d.scatter.to_runs(),
+            }),
+            other => other,
+        };
         // One warm encode buffer (a 16,384-run DATA is 786 KB).
         let mut bytes = std::mem::take(&mut self.tx_buf);
         bytes.clear();
@@ -1555,6 +1603,14 @@ impl Io {
         msg.encode_into(&mut bytes);
         let encoded = t.map(|t| t.elapsed());
         let sent = self.channel.send_to(&to, &bytes);
+        if sent.is_ok() && matches!(msg, Message::Data(_) | Message::DataUniform(_)) {
+            if matches!(msg, Message::DataUniform(_)) {
+                self.stats.data_uniform.fetch_add(1, Ordering::Relaxed);
+            }
+            self.stats
+                .data_wire_bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
         if let (Some(t), Some(encoded)) = (t, encoded) {
             tracing::trace!(
                 ty = %msg.message_type(),
@@ -1717,7 +1773,7 @@ impl Io {
             match done.kind {
                 CopyKind::Gather => self.feed(Input::GatherDone {
                     job: done.token,
-                    result: result.map(|()| done.scatter_runs),
+                    result: result.map(|()| done.scatter),
                 }),
                 CopyKind::Scatter => self.feed(Input::ScatterDone {
                     job: done.token,
@@ -1778,12 +1834,14 @@ impl Io {
                     completion.note(Stage::Received, 0, Instant::now());
                 }
                 let remote_kind = self.peer_kinds.get(&peer).copied().unwrap_or(MemKind::Dram);
+                let uniform_data = self.peer_takes_uniform(&peer);
                 self.reqs.insert(
                     rid,
                     ReqIo {
                         completion,
                         descs: Arc::new(descs),
                         remote_kind,
+                        uniform_data,
                     },
                 );
                 let now = self.now();
@@ -1805,6 +1863,7 @@ impl Io {
                 peer,
                 endpoint,
                 kind,
+                capabilities,
                 reply,
             } => {
                 let r = self.channel.add_peer(&peer, &endpoint);
@@ -1813,6 +1872,7 @@ impl Io {
                     // probe it afresh.
                     self.drop_transport_report(&peer);
                     self.peer_kinds.insert(peer.clone(), kind);
+                    self.peer_caps.insert(peer.clone(), capabilities);
                     self.feed(Input::PeerAdded { peer });
                 }
                 let _ = reply.send(r);

@@ -33,6 +33,8 @@
 //! | `kvfabric_wants_stale_total` | counter | | WANT messages dropped as replays (their flow is live or ended within 2 × the request timeout) |
 //! | `kvfabric_rejects_received_total` | counter | | REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA runs outside the destination's memory) |
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
+//! | `kvfabric_data_uniform_total` | counter | | DATA_UNIFORM messages sent: uniform chunks described by their pieces' destinations (issue 18 step 3) |
+//! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA and DATA_UNIFORM messages sent |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
 //! | `kvfabric_peers_loaded_total` | counter | | peers loaded |
 //! | `kvfabric_peers_forgotten_total` | counter | | peers forgotten |
@@ -362,6 +364,18 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "Control messages dropped on a full queue",
         |t| &t.control_dropped,
+    ),
+    (
+        "kvfabric.data.uniform",
+        None,
+        "DATA_UNIFORM messages sent (both agents advertise uniformData)",
+        |t| &t.data_uniform,
+    ),
+    (
+        "kvfabric.data.wire",
+        Some("By"),
+        "Encoded bytes of the DATA and DATA_UNIFORM messages sent (the control-plane cost of describing scatters)",
+        |t| &t.data_wire_bytes,
     ),
     (
         "kvfabric.drain_mode.entries",

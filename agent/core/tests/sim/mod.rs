@@ -16,8 +16,10 @@ use kvfabric_core::plan::ChunkBound;
 use kvfabric_core::protocol::{
     Action, Config, Counters, Input, Machine, Mutations, Nanos, Outcome, Route,
 };
-use kvfabric_core::wire::{Ack, Credit, Data, Grant, Message, Reject, RejectReason, Want};
-use kvfabric_core::{FlowKey, ScatterRun};
+use kvfabric_core::wire::{
+    Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want,
+};
+use kvfabric_core::{FlowKey, ScatterList, ScatterRun, UniformScatter};
 
 /// The simulator's generator ([`kvfabric_core::rng::SplitMix64`]).
 pub type Rng = kvfabric_core::rng::SplitMix64;
@@ -287,6 +289,8 @@ pub struct Stats {
     pub failed: u64,
     pub crashes: u64,
     pub violations: u64,
+    /// Scatters started from a DATA_UNIFORM (issue 18 step 3).
+    pub uniform_scatters: u64,
     /// Machine counters summed over every incarnation.
     pub counters: Counters,
 }
@@ -377,6 +381,11 @@ pub struct Sim {
     delivered: BTreeMap<(String, u64), BTreeMap<u32, u64>>,
     next_spont: Nanos,
     spont_done: usize,
+    /// Senders describe uniform chunks as DATA_UNIFORM (issue 18 step 3):
+    /// odd gather jobs report their chunk as two equal pieces, and odd
+    /// rogue DATA go out in the uniform form. Half the seeds; drawn from a
+    /// generator of its own so every other choice stays as it was.
+    uniform_data: bool,
     next_qid: u64,
     trace: Option<Vec<String>>,
     pub stats: Stats,
@@ -478,6 +487,7 @@ impl Sim {
             queue: BTreeMap::new(),
             link_last: BTreeMap::new(),
             writes_in: BTreeMap::new(),
+            uniform_data: Rng::new(seed ^ 0x0DA7_A0F1_F0E0_0000).chance(500),
             delivered: BTreeMap::new(),
             next_spont: 0,
             spont_done: 0,
@@ -1046,6 +1056,25 @@ impl Sim {
                 region_handle: r.below(24) * GRAN,
             }),
         };
+        // Odd rogue DATA in the uniform form: its runs' first length and
+        // region stride, one destination a run (often malformed).
+        let msg = match msg {
+            Message::Data(d)
+                if self.uniform_data && d.request_id % 2 == 1 && !d.runs.is_empty() =>
+            {
+                Message::DataUniform(DataUniform {
+                    request_id: d.request_id,
+                    chunk_index: d.chunk_index,
+                    region_handle: d.region_handle,
+                    scatter: UniformScatter {
+                        segment_len: d.runs[0].segment_len,
+                        region_stride: d.runs[0].region_stride,
+                        dsts: d.runs.iter().map(|r| r.addr).collect(),
+                    },
+                })
+            }
+            other => other,
+        };
         let to = self.agents[i].name.clone();
         let t = self.now + self.net_delay();
         self.at(
@@ -1138,7 +1167,7 @@ impl Sim {
                 let result = if ok {
                     // One contiguous run into the tenant half the request
                     // targets (the sender planned it).
-                    Ok(vec![match dst {
+                    let run = match dst {
                         Some(addr) => ScatterRun {
                             region_offset: 0,
                             addr,
@@ -1148,7 +1177,18 @@ impl Sim {
                             count: 1,
                         },
                         None => run_for(t, len),
-                    }])
+                    };
+                    Ok(if self.uniform_data && job % 2 == 1 && len % 2 == 0 {
+                        // The same bytes as two equal pieces.
+                        let h = len / 2;
+                        ScatterList::Uniform(UniformScatter {
+                            segment_len: h,
+                            region_stride: h,
+                            dsts: vec![run.addr, run.addr + h],
+                        })
+                    } else {
+                        ScatterList::Runs(vec![run])
+                    })
                 } else {
                     Err("injected gather failure".into())
                 };
@@ -1573,6 +1613,15 @@ impl Sim {
                 chunk,
                 runs,
             } => {
+                // The memory model keeps whole writes: pieces adjacent in
+                // the region and at the destination are one write.
+                let runs = match runs {
+                    ScatterList::Uniform(u) => {
+                        self.stats.uniform_scatters += 1;
+                        join_adjacent(u.to_runs())
+                    }
+                    ScatterList::Runs(r) => r,
+                };
                 let m = self.agents[i].m.as_ref().expect("alive");
                 if !m.scheduler().held_by_flow(&flow, region) {
                     return Err(format!(
@@ -1892,6 +1941,26 @@ impl Sim {
 
 fn eng_base(k: usize) -> u64 {
     ENG_BASE + k as u64 * ENG_LEN
+}
+
+/// Joins consecutive one-segment runs that continue each other in the
+/// region and at the destination.
+fn join_adjacent(runs: Vec<ScatterRun>) -> Vec<ScatterRun> {
+    let mut out: Vec<ScatterRun> = Vec::with_capacity(runs.len());
+    for r in runs {
+        if let Some(l) = out.last_mut() {
+            if l.count == 1
+                && r.count == 1
+                && l.region_offset.checked_add(l.segment_len) == Some(r.region_offset)
+                && l.addr.checked_add(l.segment_len) == Some(r.addr)
+            {
+                l.segment_len += r.segment_len;
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    out
 }
 
 fn run_for(t: u64, len: u64) -> ScatterRun {
