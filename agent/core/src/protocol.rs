@@ -217,6 +217,10 @@ pub struct Mutations {
     /// the queue, so they start after the scope closed — into the pool of
     /// an engine that detached — and are ACKed (see "Deviations").
     pub legacy_forget_scope_queue: bool,
+    /// Check a DATA_UNIFORM's structure and region bounds but not each
+    /// piece's destination (issue 18 step 3): a peer's pieces land
+    /// anywhere. Only the simulator's mutation check sets it.
+    pub unchecked_uniform_dsts: bool,
 }
 
 /// Settings of one machine (the subset of `BounceConfig` the protocol
@@ -241,6 +245,10 @@ pub struct Config {
     pub eager_gather: bool,
     /// Which flow the receiver grants next ([`GrantPolicy`]).
     pub grant_policy: GrantPolicy,
+    /// Take DATA_UNIFORM (config `uniformData`, advertised as
+    /// [`crate::wire::CAP_UNIFORM_DATA`]); off, one is refused like a DATA
+    /// with invalid runs (no scatter, REJECT `InvalidRuns`).
+    pub uniform_data: bool,
     /// Arena base address (credits carry `base + offset`).
     pub arena_base: u64,
     /// Device id put into credits.
@@ -1509,6 +1517,10 @@ impl Machine {
                 d.request_id,
                 format!("could not send DATA for chunk {}", d.chunk_index),
             ),
+            Message::DataUniform(d) => (
+                d.request_id,
+                format!("could not send DATA for chunk {}", d.chunk_index),
+            ),
             Message::Grant(g) => {
                 // Count only credits that left: a GRANT that did not is
                 // reclaimed with its flow by the silence timeout.
@@ -2144,6 +2156,11 @@ impl Machine {
         };
         let runs = match list {
             ScatterList::Runs(runs) => runs,
+            ScatterList::Uniform(_) if !self.cfg.uniform_data => {
+                return Err(
+                    "a DATA_UNIFORM, which this agent does not take (uniformData off)".into(),
+                );
+            }
             ScatterList::Uniform(u) => {
                 if u.segment_len == 0 || u.dsts.is_empty() {
                     return Err("uniform scatter is empty".into());
@@ -2159,6 +2176,9 @@ impl Machine {
                     return Err(format!(
                         "uniform scatter ends at region byte {end}, beyond the granted {region_len} bytes"
                     ));
+                }
+                if self.cfg.mutations.unchecked_uniform_dsts {
+                    return Ok(());
                 }
                 // Most pools are one range: keep the last one that held a
                 // piece and try it first.
@@ -2473,6 +2493,7 @@ mod tests {
             request_timeout: T,
             eager_gather: true,
             grant_policy: GrantPolicy::RoundRobin,
+            uniform_data: true,
             arena_base: 0x7000_0000,
             device_id: 0,
             endpoint: name.as_bytes().to_vec(),
@@ -2780,6 +2801,7 @@ mod tests {
                 request_timeout: T,
                 eager_gather: true,
                 grant_policy: GrantPolicy::RoundRobin,
+                uniform_data: true,
                 arena_base: 0x7000_0000,
                 device_id: 0,
                 endpoint: b"b".to_vec(),
@@ -3304,7 +3326,7 @@ mod tests {
                 },
             })
         };
-        let bad: [(&str, u64, u64, &[u64]); 4] = [
+        let bad: [(&str, u64, u64, &[u64]); 5] = [
             (
                 "past the region",
                 256,
@@ -3319,6 +3341,8 @@ mod tests {
                 &[0x1000, 0x10_0000 + 0xF_FF00 + 0x200],
             ),
             ("empty", 0, 0, &[0x1000]),
+            // Starts inside the agent's memory [0x1000, 0x101000), ends past it.
+            ("ends past memory", 256, 256, &[0x1000, 0x10_1000 - 128]),
         ];
         for (k, (what, len, stride, dsts)) in bad.into_iter().enumerate() {
             let mut b = machine("b");
@@ -3378,6 +3402,128 @@ mod tests {
             "{acts:?}"
         );
         assert_eq!(b.counters().chunks_scattered, 1);
+
+        // A scoped flow: pieces only into its engine's pool, not the
+        // agent's own memory; and an agent with `uniformData` off refuses
+        // even a valid list.
+        for (what, scope, take, dsts, ok) in [
+            (
+                "own memory for scope 3",
+                3,
+                true,
+                [0x40_0000u64, 0x1000],
+                false,
+            ),
+            ("scope 3's pool", 3, true, [0x40_1000, 0x40_0000], true),
+            ("uniformData off", 0, false, [0x1000, 0x2000], false),
+        ] {
+            let mut b = machine("b");
+            b.cfg.uniform_data = take;
+            b.handle(
+                0,
+                Input::AllowScope {
+                    scope: 3,
+                    addr: 0x40_0000,
+                    len: 1 << 20,
+                },
+            );
+            let g = grants(&from_a(&mut b, 1, want(1, &[1024], scope)));
+            let acts = from_a(&mut b, 2, uniform(1, g[0].region_handle, 256, 256, &dsts));
+            let started = acts
+                .iter()
+                .any(|x| matches!(x, Action::StartScatter { .. }));
+            assert_eq!(started, ok, "{what}");
+            let want_rejects: &[RejectReason] = if ok {
+                &[]
+            } else {
+                &[RejectReason::InvalidRuns]
+            };
+            assert_eq!(rejects(&acts), want_rejects, "{what}");
+        }
+    }
+
+    /// A DATA_UNIFORM that could not be sent fails its request at once,
+    /// as a DATA does (review of issue 18 step 3: it used to wait for the
+    /// timeout), and the uniform list a gather reports is what the DATA
+    /// carries.
+    #[test]
+    fn a_uniform_data_that_did_not_leave_fails_its_request() {
+        let (mut a, mut b) = (machine("a"), machine("b"));
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 0,
+                chunks: chunks(&[512]),
+            },
+        );
+        let list = UniformScatter {
+            segment_len: 256,
+            region_stride: 256,
+            dsts: vec![0x2000, 0x1000],
+        };
+        let mut acts = drain(&mut a);
+        let (mut resolved, mut sent_uniform) = (Vec::new(), 0);
+        while let Some(act) = acts.pop() {
+            match act {
+                Action::Send {
+                    msg: Message::DataUniform(d),
+                    to,
+                } => {
+                    sent_uniform += 1;
+                    assert_eq!(d.scatter, list);
+                    a.handle(
+                        2,
+                        Input::SendFailed {
+                            to,
+                            msg: Message::DataUniform(d),
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::Send { msg, to } if to == "b" => acts.extend(from_a(&mut b, 1, msg)),
+                Action::Send { msg, .. } => {
+                    a.handle(
+                        1,
+                        Input::Message {
+                            from: "b".into(),
+                            msg,
+                            route: Route::Usable,
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::StartGather { job, .. } => {
+                    a.handle(
+                        1,
+                        Input::GatherDone {
+                            job,
+                            result: Ok(ScatterList::Uniform(list.clone())),
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::PostWrite { write, .. } => {
+                    a.handle(
+                        1,
+                        Input::WriteDone {
+                            write,
+                            result: Ok(()),
+                        },
+                    );
+                    acts.extend(drain(&mut a));
+                }
+                Action::Resolve { outcome, .. } => resolved.push(outcome),
+                _ => {}
+            }
+        }
+        assert_eq!(sent_uniform, 1);
+        assert_eq!(
+            resolved,
+            vec![Outcome::Failure("could not send DATA for chunk 0".into())]
+        );
     }
 
     /// The runtime's tombstone policy (transport.rs over in-order

@@ -107,10 +107,6 @@ pub const DATA_UNIFORM_ENTRY_LEN: usize = 8;
 /// ([`DataUniform`]). kvfabric's own (issue 18 step 3).
 pub const CAP_UNIFORM_DATA: u32 = 1;
 
-/// Every capability bit this build knows; others are ignored (a newer
-/// peer's features this build does not use).
-pub const KNOWN_CAPABILITIES: u32 = CAP_UNIFORM_DATA;
-
 /// Message type, the header's `type` byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MessageType {

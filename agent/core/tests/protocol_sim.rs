@@ -92,6 +92,7 @@ fn mutation_named(name: &str) -> Mutations {
         "reclaim_on_forget_scope" => m.reclaim_on_forget_scope = true,
         "unscoped_data_validation" => m.unscoped_data_validation = true,
         "legacy_forget_scope_queue" => m.legacy_forget_scope_queue = true,
+        "unchecked_uniform_dsts" => m.unchecked_uniform_dsts = true,
         other => panic!("unknown mutation {other:?}"),
     }
     m
@@ -173,6 +174,13 @@ fn mutation_reclaim_on_forget_scope() {
 #[test]
 fn mutation_unscoped_data_validation() {
     check_mutation("unscoped_data_validation");
+}
+
+/// DATA_UNIFORM (issue 18 step 3): pieces not checked against the
+/// destination's memory land outside it.
+#[test]
+fn mutation_unchecked_uniform_dsts() {
+    check_mutation("unchecked_uniform_dsts");
 }
 
 /// Bugs the simulator found in `Io`'s rules (docs/protocol.md): each seed

@@ -241,7 +241,7 @@ fn rejects_wrong_version() {
 
 #[test]
 fn rejects_unknown_type() {
-    for code in [0u8, 8, 0xff] {
+    for code in [0u8, 9, 0xff] {
         let mut b = Message::from(ack()).encode();
         b[6] = code;
         assert_eq!(Message::decode(&b), Err(WireError::UnknownType { code }));

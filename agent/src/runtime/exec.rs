@@ -442,7 +442,10 @@ fn run_job(
                 let pieces = &descs[u.first_desc..u.first_desc + u.count];
                 let mut planned = None;
                 let gathered = engine.gather_uniform(region_addr, pieces, u.stride, &mut || {
-                    planned = Some(if uniform_data {
+                    // A DATA_UNIFORM carries an entry a piece: within the
+                    // decoder's cap, or the seed's (merged) runs.
+                    let fits = u.count <= kvfabric_core::wire::MAX_ENTRIES as usize;
+                    planned = Some(if uniform_data && fits {
                         // DATA_UNIFORM: the destinations, nothing planned.
                         Ok(ScatterList::Uniform(UniformScatter {
                             segment_len: u.len,

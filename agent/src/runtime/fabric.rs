@@ -616,6 +616,7 @@ impl FabricAgent {
             request_timeout: Duration::from_millis(cfg.request_timeout_ms()),
             eager_gather: cfg.config().enable_eager_gather,
             grant_policy: cfg.grant_policy(),
+            uniform_data: cfg.uniform_data(),
             merge_runs: !cfg.config().disable_scatter_run_merging,
             busy_poll: cfg.busy_poll(host_cpus()),
             allowed_scatter_ranges: init.allowed,

@@ -68,6 +68,9 @@ pub struct TransportSettings {
     pub eager_gather: bool,
     /// Which flow this receiver grants a free region to next.
     pub grant_policy: GrantPolicy,
+    /// Take DATA_UNIFORM from peers (config `uniformData`; what is sent
+    /// follows the capabilities both handshakes advertise).
+    pub uniform_data: bool,
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
     /// Busy-poll window: while the transport has work in flight (requests
@@ -114,6 +117,7 @@ impl Default for TransportSettings {
             request_timeout: Duration::from_millis(30_000),
             eager_gather: true,
             grant_policy: GrantPolicy::RoundRobin,
+            uniform_data: true,
             merge_runs: true,
             busy_poll: Duration::ZERO,
             allowed_scatter_ranges: Vec::new(),
@@ -682,6 +686,7 @@ impl BounceTransport {
             request_timeout: u64::try_from(settings.request_timeout.as_nanos()).unwrap_or(u64::MAX),
             eager_gather: settings.eager_gather,
             grant_policy: settings.grant_policy,
+            uniform_data: settings.uniform_data,
             arena_base: arena.base,
             device_id: arena.device_id as i32,
             endpoint: endpoint.clone(),
@@ -1564,9 +1569,6 @@ impl Io {
         }
     }
 
-    /// Sends `msg` to `to`; a WANT or DATA that does not leave goes back to
-    /// the machine ([`Input::SendFailed`]), as does a GRANT (its credits
-    /// were counted before it left). A cancel goes only where a route is.
     /// Whether DATA to `peer` may be DATA_UNIFORM (both agents advertise
     /// [`wire::CAP_UNIFORM_DATA`]).
     fn peer_takes_uniform(&self, peer: &str) -> bool {
@@ -1575,6 +1577,9 @@ impl Io {
             .is_some_and(|c| c & wire::CAP_UNIFORM_DATA != 0)
     }
 
+    /// Sends `msg` to `to`; a WANT or DATA that does not leave goes back to
+    /// the machine ([`Input::SendFailed`]), as does a GRANT (its credits
+    /// were counted before it left). A cancel goes only where a route is.
     fn perform_send(&mut self, to: String, msg: Message) {
         let (cancel, want_rid) = match &msg {
             Message::Want(w) => (w.is_cancel(), Some(w.request_id)),

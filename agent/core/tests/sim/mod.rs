@@ -466,6 +466,7 @@ impl Sim {
             } else {
                 kvfabric_core::scheduler::GrantPolicy::RoundRobin
             },
+            uniform_data: true,
             arena_base: ARENA_BASE,
             device_id: 0,
             endpoint: Vec::new(),
@@ -1056,8 +1057,8 @@ impl Sim {
                 region_handle: r.below(24) * GRAN,
             }),
         };
-        // Odd rogue DATA in the uniform form: its runs' first length and
-        // region stride, one destination a run (often malformed).
+        // Odd rogue DATA in the uniform form: its runs' first length (the
+        // pieces back to back in the region), one destination a run.
         let msg = match msg {
             Message::Data(d)
                 if self.uniform_data && d.request_id % 2 == 1 && !d.runs.is_empty() =>
@@ -1068,7 +1069,7 @@ impl Sim {
                     region_handle: d.region_handle,
                     scatter: UniformScatter {
                         segment_len: d.runs[0].segment_len,
-                        region_stride: d.runs[0].region_stride,
+                        region_stride: d.runs[0].segment_len,
                         dsts: d.runs.iter().map(|r| r.addr).collect(),
                     },
                 })
