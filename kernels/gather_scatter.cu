@@ -227,26 +227,19 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     kvf_body(runs, tasks, ntasks, region_base, to_region, piece_bytes);
 }
 
-// A sender's descriptor, as kvfabric_core::Descriptor lays it out.
-struct kvf_desc {
-    kvf_u64 src;
-    kvf_u64 dst;
-    kvf_u64 len;
-};
-
 // Uniform gather (issue 18): a chunk of whole descriptors of one length
-// `len`, straight from the descriptor list, no run table: warp w copies
-// descs[w].src -> region_base + w * stride. The host checked that every
-// descriptor has length `len` and that the region holds
+// `len`, from the descriptors' source addresses (8 bytes each), no run
+// table: warp w copies srcs[w] -> region_base + w * stride. The host
+// checked that every descriptor has length `len` and that the region holds
 // (n - 1) * stride + len bytes.
 extern "C" __global__ void __launch_bounds__(256)
-    kvf_gather_descs(const kvf_desc* __restrict__ descs, kvf_u32 n, kvf_u64 len,
-                     kvf_u64 stride, kvf_u64 region_base) {
+    kvf_gather_srcs(const kvf_u64* __restrict__ srcs, kvf_u32 n, kvf_u64 len,
+                    kvf_u64 stride, kvf_u64 region_base) {
     const kvf_u32 lane = threadIdx.x & 31u;
     const kvf_u64 warps_per_block = blockDim.x >> 5;
     for (kvf_u64 w = (kvf_u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5); w < n;
          w += (kvf_u64)gridDim.x * warps_per_block) {
-        const unsigned char* s = (const unsigned char*)descs[w].src;
+        const unsigned char* s = (const unsigned char*)srcs[w];
         unsigned char* d = (unsigned char*)(region_base + w * stride);
         kvf_copy(d, s, len, lane, 32u);
     }

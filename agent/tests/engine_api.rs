@@ -429,6 +429,13 @@ async fn engines_attach_and_hand_off_blocks_byte_exact() {
                     "kvfabric_engine_arrivals_total"
                 };
                 assert!(sample(&m, counter) >= 6.0, "{who}: {counter}\n{m}");
+                if who == "a" {
+                    // Paged blocks are equal-length descriptors: between two
+                    // agents that both take it, their chunks go as
+                    // DATA_UNIFORM (issue 18 step 3).
+                    let uniform = sample(&m, "kvfabric_data_uniform_total");
+                    assert!(uniform >= 1.0, "no DATA_UNIFORM sent\n{m}");
+                }
                 break;
             }
             assert!(

@@ -1216,6 +1216,29 @@ def free_port():
     return p
 
 
+DATA_METRICS = ("kvfabric_data_uniform_total", "kvfabric_data_wire_bytes_total",
+                "kvfabric_chunks_written_total")
+
+
+def metric_values(base, names, timeout=5.0):
+    """Each of the metrics `names` in `base`/metrics, summed over its label sets."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"error": str(e)}
+    out = {n: 0.0 for n in names}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in out:
+            try:
+                out[name] += float(value)
+            except ValueError:
+                pass
+    return out
+
+
 def http_json(url, timeout=5.0):
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -1332,6 +1355,9 @@ def run_agents(a):
         report["peers"] = {k: http_json(v["http"] + "/v1/peers") for k, v in agents.items()}
         report["bounce_effective"] = {k: http_json(v["http"] + "/v1/config").get("bounce_effective")
                                       for k, v in agents.items()}
+        # Which DATA form carried the hand-offs (issue 18 step 3).
+        report["data_messages"] = {k: metric_values(v["http"], DATA_METRICS) for k, v in agents.items()}
+        print(f"data messages sent per agent: {report['data_messages']}", flush=True)
         # 4. Compare.
         ok = True
         fps = {k: report[k]["weights_sha256"] for k in ("reference", "prefill", "decode")}

@@ -44,9 +44,9 @@ pub const GATHER_SCATTER_KERNEL_OCC: &str = "kvf_gather_scatter_occ";
 /// The same-node direct path's kernel: whole blocks from block ids.
 pub const BLOCK_COPY_KERNEL: &str = "kvf_block_copy";
 
-/// The uniform gather's kernel: a chunk of equal-length descriptors
-/// straight from the descriptor list (issue 18).
-pub const GATHER_DESCS_KERNEL: &str = "kvf_gather_descs";
+/// The uniform gather's kernel: a chunk of equal-length descriptors from
+/// their source addresses (issue 18).
+pub const GATHER_SRCS_KERNEL: &str = "kvf_gather_srcs";
 
 /// The uniform scatter's kernel: a DATA_UNIFORM's pieces to their
 /// destinations (issue 18 step 3).
@@ -311,7 +311,7 @@ pub struct CudaGpu {
     kernel: KernelFn,
     kernel_occ: KernelFn,
     block_copy: KernelFn,
-    gather_descs: KernelFn,
+    gather_srcs: KernelFn,
     scatter_dsts: KernelFn,
     info: GpuInfo,
 }
@@ -358,7 +358,7 @@ impl CudaGpu {
         let kernel = KernelFn::load(module, GATHER_SCATTER_KERNEL)?;
         let kernel_occ = KernelFn::load(module, GATHER_SCATTER_KERNEL_OCC)?;
         let block_copy = KernelFn::load(module, BLOCK_COPY_KERNEL)?;
-        let gather_descs = KernelFn::load(module, GATHER_DESCS_KERNEL)?;
+        let gather_srcs = KernelFn::load(module, GATHER_SRCS_KERNEL)?;
         let scatter_dsts = KernelFn::load(module, SCATTER_DSTS_KERNEL)?;
         let info = GpuInfo {
             ordinal,
@@ -374,7 +374,7 @@ impl CudaGpu {
                 kernel.info.clone(),
                 kernel_occ.info.clone(),
                 block_copy.info.clone(),
-                gather_descs.info.clone(),
+                gather_srcs.info.clone(),
                 scatter_dsts.info.clone(),
             ],
         };
@@ -385,7 +385,7 @@ impl CudaGpu {
             kernel,
             kernel_occ,
             block_copy,
-            gather_descs,
+            gather_srcs,
             scatter_dsts,
             info,
         }))
@@ -455,29 +455,28 @@ impl CudaGpu {
         Ok(g)
     }
 
-    /// Enqueues `kvf_gather_descs` on `stream`: descriptor `i` of the `n`
-    /// at device address `descs` (each `len` bytes) to `region + i *
-    /// stride` (bytes), a warp per descriptor. The context must be bound.
+    /// Enqueues `kvf_gather_srcs` on `stream`: `len` bytes from source
+    /// `i` of the `n` addresses (u64) at device address `srcs` to `region
+    /// + i * stride` (bytes), a warp per piece. The context must be bound.
     ///
     /// # Safety
-    /// `stream` is a live stream of this GPU; `descs` holds `n`
-    /// descriptors readable by the device until the launch completes,
-    /// every one of length `len` with a readable source; the region holds
-    /// `(n - 1) * stride + len` bytes.
+    /// `stream` is a live stream of this GPU; `srcs` holds `n` addresses
+    /// readable by the device until the launch completes, each readable
+    /// for `len` bytes; the region holds `(n - 1) * stride + len` bytes.
     ///
     /// # Errors
     /// The driver's launch error.
-    pub unsafe fn launch_gather_descs(
+    pub unsafe fn launch_gather_srcs(
         &self,
         stream: sys::CUstream,
-        descs: u64,
+        srcs: u64,
         n: u32,
         len: u64,
         stride: u64,
         region: u64,
     ) -> Result<(), CudaError> {
         // SAFETY: as this function's contract.
-        unsafe { self.launch_pieces(&self.gather_descs, stream, descs, n, len, stride, region) }
+        unsafe { self.launch_pieces(&self.gather_srcs, stream, srcs, n, len, stride, region) }
     }
 
     /// Enqueues `kvf_scatter_dsts` on `stream`: `region + i * stride` to
@@ -505,11 +504,11 @@ impl CudaGpu {
         unsafe { self.launch_pieces(&self.scatter_dsts, stream, dsts, n, len, stride, region) }
     }
 
-    /// Launches one of the piece kernels (`kvf_gather_descs`,
+    /// Launches one of the piece kernels (`kvf_gather_srcs`,
     /// `kvf_scatter_dsts`: same parameters), a warp per piece.
     ///
     /// # Safety
-    /// As [`CudaGpu::launch_gather_descs`] / [`CudaGpu::launch_scatter_dsts`].
+    /// As [`CudaGpu::launch_gather_srcs`] / [`CudaGpu::launch_scatter_dsts`].
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch_pieces(
         &self,
@@ -534,7 +533,7 @@ impl CudaGpu {
             (&mut st as *mut u64).cast(),
             (&mut r as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match `kvf_gather_descs` and
+        // SAFETY: the parameters match `kvf_gather_srcs` and
         // `kvf_scatter_dsts`; the caller guarantees the stream, the table
         // and the region.
         drv("cuLaunchKernel", unsafe {
@@ -1806,10 +1805,10 @@ impl CudaCopyEngine {
         out
     }
 
-    /// The uniform gather ([`CopyEngine::gather_uniform`]): the descriptor
-    /// slice (24 bytes each, as laid out in memory) is written to the
+    /// The uniform gather ([`CopyEngine::gather_uniform`]): the
+    /// descriptors' source addresses (8 bytes each) are written to the
     /// context's pinned buffer, uploaded on its stream and read by one
-    /// `kvf_gather_descs` launch; `meanwhile` runs between the enqueue and
+    /// `kvf_gather_srcs` launch; `meanwhile` runs between the enqueue and
     /// the wait (also after a failed enqueue, so its work is never lost).
     ///
     /// `stride` is in bytes. The caller
@@ -1835,15 +1834,10 @@ impl CudaCopyEngine {
                 return other.map(|_| ());
             }
         };
-        // SAFETY: Descriptor is repr(C) plain data, the layout of `struct
-        // kvf_desc`; the slice is borrowed for the call.
-        let table = unsafe {
-            std::slice::from_raw_parts(descs.as_ptr().cast::<u8>(), std::mem::size_of_val(descs))
-        };
         self.run_pieces(
             Direction::Gather,
             region_addr,
-            table,
+            &mut descs.iter().map(|d| d.src),
             n,
             len,
             stride,
@@ -1874,11 +1868,10 @@ impl CudaCopyEngine {
         if n == 0 || u.segment_len == 0 {
             return Ok(());
         }
-        let table: Vec<u8> = u.dsts.iter().flat_map(|a| a.to_ne_bytes()).collect();
         self.run_pieces(
             Direction::Scatter,
             region_addr,
-            &table,
+            &mut u.dsts.iter().copied(),
             n,
             u.segment_len,
             u.region_stride,
@@ -1886,17 +1879,18 @@ impl CudaCopyEngine {
         )
     }
 
-    /// One launch of a piece kernel (`dir` Gather: `kvf_gather_descs` over
-    /// a descriptor table; Scatter: `kvf_scatter_dsts` over an address
-    /// table): `table` is written to the context's pinned buffer, uploaded
-    /// on its stream and read by the launch; `meanwhile` runs between the
-    /// enqueue and the wait (also after a failed enqueue).
+    /// One launch of a piece kernel (`dir` Gather: `kvf_gather_srcs`;
+    /// Scatter: `kvf_scatter_dsts`) over a table of `n` piece addresses
+    /// (u64, from `addrs`; at most `n` are taken): written straight to the
+    /// context's pinned buffer, uploaded on its stream and read by the
+    /// launch; `meanwhile` runs between the enqueue and the wait (also
+    /// after a failed enqueue).
     #[allow(clippy::too_many_arguments)]
     fn run_pieces(
         &self,
         dir: Direction,
         region_addr: u64,
-        table: &[u8],
+        addrs: &mut dyn Iterator<Item = u64>,
         n: u32,
         len: u64,
         stride: u64,
@@ -1905,15 +1899,22 @@ impl CudaCopyEngine {
         let t0 = Instant::now();
         let mut ctx = self.acquire();
         let enqueued = self.gpu.bind().and_then(|()| {
-            let bytes = table.len();
+            let bytes = n as usize * 8;
             if ctx.busy {
                 ctx.synchronize()?;
             }
             ctx.ensure_capacity(bytes)?;
-            // SAFETY: the pinned buffer holds `bytes` and no pending work
-            // reads it (synchronised above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(table.as_ptr(), ctx.pinned, bytes);
+            let mut written = 0usize;
+            for (i, a) in addrs.take(n as usize).enumerate() {
+                // SAFETY: the pinned buffer holds `bytes` = 8 n and no
+                // pending work reads it (synchronised above); i < n.
+                unsafe { std::ptr::write_unaligned(ctx.pinned.add(i * 8).cast::<u64>(), a) };
+                written += 1;
+            }
+            if written != n as usize {
+                return Err(CudaError::Invalid(format!(
+                    "{written} piece addresses for {n} pieces"
+                )));
             }
             ctx.busy = true;
             // SAFETY: both buffers hold `bytes`.
@@ -1925,7 +1926,7 @@ impl CudaCopyEngine {
             // lengths, strides, the region and (scatter) the destinations.
             unsafe {
                 match dir {
-                    Direction::Gather => self.gpu.launch_gather_descs(
+                    Direction::Gather => self.gpu.launch_gather_srcs(
                         ctx.stream,
                         ctx.dplan,
                         n,
