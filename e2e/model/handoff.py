@@ -1221,20 +1221,29 @@ DATA_METRICS = ("kvfabric_data_uniform_total", "kvfabric_data_wire_bytes_total",
 
 
 def metric_values(base, names, timeout=5.0):
-    """Each of the metrics `names` in `base`/metrics, summed over its label sets."""
+    """Each of the metrics `names` in `base`/metrics, summed over its label
+    sets; None for a metric the agent does not export."""
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=timeout) as r:
             text = r.read().decode()
     except Exception as e:  # noqa: BLE001 - reported
         return {"error": str(e)}
-    out = {n: 0.0 for n in names}
+    out = {n: None for n in names}
     for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
+        if line.startswith("#"):
+            continue
+        # name{labels} value [timestamp]: the value is the first token
+        # after the labels (label values may hold spaces).
+        name, _, rest = line.partition("{")
+        if rest:
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        name = name.strip()
         if name in out:
             try:
-                out[name] += float(value)
-            except ValueError:
+                out[name] = (out[name] or 0.0) + float(rest.split()[0])
+            except (ValueError, IndexError):
                 pass
     return out
 

@@ -6,9 +6,8 @@ use std::fmt;
 /// One (src, dst, len) copy the caller asked for: `len` bytes from address
 /// `src` (sender memory) to address `dst` (receiver memory). Addresses are
 /// plain 64-bit device or host virtual addresses; `len` is in bytes.
-/// `#[repr(C)]`, 24 bytes in this field order: the copy kernel's
-/// `struct kvf_desc` (kernels/gather_scatter.cu) reads a descriptor slice
-/// as is (the uniform gather, issue 18).
+/// No kernel reads this struct's memory (the uniform gather uploads the
+/// source addresses alone, issue 18).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Descriptor {
@@ -19,13 +18,6 @@ pub struct Descriptor {
     /// Length in bytes; zero-length descriptors are skipped by the plan.
     pub len: u64,
 }
-
-const _: () = assert!(
-    std::mem::size_of::<Descriptor>() == 24
-        && std::mem::offset_of!(Descriptor, src) == 0
-        && std::mem::offset_of!(Descriptor, dst) == 8
-        && std::mem::offset_of!(Descriptor, len) == 16
-);
 
 impl Descriptor {
     /// Builds a descriptor of `len` bytes from `src` to `dst`.
