@@ -195,6 +195,11 @@ for step in ${KVF_STEPS:-engines model vram}; do
         grep -E '^ *(bounce|one-desc)|timeline|one-descriptor =' "$out/sweep_$i.log" | grep -v '^\['
       done
       mps_off ;;
+    kerneltest)
+      # Byte-exact kernel tests, the uniform gather / scatter included
+      # (kvfabric-gpu kernel-test; every byte of both buffers compared).
+      timeout 300 /tmp/kvf/kvfabric-gpu kernel-test --json "$out/kernel_test.json" 2>&1 \
+        | tee "$out/kernel_test.log" | grep -E '^(FAIL|kernel-test)|MISMATCH|error' | tail -n 40 || rc=1 ;;
     vram)
       # standard / bounce / one descriptor, 64 MiB as 16,384 x 4 KiB, two
       # processes on GPU 0 (issue 19's side-by-side reference).

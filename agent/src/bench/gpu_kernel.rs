@@ -6,8 +6,11 @@
 //! * [`kernel_test`] — byte-exact gather/scatter tests of the kernel (both
 //!   plan sources) and of the comparison paths: aligned and misaligned
 //!   sources and destinations, zero-length descriptors, 1 B to 1 MiB,
-//!   100,000 descriptors, coalesced runs with uniform strides; every byte
-//!   of both buffers is checked, so a write outside a target fails.
+//!   100,000 descriptors, coalesced runs with uniform strides; and the
+//!   uniform gather / scatter (`CopyEngine::gather_uniform`,
+//!   `scatter_uniform`: the `kvf_gather_srcs` / `kvf_scatter_dsts`
+//!   kernels, or the run path they fall back to); every byte of both
+//!   buffers is checked, so a write outside a target fails.
 //! * [`kernel_bench`] — CUDA-event medians: 16,384 descriptors of
 //!   4/8/16/64 KiB random slots and a 1 GiB memory-bound case, gather and
 //!   scatter, against a contiguous device-to-device memcpy of the same
@@ -20,11 +23,12 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 use serde_json::json;
 
-use crate::core::ScatterRun;
+use crate::core::{Descriptor, ScatterRun, UniformScatter};
 use crate::runtime::cuda::{
     self, CopyPath, CudaArena, CudaCopyConfig, CudaCopyEngine, CudaError, CudaGpu, Direction,
     ExecCtx, PlanSource,
 };
+use crate::runtime::exec::CopyEngine;
 
 /// `kvfabric-gpu compile`: compiles `kernels/gather_scatter.cu` and
 /// `kernels/pattern.cu` with NVRTC for compute capability `arch` (e.g. 90)
@@ -523,6 +527,7 @@ pub fn kernel_test(gpu: &Arc<CudaGpu>, seed: u64, json_path: Option<&Path>) -> A
             }
         }
     }
+    failures += uniform_checks(gpu, &engines, &mut rng, &mut results)?;
     let total = results.len();
     println!(
         "kernel-test: {} of {} checks passed ({} failed) in {:.1} s; every byte of both buffers compared (guards included)",
@@ -540,6 +545,145 @@ pub fn kernel_test(gpu: &Arc<CudaGpu>, seed: u64, json_path: Option<&Path>) -> A
         return Err(format!("{failures} kernel-test checks failed"));
     }
     Ok(())
+}
+
+/// The uniform forms (issue 18): `n` pieces of `len` bytes each, region
+/// pieces `stride` bytes apart from `region_off`, user pieces in shuffled
+/// slots `slot` bytes apart (a `slot` that is not a multiple of 16
+/// misaligns them) — gathered with [`CopyEngine::gather_uniform`] and
+/// scattered with [`CopyEngine::scatter_uniform`] on every variant, each
+/// compared byte for byte with a host model over both whole buffers;
+/// `meanwhile` must run exactly once. Returns the number of failed checks
+/// (each also printed and pushed to `results`).
+///
+/// # Errors
+/// A device allocation or copy that fails outside the engines.
+fn uniform_checks(
+    gpu: &Arc<CudaGpu>,
+    engines: &[(&str, CudaCopyEngine)],
+    rng: &mut Rng,
+    results: &mut Vec<serde_json::Value>,
+) -> AnyResult<usize> {
+    // (name, len, n, stride, slot, region_off)
+    let cases: [(&str, u64, usize, u64, u64, u64); 5] = [
+        ("uniform 4 KiB x 4096", 4096, 4096, 4096, 4096, 0),
+        ("uniform 100 B x 1000 misaligned", 100, 1000, 128, 103, 32),
+        (
+            "uniform 16 KiB x 64 strided",
+            16384,
+            64,
+            16384 + 32,
+            16384 + 16,
+            64,
+        ),
+        ("uniform 1 B x 33", 1, 33, 32, 1, 0),
+        (
+            "uniform 64 KiB x 16 (run-path fallback)",
+            65536,
+            16,
+            65536,
+            65536,
+            0,
+        ),
+    ];
+    let mut failures = 0;
+    for (name, len, n, stride, slot, region_off) in cases {
+        let user_len = (2 * n as u64 * slot + 256) as usize;
+        let region_len = (region_off + (n as u64 - 1) * stride + len + 256) as usize;
+        let user = CudaArena::new(gpu, user_len).map_err(e2s)?;
+        let region = CudaArena::new(gpu, region_len).map_err(e2s)?;
+        // Piece i's user slot: a shuffled pick of 2n slots (every slot at
+        // most once, so scatters never overlap).
+        let mut slots: Vec<u64> = (0..2 * n as u64).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, rng.range(0, i as u64) as usize);
+        }
+        let offs: Vec<u64> = slots[..n].iter().map(|s| s * slot).collect();
+        let mut host_u = vec![0u8; user_len];
+        let mut host_r = vec![0u8; region_len];
+        let mut got_u = vec![0u8; user_len];
+        let mut got_r = vec![0u8; region_len];
+        for (vname, engine) in engines {
+            for dir in [Direction::Gather, Direction::Scatter] {
+                rng.fill(&mut host_u);
+                rng.fill(&mut host_r);
+                user.upload(0, &host_u).map_err(e2s)?;
+                region.upload(0, &host_r).map_err(e2s)?;
+                for (i, &u) in offs.iter().enumerate() {
+                    let (u, r) = (u as usize, (region_off + i as u64 * stride) as usize);
+                    let l = len as usize;
+                    match dir {
+                        Direction::Gather => host_r[r..r + l].copy_from_slice(&host_u[u..u + l]),
+                        Direction::Scatter => host_u[u..u + l].copy_from_slice(&host_r[r..r + l]),
+                    }
+                }
+                let base = region.base_addr() + region_off;
+                let addrs = offs.iter().map(|o| user.base_addr() + o);
+                let mut called = 0u32;
+                let t0 = Instant::now();
+                let r = match dir {
+                    Direction::Gather => {
+                        let descs: Vec<Descriptor> =
+                            addrs.map(|a| Descriptor::new(a, 0, len)).collect();
+                        engine.gather_uniform(base, &descs, stride, &mut || called += 1)
+                    }
+                    Direction::Scatter => {
+                        called = 1;
+                        let u = UniformScatter {
+                            segment_len: len,
+                            region_stride: stride,
+                            dsts: addrs.collect(),
+                        };
+                        engine.scatter_uniform(base, &u)
+                    }
+                };
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                let mut status = match r {
+                    Ok(()) if called == 1 => "ok".to_string(),
+                    Ok(()) => format!("meanwhile ran {called} times, expected once"),
+                    Err(e) => format!("error: {e}"),
+                };
+                if status == "ok" {
+                    user.download(0, &mut got_u).map_err(e2s)?;
+                    region.download(0, &mut got_r).map_err(e2s)?;
+                    if let Some(i) = first_mismatch(&got_r, &host_r) {
+                        status = format!(
+                            "MISMATCH in region at byte {i}: got {:#04x} want {:#04x}",
+                            got_r[i], host_r[i]
+                        );
+                    } else if let Some(i) = first_mismatch(&got_u, &host_u) {
+                        status = format!(
+                            "MISMATCH in user buffer at byte {i}: got {:#04x} want {:#04x}",
+                            got_u[i], host_u[i]
+                        );
+                    }
+                }
+                let pass = status == "ok";
+                if !pass {
+                    failures += 1;
+                }
+                println!(
+                    "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
+                    if pass { "PASS" } else { "FAIL" },
+                    name,
+                    format!("{dir:?}"),
+                    vname,
+                    n,
+                    n as u64 * len,
+                    ms
+                );
+                if !pass {
+                    println!("      {status}");
+                }
+                results.push(json!({
+                    "case": name, "variant": vname, "direction": format!("{dir:?}"),
+                    "pieces": n, "bytes": n as u64 * len, "pass": pass, "status": status,
+                    "wall_ms": ms,
+                }));
+            }
+        }
+    }
+    Ok(failures)
 }
 
 // ----------------------------------------------------------- kernel-bench
