@@ -487,18 +487,10 @@ pub fn kernel_test(gpu: &Arc<CudaGpu>, seed: u64, json_path: Option<&Path>) -> A
                     Err(e) => format!("error: {e}"),
                 };
                 if status == "ok" {
-                    user.download(0, &mut got_u).map_err(e2s)?;
-                    region.download(0, &mut got_r).map_err(e2s)?;
-                    if let Some(i) = first_mismatch(&got_r, &host_r) {
-                        status = format!(
-                            "MISMATCH in region at byte {} (region_off {}): got {:#04x} want {:#04x}",
-                            i, case.region_off, got_r[i], host_r[i]
-                        );
-                    } else if let Some(i) = first_mismatch(&got_u, &host_u) {
-                        status = format!(
-                            "MISMATCH in user buffer at byte {i}: got {:#04x} want {:#04x}",
-                            got_u[i], host_u[i]
-                        );
+                    let note = format!(" (region_off {})", case.region_off);
+                    let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
+                    if let Some(m) = compare_buffers(&user, &region, want, got, &note)? {
+                        status = m;
                     }
                 }
                 let pass = status == "ok";
@@ -545,6 +537,36 @@ pub fn kernel_test(gpu: &Arc<CudaGpu>, seed: u64, json_path: Option<&Path>) -> A
         return Err(format!("{failures} kernel-test checks failed"));
     }
     Ok(())
+}
+
+/// Downloads both device buffers into `got` (user, region) and compares
+/// them with the host model `want` (user, region): `None` when every byte
+/// matches, else the first mismatch, the region's first (`region_note` is
+/// appended to a region mismatch's position).
+///
+/// # Errors
+/// A failed download.
+fn compare_buffers(
+    user: &CudaArena,
+    region: &CudaArena,
+    want: (&[u8], &[u8]),
+    got: (&mut Vec<u8>, &mut Vec<u8>),
+    region_note: &str,
+) -> AnyResult<Option<String>> {
+    user.download(0, got.0).map_err(e2s)?;
+    region.download(0, got.1).map_err(e2s)?;
+    if let Some(i) = first_mismatch(got.1, want.1) {
+        return Ok(Some(format!(
+            "MISMATCH in region at byte {i}{region_note}: got {:#04x} want {:#04x}",
+            got.1[i], want.1[i]
+        )));
+    }
+    Ok(first_mismatch(got.0, want.0).map(|i| {
+        format!(
+            "MISMATCH in user buffer at byte {i}: got {:#04x} want {:#04x}",
+            got.0[i], want.0[i]
+        )
+    }))
 }
 
 /// The uniform forms (issue 18): `n` pieces of `len` bytes each, region
@@ -644,18 +666,9 @@ fn uniform_checks(
                     Err(e) => format!("error: {e}"),
                 };
                 if status == "ok" {
-                    user.download(0, &mut got_u).map_err(e2s)?;
-                    region.download(0, &mut got_r).map_err(e2s)?;
-                    if let Some(i) = first_mismatch(&got_r, &host_r) {
-                        status = format!(
-                            "MISMATCH in region at byte {i}: got {:#04x} want {:#04x}",
-                            got_r[i], host_r[i]
-                        );
-                    } else if let Some(i) = first_mismatch(&got_u, &host_u) {
-                        status = format!(
-                            "MISMATCH in user buffer at byte {i}: got {:#04x} want {:#04x}",
-                            got_u[i], host_u[i]
-                        );
+                    let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
+                    if let Some(m) = compare_buffers(&user, &region, want, got, "")? {
+                        status = m;
                     }
                 }
                 let pass = status == "ok";
