@@ -628,6 +628,7 @@ field_deserializers! {
     de_io_busy_poll_us: BusyPoll = "ioBusyPollUs";
     de_grant_policy: GrantPolicy = "grantPolicy";
     de_uniform_data: bool = "uniformData";
+    de_batch_gathers: bool = "batchGathers";
 }
 
 // ---------------------------------------------------------------------------
@@ -779,6 +780,17 @@ pub struct BounceConfig {
     /// seed's DATA. Default `true`. Env `KVFABRIC_BOUNCE_UNIFORM_DATA`.
     #[serde(deserialize_with = "de_uniform_data")]
     pub uniform_data: bool,
+
+    /// kvfabric (issue 18 step 3): the gathers started together — a new
+    /// request's first chunks — go to one copy worker as one job, on the
+    /// GPU one upload of their source addresses and one launch each on one
+    /// stream (a driver submission per request instead of per chunk, whose
+    /// concurrent enqueues contend in the driver); each chunk still
+    /// reports as soon as it is gathered. Only the CUDA kernel path
+    /// batches; host memory keeps one job a chunk. Sender-local: peers
+    /// need not agree. Default `true`. Env `KVFABRIC_BOUNCE_BATCH_GATHERS`.
+    #[serde(deserialize_with = "de_batch_gathers")]
+    pub batch_gathers: bool,
 }
 
 impl Default for BounceConfig {
@@ -805,6 +817,7 @@ impl Default for BounceConfig {
             io_busy_poll_us: BusyPoll::Auto,
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
+            batch_gathers: true,
         }
     }
 }
@@ -819,7 +832,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 20] = [
+pub const FIELDS: [FieldName; 21] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -900,6 +913,10 @@ pub const FIELDS: [FieldName; 20] = [
         yaml: "uniformData",
         env: "UNIFORM_DATA",
     },
+    FieldName {
+        yaml: "batchGathers",
+        env: "BATCH_GATHERS",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -920,7 +937,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 20] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 21] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -943,6 +960,7 @@ impl BounceConfig {
             (f[17], &mut self.io_busy_poll_us),
             (f[18], &mut self.grant_policy),
             (f[19], &mut self.uniform_data),
+            (f[20], &mut self.batch_gathers),
         ]
     }
 
@@ -1303,6 +1321,12 @@ impl EffectiveBounceConfig {
         self.config.uniform_data
     }
 
+    /// Whether the gathers one input starts go to the copy engine as one
+    /// job (`batchGathers`; GPU kernel path only).
+    pub fn batch_gathers(&self) -> bool {
+        self.config.batch_gathers
+    }
+
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
     pub fn max_inflight_chunks_per_request(&self) -> u32 {
         self.config.max_inflight_chunks_per_request
@@ -1648,6 +1672,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
             ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
+            ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1673,6 +1698,7 @@ mod tests {
             io_busy_poll_us: BusyPoll::Micros(500),
             grant_policy: GrantPolicy::OldestFirst,
             uniform_data: false,
+            batch_gathers: false,
         };
         assert_eq!(c, want);
     }
@@ -1687,6 +1713,18 @@ mod tests {
         assert!(w.is_empty() && !c.uniform_data, "{w:?}");
         let e = BounceConfig::from_yaml_str("uniformData: maybe").unwrap_err();
         assert!(e.to_string().contains("uniformData"), "{e}");
+    }
+
+    #[test]
+    fn batch_gathers_defaults_on_and_parses_from_yaml_and_env() {
+        assert!(BounceConfig::default().batch_gathers);
+        let c = BounceConfig::from_yaml_str("batchGathers: false").unwrap();
+        assert!(!c.batch_gathers);
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_BATCH_GATHERS", "off")]);
+        assert!(w.is_empty() && !c.batch_gathers, "{w:?}");
+        let e = BounceConfig::from_yaml_str("batchGathers: 2").unwrap_err();
+        assert!(e.to_string().contains("batchGathers"), "{e}");
     }
 
     #[test]

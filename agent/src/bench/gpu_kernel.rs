@@ -28,7 +28,7 @@ use crate::runtime::cuda::{
     self, CopyPath, CudaArena, CudaCopyConfig, CudaCopyEngine, CudaError, CudaGpu, Direction,
     ExecCtx, PlanSource,
 };
-use crate::runtime::exec::CopyEngine;
+use crate::runtime::exec::{CopyEngine, CopyError, UniformGather};
 
 /// `kvfabric-gpu compile`: compiles `kernels/gather_scatter.cu` and
 /// `kernels/pattern.cu` with NVRTC for compute capability `arch` (e.g. 90)
@@ -573,7 +573,9 @@ fn compare_buffers(
 /// pieces `stride` bytes apart from `region_off`, user pieces in shuffled
 /// slots `slot` bytes apart (a `slot` that is not a multiple of 16
 /// misaligns them) — gathered with [`CopyEngine::gather_uniform`] and
-/// scattered with [`CopyEngine::scatter_uniform`] on every variant, each
+/// scattered with [`CopyEngine::scatter_uniform`] on every variant (and
+/// gathered again as three chunks with [`CopyEngine::gather_uniform_batch`],
+/// each reported once, in order), each
 /// compared byte for byte with a host model over both whole buffers;
 /// `meanwhile` must run exactly once. Returns the number of failed checks
 /// (each also printed and pushed to `results`).
@@ -626,7 +628,14 @@ fn uniform_checks(
         let mut got_u = vec![0u8; user_len];
         let mut got_r = vec![0u8; region_len];
         for (vname, engine) in engines {
-            for dir in [Direction::Gather, Direction::Scatter] {
+            // The batched gather (`batchGathers`) splits the pieces into
+            // three chunks whose regions follow each other, so its host
+            // model is the lone gather's.
+            for (dir, batch) in [
+                (Direction::Gather, false),
+                (Direction::Scatter, false),
+                (Direction::Gather, true),
+            ] {
                 rng.fill(&mut host_u);
                 rng.fill(&mut host_r);
                 user.upload(0, &host_u).map_err(e2s)?;
@@ -644,6 +653,31 @@ fn uniform_checks(
                 let mut called = 0u32;
                 let t0 = Instant::now();
                 let r = match dir {
+                    Direction::Gather if batch => {
+                        let descs: Vec<Descriptor> =
+                            addrs.map(|a| Descriptor::new(a, 0, len)).collect();
+                        let cuts = [0, n / 3, 2 * n / 3, n];
+                        let items: Vec<UniformGather<'_>> = cuts
+                            .windows(2)
+                            .map(|w| UniformGather {
+                                region_addr: base + w[0] as u64 * stride,
+                                descs: &descs[w[0]..w[1]],
+                                stride,
+                            })
+                            .collect();
+                        let mut reports = Vec::new();
+                        engine.gather_uniform_batch(&items, &mut || called += 1, &mut |i, r| {
+                            reports.push((i, r))
+                        });
+                        let order: Vec<usize> = reports.iter().map(|r| r.0).collect();
+                        if order != [0, 1, 2] {
+                            Err(CopyError(format!(
+                                "items reported as {order:?}, expected [0, 1, 2]"
+                            )))
+                        } else {
+                            reports.into_iter().try_for_each(|r| r.1)
+                        }
+                    }
                     Direction::Gather => {
                         let descs: Vec<Descriptor> =
                             addrs.map(|a| Descriptor::new(a, 0, len)).collect();
@@ -679,7 +713,11 @@ fn uniform_checks(
                     "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
                     if pass { "PASS" } else { "FAIL" },
                     name,
-                    format!("{dir:?}"),
+                    if batch {
+                        "Batch".to_string()
+                    } else {
+                        format!("{dir:?}")
+                    },
                     vname,
                     n,
                     n as u64 * len,
@@ -689,7 +727,8 @@ fn uniform_checks(
                     println!("      {status}");
                 }
                 results.push(json!({
-                    "case": name, "variant": vname, "direction": format!("{dir:?}"),
+                    "case": name, "variant": vname,
+                    "direction": if batch { "Batch".to_string() } else { format!("{dir:?}") },
                     "pieces": n, "bytes": n as u64 * len, "pass": pass, "status": status,
                     "wall_ms": ms,
                 }));

@@ -106,6 +106,12 @@ pub struct VramRow {
 /// (write landed), the ACKs (receiver scattered) and the caller's wake-up.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BounceTimeline {
+    /// The transport's submit began (after the fabric's routing gate), µs.
+    pub entered_us: f64,
+    /// The caller's sizing pass ended, µs.
+    pub sized_us: f64,
+    /// The request was on the IO thread's queue (and the IO thread woken), µs.
+    pub queued_us: f64,
     /// The IO thread took the request off its queue (the caller's sizing
     /// and the IO thread's wake-up before it), µs.
     pub received_us: f64,
@@ -147,6 +153,9 @@ impl BounceTimeline {
             }
         };
         Some(BounceTimeline {
+            entered_us: m(|t| t.entered_us),
+            sized_us: m(|t| t.sized_us),
+            queued_us: m(|t| t.queued_us),
             received_us: m(|t| t.received_us),
             want_us: m(|t| t.want_us),
             first_gathered_us: m(|t| t.first_gathered_us),
@@ -175,6 +184,9 @@ impl BounceTimeline {
             }
         };
         BounceTimeline {
+            entered_us: at(Stage::Entered, false),
+            sized_us: at(Stage::Sized, false),
+            queued_us: at(Stage::Queued, false),
             received_us: at(Stage::Received, false),
             want_us: at(Stage::Want, false),
             first_gathered_us: at(Stage::Gathered, false),
@@ -192,7 +204,10 @@ impl BounceTimeline {
     /// One line: each stage's first/last offset, µs.
     pub fn line(&self) -> String {
         format!(
-            "timeline (µs after submit, medians): IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            "timeline (µs after submit, medians): submit entered {:.0} | sized {:.0} | queued {:.0} | IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            self.entered_us,
+            self.sized_us,
+            self.queued_us,
             self.received_us,
             self.want_us,
             self.first_gathered_us,
@@ -793,6 +808,9 @@ mod tests {
             at: t0 + Duration::from_micros(us),
         };
         let events = [
+            ev(Stage::Entered, 0, 1),
+            ev(Stage::Sized, 0, 2),
+            ev(Stage::Queued, 0, 3),
             ev(Stage::Received, 0, 4),
             ev(Stage::Want, 0, 10),
             ev(Stage::Gathered, 0, 50),
@@ -805,6 +823,10 @@ mod tests {
             ev(Stage::Acked, 1, 400),
         ];
         let t = BounceTimeline::of(&events, t0, 420.0);
+        assert_eq!(
+            (t.entered_us, t.sized_us, t.queued_us, t.received_us),
+            (1.0, 2.0, 3.0, 4.0)
+        );
         assert_eq!(
             (t.want_us, t.first_gathered_us, t.last_gathered_us),
             (10.0, 50.0, 70.0)

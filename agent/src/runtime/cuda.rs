@@ -27,7 +27,7 @@ use kvfabric_core::{Descriptor, ScatterRun, UniformScatter};
 use super::engine::{
     EngineError, MemDesc, MemKind, PreparedList, TransferEngine, XferHandle, XferState,
 };
-use super::exec::{CopyEngine, CopyError, ExecPool};
+use super::exec::{CopyEngine, CopyError, ExecPool, UniformGather};
 
 pub mod pattern;
 
@@ -1122,6 +1122,9 @@ pub struct ExecCtx {
     dplan_cap: usize,
     /// The plan buffers may still be read by earlier work on the stream.
     busy: bool,
+    /// Per-item completion events of a batched gather
+    /// ([`CudaCopyEngine::run_gather_batch`]), created on first use.
+    marks: Vec<sys::CUevent>,
     runs: Vec<GpuRun>,
     tasks: Vec<GpuTask>,
 }
@@ -1172,6 +1175,7 @@ impl ExecCtx {
             dplan: 0,
             dplan_cap: 0,
             busy: false,
+            marks: Vec::new(),
             runs: Vec::new(),
             tasks: Vec::new(),
         };
@@ -1199,6 +1203,35 @@ impl ExecCtx {
         // SAFETY: live event and stream.
         drv("cuEventRecord", unsafe {
             result::event::record(self.done, self.stream)
+        })
+    }
+
+    /// Makes sure at least `n` mark events exist (created without timing).
+    fn ensure_marks(&mut self, n: usize) -> Result<(), CudaError> {
+        while self.marks.len() < n {
+            let e = drv(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+            )?;
+            self.marks.push(e);
+        }
+        Ok(())
+    }
+
+    /// Records mark `i` (< the marks made by `ensure_marks`) after the
+    /// work enqueued so far.
+    fn record_mark(&mut self, i: usize) -> Result<(), CudaError> {
+        // SAFETY: live event (i checked by indexing) and stream.
+        drv("cuEventRecord", unsafe {
+            result::event::record(self.marks[i], self.stream)
+        })
+    }
+
+    /// Blocks until the work before mark `i` finished.
+    fn wait_mark(&self, i: usize) -> Result<(), CudaError> {
+        // SAFETY: live event.
+        drv("cuEventSynchronize", unsafe {
+            result::event::synchronize(self.marks[i])
         })
     }
 
@@ -1572,6 +1605,9 @@ impl Drop for ExecCtx {
                 tracing::warn!(error = %driver_msg(&e), "cuStreamSynchronize failed at drop");
             }
             let _ = result::event::destroy(self.done);
+            for &m in &self.marks {
+                let _ = result::event::destroy(m);
+            }
             let _ = result::stream::destroy(self.stream);
         }
         self.free_pinned();
@@ -1879,6 +1915,108 @@ impl CudaCopyEngine {
         )
     }
 
+    /// The batched uniform gather ([`CopyEngine::gather_uniform_batch`]):
+    /// every item's source addresses (8 bytes a piece) written once to the
+    /// context's pinned buffer and uploaded with one copy, then one
+    /// `kvf_gather_srcs` launch and one mark event per item on one stream;
+    /// `meanwhile` runs after the enqueue, then `done(i, _)` as each mark
+    /// completes, in order. Items must be checked uniform with pieces no
+    /// longer than a kernel piece (the caller's
+    /// [`CopyEngine::gather_uniform_batch`] falls back otherwise). On an
+    /// enqueue or driver error every item not yet reported gets it (after
+    /// the stream drained: nothing still writes their regions).
+    pub fn run_gather_batch(
+        &self,
+        items: &[UniformGather<'_>],
+        lens: &[u64],
+        meanwhile: &mut dyn FnMut(),
+        done: &mut dyn FnMut(usize, Result<(), CopyError>),
+    ) {
+        let t0 = Instant::now();
+        let total: usize = items.iter().map(|g| g.descs.len()).sum();
+        let mut ctx = self.acquire();
+        let enqueued = self.gpu.bind().and_then(|()| {
+            if ctx.busy {
+                ctx.synchronize()?;
+            }
+            ctx.ensure_capacity(total * 8)?;
+            ctx.ensure_marks(items.len())?;
+            let mut at = 0usize;
+            for g in items {
+                for d in g.descs {
+                    // SAFETY: the pinned buffer holds 8 * total bytes and
+                    // no pending work reads it (synchronised above);
+                    // at < total.
+                    unsafe {
+                        std::ptr::write_unaligned(ctx.pinned.add(at * 8).cast::<u64>(), d.src)
+                    };
+                    at += 1;
+                }
+            }
+            ctx.busy = true;
+            // SAFETY: both buffers hold 8 * total bytes.
+            check("cuMemcpyHtoDAsync", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(ctx.dplan, ctx.pinned.cast(), total * 8, ctx.stream)
+            })?;
+            let mut first = 0u64;
+            for (i, (g, &len)) in items.iter().zip(lens).enumerate() {
+                let n = g.descs.len() as u32;
+                // SAFETY: the stream is this context's; the table stays in
+                // device memory until the marks complete; the caller
+                // checked lengths and strides, the regions hold
+                // (n - 1) * stride + len bytes.
+                unsafe {
+                    self.gpu.launch_gather_srcs(
+                        ctx.stream,
+                        ctx.dplan + first * 8,
+                        n,
+                        len,
+                        g.stride,
+                        g.region_addr,
+                    )
+                }?;
+                ctx.record_mark(i)?;
+                first += u64::from(n);
+            }
+            Ok(())
+        });
+        let t_enqueued = t0.elapsed();
+        meanwhile();
+        let mut next = 0;
+        let mut failed = enqueued.err();
+        if failed.is_none() {
+            while next < items.len() {
+                if let Err(e) = ctx.wait_mark(next) {
+                    failed = Some(e);
+                    break;
+                }
+                done(next, Ok(()));
+                next += 1;
+            }
+        }
+        match &failed {
+            None => ctx.busy = false,
+            Some(e) => {
+                tracing::error!(error = %e, chunks = items.len(), "CUDA batched gather failed");
+                let _ = ctx.synchronize();
+            }
+        }
+        tracing::trace!(
+            chunks = items.len(),
+            pieces = total,
+            enqueued_us = t_enqueued.as_micros() as u64,
+            done_us = t0.elapsed().as_micros() as u64,
+            "cuda batched gather"
+        );
+        self.release(ctx);
+        if let Some(e) = failed {
+            let e = CopyError::from(e);
+            for i in next..items.len() {
+                done(i, Err(e.clone()));
+            }
+        }
+    }
+
     /// One launch of a piece kernel (`dir` Gather: `kvf_gather_srcs`;
     /// Scatter: `kvf_scatter_dsts`) over a table of `n` piece addresses
     /// (u64, from `addrs`; at most `n` are taken): written straight to the
@@ -2036,6 +2174,32 @@ impl CopyEngine for CudaCopyEngine {
         }
         self.run_uniform(region_addr, descs, stride, meanwhile)
             .map_err(CopyError::from)
+    }
+    fn gather_uniform_batch(
+        &self,
+        items: &[UniformGather<'_>],
+        meanwhile: &mut dyn FnMut(),
+        done: &mut dyn FnMut(usize, Result<(), CopyError>),
+    ) {
+        // One submission for uniform items the kernel serves (a warp a
+        // piece); anything else, one after the other.
+        let lens: Option<Vec<u64>> = items
+            .iter()
+            .map(|g| {
+                super::exec::check_uniform(g.descs, g.stride)
+                    .ok()
+                    .filter(|&len| len > 0 && len <= self.cfg.piece_bytes)
+            })
+            .collect();
+        match lens {
+            Some(lens) if self.cfg.path == CopyPath::Kernel && items.len() > 1 => {
+                self.run_gather_batch(items, &lens, meanwhile, done)
+            }
+            _ => super::exec::gather_uniform_each(self, items, meanwhile, done),
+        }
+    }
+    fn batches_gathers(&self) -> bool {
+        self.cfg.path == CopyPath::Kernel
     }
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
         self.run(Direction::Scatter, region_addr, runs)

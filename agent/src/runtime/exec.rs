@@ -103,6 +103,29 @@ pub trait CopyEngine: Send + Sync {
     fn scatter_uniform(&self, region_addr: u64, u: &UniformScatter) -> Result<(), CopyError> {
         self.scatter(region_addr, &u.to_runs())
     }
+    /// Gathers several uniform chunks ([`UniformGather`]) as one
+    /// submission (issue 18 step 3: one driver submission for a request's
+    /// chunks instead of one per chunk, whose concurrent enqueues contend
+    /// in the driver). Calls `meanwhile` exactly once, after everything is
+    /// enqueued and before the first wait, then `done(i, result)` exactly
+    /// once for every item `i`, in order, each as soon as that item's
+    /// bytes are in its region. The default is [`gather_uniform_each`]
+    /// (one [`CopyEngine::gather_uniform`] after the other).
+    fn gather_uniform_batch(
+        &self,
+        items: &[UniformGather<'_>],
+        meanwhile: &mut dyn FnMut(),
+        done: &mut dyn FnMut(usize, Result<(), CopyError>),
+    ) {
+        gather_uniform_each(self, items, meanwhile, done);
+    }
+    /// Whether the transport should hand this engine the gathers it starts
+    /// together as one [`CopyPlan::Batch`] (engines whose
+    /// [`CopyEngine::gather_uniform_batch`] is one submission). Default
+    /// `false`: one job a chunk, run in parallel by the copy workers.
+    fn batches_gathers(&self) -> bool {
+        false
+    }
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
     /// Test-only fault hook ([`super::faults`]): flips (XOR 0xFF) the byte
@@ -175,6 +198,43 @@ pub fn gather_uniform_by_runs<E: CopyEngine + ?Sized>(
         .collect();
     meanwhile();
     engine.gather(region_addr, &runs)
+}
+
+/// One chunk of a [`CopyEngine::gather_uniform_batch`]: `descs[i].len`
+/// (all equal) bytes from `descs[i].src` to `region_addr + i * stride`
+/// (bytes), as [`CopyEngine::gather_uniform`].
+#[derive(Clone, Copy, Debug)]
+pub struct UniformGather<'a> {
+    /// Absolute address of the chunk's staging region.
+    pub region_addr: u64,
+    /// The chunk's descriptors, all of one length.
+    pub descs: &'a [Descriptor],
+    /// Bytes between consecutive pieces in the region (≥ their length).
+    pub stride: u64,
+}
+
+/// [`CopyEngine::gather_uniform_batch`] one item after the other through
+/// [`CopyEngine::gather_uniform`]: `meanwhile` runs inside the first
+/// item's gather (or at once, for no items), each item reports as it ends.
+/// The default, and the CUDA engine's fallback for what its batch does not
+/// serve.
+pub fn gather_uniform_each<E: CopyEngine + ?Sized>(
+    engine: &E,
+    items: &[UniformGather<'_>],
+    meanwhile: &mut dyn FnMut(),
+    done: &mut dyn FnMut(usize, Result<(), CopyError>),
+) {
+    let mut meanwhile = Some(meanwhile);
+    for (i, g) in items.iter().enumerate() {
+        let r = match meanwhile.take() {
+            Some(m) => engine.gather_uniform(g.region_addr, g.descs, g.stride, m),
+            None => engine.gather_uniform(g.region_addr, g.descs, g.stride, &mut || {}),
+        };
+        done(i, r);
+    }
+    if let Some(m) = meanwhile {
+        m();
+    }
 }
 
 /// Host-memory copy engine: `memcpy` per segment (contiguous runs are one
@@ -293,30 +353,55 @@ pub enum CopyPlan {
     /// gathered straight from them ([`CopyEngine::gather_uniform`]) and
     /// only its scatter runs are planned, while the copy runs. Only valid
     /// with [`CopyKind::Gather`].
-    Chunk {
-        /// The request's descriptors (shared by all its chunk jobs).
-        descs: Arc<Vec<Descriptor>>,
-        /// The chunk, from `chunk_bounds` over `descs`.
-        bound: ChunkBound,
-        /// The plan's chunk cap, bytes.
-        max_chunk_size_bytes: u64,
-        /// Merge runs (seed `DISABLE_SCATTER_RUN_MERGING` off).
-        merge_runs: bool,
-        /// The peer takes DATA_UNIFORM: a uniform chunk hands back its
-        /// pieces' destinations ([`ScatterList::Uniform`]) instead of
-        /// planned runs (issue 18 step 3).
-        uniform_data: bool,
-    },
+    Chunk(ChunkGather),
+    /// Several sender chunks (of one or more requests) started together,
+    /// for an engine that [`batches_gathers`](CopyEngine::batches_gathers):
+    /// when every one is uniform, gathered as one submission
+    /// ([`CopyEngine::gather_uniform_batch`]), else one after the other as
+    /// [`CopyPlan::Chunk`]s. Each reports its own [`CopyDone`] (its own
+    /// token) as soon as its bytes are in its region; the job's `token`
+    /// and `region_addr` are unused. Only valid with [`CopyKind::Gather`].
+    Batch(Vec<BatchedChunk>),
+}
+
+/// A sender's chunk to gather ([`CopyPlan::Chunk`]).
+#[derive(Debug)]
+pub struct ChunkGather {
+    /// The request's descriptors (shared by all its chunk jobs).
+    pub descs: Arc<Vec<Descriptor>>,
+    /// The chunk, from `chunk_bounds` over `descs`.
+    pub bound: ChunkBound,
+    /// The plan's chunk cap, bytes.
+    pub max_chunk_size_bytes: u64,
+    /// Merge runs (seed `DISABLE_SCATTER_RUN_MERGING` off).
+    pub merge_runs: bool,
+    /// The peer takes DATA_UNIFORM: a uniform chunk hands back its
+    /// pieces' destinations ([`ScatterList::Uniform`]) instead of
+    /// planned runs (issue 18 step 3).
+    pub uniform_data: bool,
+}
+
+/// One chunk of a [`CopyPlan::Batch`]: what a lone [`CopyJob`] of it
+/// would carry.
+#[derive(Debug)]
+pub struct BatchedChunk {
+    /// Its token, echoed in its own [`CopyDone`].
+    pub token: u64,
+    /// Absolute address of its staging region.
+    pub region_addr: u64,
+    /// The chunk.
+    pub chunk: ChunkGather,
 }
 
 impl CopyPlan {
-    /// Runs (for [`CopyPlan::Runs`]) or pieces (for [`CopyPlan::Chunk`]),
+    /// Runs (for [`CopyPlan::Runs`]) or pieces (for the other plans),
     /// for logs.
     pub fn len(&self) -> usize {
         match self {
             CopyPlan::Runs(r) => r.len(),
             CopyPlan::Uniform(u) => u.dsts.len(),
-            CopyPlan::Chunk { bound, .. } => bound.pieces as usize,
+            CopyPlan::Chunk(c) => c.bound.pieces as usize,
+            CopyPlan::Batch(b) => b.iter().map(|c| c.chunk.bound.pieces as usize).sum(),
         }
     }
 
@@ -416,86 +501,202 @@ fn run_job(
                 .and_then(|()| engine.scatter_uniform(region_addr, &u));
             (r, none())
         }
-        CopyPlan::Chunk {
-            descs,
-            bound,
-            max_chunk_size_bytes,
-            merge_runs,
-            uniform_data,
-        } => {
+        CopyPlan::Chunk(c) => {
             if kind != CopyKind::Gather {
                 return (
                     Err(CopyError("a chunk plan can only be gathered".into())),
                     none(),
                 );
             }
-            let fail = |e: kvfabric_core::plan::PlanError| {
-                (
+            gather_one_chunk(engine, region_addr, &c)
+        }
+        CopyPlan::Batch(_) => (
+            Err(CopyError(
+                "a batch reports one completion per chunk: run it with run_batch".into(),
+            )),
+            none(),
+        ),
+    }
+}
+
+/// The scatter of uniform chunk `c` (pieces `u`) for its DATA: the
+/// pieces' destinations (DATA_UNIFORM) when the peer takes them and they
+/// fit one message, else the seed's (merged) runs.
+fn describe_uniform_scatter(
+    c: &ChunkGather,
+    u: &kvfabric_core::plan::UniformPieces,
+) -> Result<ScatterList, kvfabric_core::plan::PlanError> {
+    // A DATA_UNIFORM carries an entry a piece: within the decoder's cap,
+    // or the seed's (merged) runs.
+    let fits = u.count <= kvfabric_core::wire::MAX_ENTRIES as usize;
+    if c.uniform_data && fits {
+        // DATA_UNIFORM: the destinations, nothing planned.
+        Ok(ScatterList::Uniform(UniformScatter {
+            segment_len: u.len,
+            region_stride: u.stride,
+            dsts: c.descs[u.first_desc..u.first_desc + u.count]
+                .iter()
+                .map(|d| d.dst)
+                .collect(),
+        }))
+    } else {
+        TransferPlan::build_chunk_scatter_runs(
+            &c.descs,
+            &c.bound,
+            c.max_chunk_size_bytes,
+            c.merge_runs,
+        )
+        .map(|p| ScatterList::Runs(p.scatter_runs))
+    }
+}
+
+/// A uniform chunk's outcome from its gather and its scatter description
+/// (`None`: the engine never called `meanwhile`).
+fn finish_uniform(
+    index: u32,
+    gathered: Result<(), CopyError>,
+    planned: Option<Result<ScatterList, kvfabric_core::plan::PlanError>>,
+) -> (Result<(), CopyError>, ScatterList) {
+    match (gathered, planned) {
+        (Ok(()), Some(Ok(list))) => (Ok(()), list),
+        (Err(e), _) => (Err(e), ScatterList::default()),
+        (Ok(()), Some(Err(e))) => (
+            Err(CopyError(format!("planning chunk {index}: {e}"))),
+            ScatterList::default(),
+        ),
+        (Ok(()), None) => (
+            Err(CopyError(format!(
+                "chunk {index}: the copy engine did not plan the scatter runs"
+            ))),
+            ScatterList::default(),
+        ),
+    }
+}
+
+/// Gathers one sender chunk into the region at `region_addr`: a uniform
+/// chunk straight from its descriptors while its scatter is described,
+/// any other planned first. Returns the outcome and the chunk's scatter.
+fn gather_one_chunk(
+    engine: &dyn CopyEngine,
+    region_addr: u64,
+    c: &ChunkGather,
+) -> (Result<(), CopyError>, ScatterList) {
+    let bound = &c.bound;
+    if let Some(u) = TransferPlan::uniform_pieces(&c.descs, bound, c.max_chunk_size_bytes) {
+        // Whole descriptors of one length: gather straight from them and
+        // describe the scatter while the copy runs.
+        super::faults::before_gather();
+        let pieces = &c.descs[u.first_desc..u.first_desc + u.count];
+        let mut planned = None;
+        let gathered = engine.gather_uniform(region_addr, pieces, u.stride, &mut || {
+            planned = Some(describe_uniform_scatter(c, &u));
+        });
+        tracing::trace!(
+            chunk = bound.index,
+            pieces = u.count,
+            uniform_data = c.uniform_data,
+            "uniform chunk gathered"
+        );
+        return finish_uniform(bound.index, gathered, planned);
+    }
+    let chunk =
+        match TransferPlan::build_chunk(&c.descs, bound, c.max_chunk_size_bytes, c.merge_runs) {
+            Ok(p) => p,
+            Err(e) => {
+                return (
                     Err(CopyError(format!("planning chunk {}: {e}", bound.index))),
-                    none(),
+                    ScatterList::default(),
                 )
-            };
-            if let Some(u) = TransferPlan::uniform_pieces(&descs, &bound, max_chunk_size_bytes) {
-                // Whole descriptors of one length: gather straight from
-                // them and describe the scatter while the copy runs.
-                super::faults::before_gather();
-                let pieces = &descs[u.first_desc..u.first_desc + u.count];
-                let mut planned = None;
-                let gathered = engine.gather_uniform(region_addr, pieces, u.stride, &mut || {
-                    // A DATA_UNIFORM carries an entry a piece: within the
-                    // decoder's cap, or the seed's (merged) runs.
-                    let fits = u.count <= kvfabric_core::wire::MAX_ENTRIES as usize;
-                    planned = Some(if uniform_data && fits {
-                        // DATA_UNIFORM: the destinations, nothing planned.
-                        Ok(ScatterList::Uniform(UniformScatter {
-                            segment_len: u.len,
-                            region_stride: u.stride,
-                            dsts: pieces.iter().map(|d| d.dst).collect(),
-                        }))
-                    } else {
-                        TransferPlan::build_chunk_scatter_runs(
-                            &descs,
-                            &bound,
-                            max_chunk_size_bytes,
-                            merge_runs,
-                        )
-                        .map(|c| ScatterList::Runs(c.scatter_runs))
-                    })
-                });
-                tracing::trace!(
-                    chunk = bound.index,
-                    pieces = u.count,
-                    uniform_data,
-                    "uniform chunk gathered"
-                );
-                return match (gathered, planned) {
-                    (Ok(()), Some(Ok(list))) => (Ok(()), list),
-                    (Err(e), _) => (Err(e), none()),
-                    (Ok(()), Some(Err(e))) => fail(e),
-                    (Ok(()), None) => (
-                        Err(CopyError(format!(
-                            "chunk {}: the copy engine did not plan the scatter runs",
-                            bound.index
-                        ))),
-                        none(),
-                    ),
-                };
             }
-            let chunk =
-                match TransferPlan::build_chunk(&descs, &bound, max_chunk_size_bytes, merge_runs) {
-                    Ok(c) => c,
-                    Err(e) => return fail(e),
-                };
-            tracing::trace!(
-                chunk = bound.index,
-                runs = chunk.gather_runs.len(),
-                "chunk planned"
+        };
+    tracing::trace!(
+        chunk = bound.index,
+        runs = chunk.gather_runs.len(),
+        "chunk planned"
+    );
+    super::faults::before_gather();
+    match engine.gather(region_addr, &chunk.gather_runs) {
+        Ok(()) => (Ok(()), ScatterList::Runs(chunk.scatter_runs)),
+        Err(e) => (Err(e), ScatterList::default()),
+    }
+}
+
+/// Runs a [`CopyPlan::Batch`] on `engine`, calling `report(token, result,
+/// scatter)` exactly once per chunk, in order, each as soon as its gather
+/// ended. When every chunk is uniform (and there are two or more) they go
+/// to [`CopyEngine::gather_uniform_batch`] as one submission, their
+/// scatters described while it runs; otherwise each is gathered in turn
+/// as a lone [`CopyPlan::Chunk`] would be.
+pub fn run_batch(
+    engine: &dyn CopyEngine,
+    items: Vec<BatchedChunk>,
+    report: &mut dyn FnMut(u64, Result<(), CopyError>, ScatterList),
+) {
+    let pieces: Option<Vec<_>> = items
+        .iter()
+        .map(|b| {
+            TransferPlan::uniform_pieces(
+                &b.chunk.descs,
+                &b.chunk.bound,
+                b.chunk.max_chunk_size_bytes,
+            )
+        })
+        .collect();
+    let pieces = match pieces {
+        Some(p) if items.len() > 1 => p,
+        _ => {
+            for b in items {
+                let (r, scatter) = gather_one_chunk(engine, b.region_addr, &b.chunk);
+                report(b.token, r, scatter);
+            }
+            return;
+        }
+    };
+    for _ in &items {
+        super::faults::before_gather();
+    }
+    let gathers: Vec<UniformGather<'_>> = items
+        .iter()
+        .zip(&pieces)
+        .map(|(b, u)| UniformGather {
+            region_addr: b.region_addr,
+            descs: &b.chunk.descs[u.first_desc..u.first_desc + u.count],
+            stride: u.stride,
+        })
+        .collect();
+    let planned: std::cell::RefCell<Vec<Option<_>>> =
+        std::cell::RefCell::new((0..items.len()).map(|_| None).collect());
+    let mut reported = vec![false; items.len()];
+    engine.gather_uniform_batch(
+        &gathers,
+        &mut || {
+            let mut planned = planned.borrow_mut();
+            for (k, (b, u)) in items.iter().zip(&pieces).enumerate() {
+                planned[k] = Some(describe_uniform_scatter(&b.chunk, u));
+            }
+        },
+        &mut |i, gathered| {
+            let Some(b) = items.get(i) else { return };
+            if std::mem::replace(&mut reported[i], true) {
+                return;
+            }
+            let list = planned.borrow_mut()[i].take();
+            let (r, scatter) = finish_uniform(b.chunk.bound.index, gathered, list);
+            report(b.token, r, scatter);
+        },
+    );
+    tracing::trace!(chunks = items.len(), "uniform chunks gathered as one batch");
+    // An engine that broke its contract: no chunk is left unanswered.
+    for (b, done) in items.iter().zip(reported) {
+        if !done {
+            report(
+                b.token,
+                Err(CopyError(format!(
+                    "chunk {}: the copy engine did not report its batched gather",
+                    b.chunk.bound.index
+                ))),
+                ScatterList::default(),
             );
-            super::faults::before_gather();
-            match engine.gather(region_addr, &chunk.gather_runs) {
-                Ok(()) => (Ok(()), ScatterList::Runs(chunk.scatter_runs)),
-                Err(e) => (Err(e), none()),
-            }
         }
     }
 }
@@ -654,25 +855,37 @@ impl CopyWorkers {
                                 WorkerMsg::Exit => break,
                             };
                             tracing::trace!(token = job.token, kind = ?job.kind, items = job.plan.len(), "copy start");
-                            let (result, scatter) =
-                                run_job(&*engine, job.kind, job.region_addr, job.plan);
-                            if let Err(e) = &result {
-                                tracing::warn!(token = job.token, kind = ?job.kind, error = %e, "copy job failed");
+                            let kind = job.kind;
+                            let mut open = true;
+                            let mut report = |token: u64, result: Result<(), CopyError>, scatter| {
+                                if let Err(e) = &result {
+                                    tracing::warn!(token, ?kind, error = %e, "copy job failed");
+                                }
+                                tracing::trace!(token, "copy end");
+                                open &= done
+                                    .send(CopyDone {
+                                        token,
+                                        kind,
+                                        result,
+                                        scatter,
+                                    })
+                                    .is_ok();
+                                if let Some(w) = &waker {
+                                    w.wake();
+                                }
+                            };
+                            match job.plan {
+                                CopyPlan::Batch(items) if kind == CopyKind::Gather => {
+                                    run_batch(&*engine, items, &mut report)
+                                }
+                                plan => {
+                                    let (result, scatter) =
+                                        run_job(&*engine, kind, job.region_addr, plan);
+                                    report(job.token, result, scatter);
+                                }
                             }
-                            tracing::trace!(token = job.token, "copy end");
-                            if done
-                                .send(CopyDone {
-                                    token: job.token,
-                                    kind: job.kind,
-                                    result,
-                                    scatter,
-                                })
-                                .is_err()
-                            {
+                            if !open {
                                 break;
-                            }
-                            if let Some(w) = &waker {
-                                w.wake();
                             }
                         }
                     })?,
@@ -739,13 +952,13 @@ mod tests {
             engine,
             CopyKind::Gather,
             region.as_mut_ptr() as u64,
-            CopyPlan::Chunk {
+            CopyPlan::Chunk(ChunkGather {
                 descs: descs.clone(),
                 bound: bounds[index],
                 max_chunk_size_bytes: max,
                 merge_runs: true,
                 uniform_data,
-            },
+            }),
         );
         (region, r.map(|()| runs))
     }
@@ -929,6 +1142,175 @@ mod tests {
         let mixed = Arc::new(mixed);
         let (_, l) = gather_chunk_as(&HostCopyEngine, &mixed, max, 0, true);
         assert!(matches!(l.unwrap(), ScatterList::Runs(_)));
+    }
+
+    /// A host engine whose batch is one call (as the CUDA engine's):
+    /// copies every item, runs `meanwhile`, then reports them in order;
+    /// counts its batch calls.
+    #[derive(Default)]
+    struct OneSubmission {
+        batches: std::sync::atomic::AtomicUsize,
+        /// Report nothing (an engine that breaks its contract).
+        silent: bool,
+    }
+    impl CopyEngine for OneSubmission {
+        fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.gather(region_addr, runs)
+        }
+        fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.scatter(region_addr, runs)
+        }
+        fn gather_uniform_batch(
+            &self,
+            items: &[UniformGather<'_>],
+            meanwhile: &mut dyn FnMut(),
+            done: &mut dyn FnMut(usize, Result<(), CopyError>),
+        ) {
+            self.batches.fetch_add(1, Ordering::SeqCst);
+            let rs: Vec<_> = items
+                .iter()
+                .map(|g| {
+                    HostCopyEngine.gather_uniform(g.region_addr, g.descs, g.stride, &mut || {})
+                })
+                .collect();
+            meanwhile();
+            if self.silent {
+                return;
+            }
+            for (i, r) in rs.into_iter().enumerate() {
+                done(i, r);
+            }
+        }
+        fn batches_gathers(&self) -> bool {
+            true
+        }
+        fn name(&self) -> &'static str {
+            "one-submission"
+        }
+    }
+
+    /// A batch of a request's chunks (issue 18 step 3, `batchGathers`)
+    /// lands in every chunk's region exactly the bytes a lone chunk job
+    /// lands, with the same scatter (DATA_UNIFORM and runs), each reported
+    /// once under its own token, in order — through one batch call on an
+    /// engine that batches, one chunk after the other on the default; a
+    /// batch holding a chunk of mixed lengths is gathered chunk by chunk;
+    /// an engine that reports nothing leaves no chunk unanswered.
+    #[test]
+    fn batched_gathers_land_like_lone_chunks() {
+        let len = 4096usize;
+        let n = 96usize;
+        let src: Vec<u8> = (0..n * len).map(|i| (i * 13 + i / 4096) as u8).collect();
+        let base = src.as_ptr() as u64;
+        let descs: Vec<Descriptor> = (0..n)
+            .map(|k| {
+                let s = (k * 53 + 7) % n;
+                Descriptor::new(
+                    base + (s * len) as u64,
+                    0x20_0000 + (k * 2 * len) as u64,
+                    len as u64,
+                )
+            })
+            .collect();
+        let max = 32 * len as u64;
+        let mut mixed = descs.clone();
+        mixed[40].len = 100;
+        for (ds, uniform_data, expect_batch) in [
+            (Arc::new(descs.clone()), true, true),
+            (Arc::new(descs), false, true),
+            (Arc::new(mixed), true, false),
+        ] {
+            let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
+            assert_eq!(bounds.len(), 3);
+            let want: Vec<_> = (0..3)
+                .map(|i| {
+                    let (region, list) =
+                        gather_chunk_as(&HostCopyEngine, &ds, max, i, uniform_data);
+                    (region, list.unwrap())
+                })
+                .collect();
+            let one = OneSubmission::default();
+            let engines: [(&dyn CopyEngine, Option<&OneSubmission>); 2] =
+                [(&HostCopyEngine, None), (&one, Some(&one))];
+            for (engine, counted) in engines {
+                let mut regions: Vec<Vec<u8>> =
+                    want.iter().map(|(r, _)| vec![0xA5u8; r.len()]).collect();
+                let items: Vec<BatchedChunk> = regions
+                    .iter_mut()
+                    .zip(&bounds)
+                    .enumerate()
+                    .map(|(i, (r, b))| BatchedChunk {
+                        token: 100 + i as u64,
+                        region_addr: r.as_mut_ptr() as u64,
+                        chunk: ChunkGather {
+                            descs: ds.clone(),
+                            bound: *b,
+                            max_chunk_size_bytes: max,
+                            merge_runs: true,
+                            uniform_data,
+                        },
+                    })
+                    .collect();
+                let mut got = Vec::new();
+                run_batch(engine, items, &mut |token, r, list| {
+                    got.push((token, r.map(|()| list)))
+                });
+                assert_eq!(
+                    got.iter().map(|g| g.0).collect::<Vec<_>>(),
+                    vec![100, 101, 102],
+                    "{}",
+                    engine.name()
+                );
+                for (i, (_, r)) in got.into_iter().enumerate() {
+                    assert_eq!(
+                        r.unwrap(),
+                        want[i].1,
+                        "chunk {i} scatter ({})",
+                        engine.name()
+                    );
+                    assert_eq!(regions[i], want[i].0, "chunk {i} bytes ({})", engine.name());
+                }
+                if let Some(c) = counted {
+                    let batches = c.batches.load(Ordering::SeqCst);
+                    assert_eq!(batches, usize::from(expect_batch), "batch calls");
+                }
+            }
+        }
+        // Nothing reported by the engine: every chunk fails, once.
+        let silent = OneSubmission {
+            silent: true,
+            ..Default::default()
+        };
+        let ds = Arc::new(
+            (0..64)
+                .map(|k| Descriptor::new(base + (k * len) as u64, 0x20_0000, len as u64))
+                .collect::<Vec<_>>(),
+        );
+        let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
+        let mut regions = vec![vec![0u8; max as usize]; 2];
+        let items: Vec<BatchedChunk> = regions
+            .iter_mut()
+            .zip(&bounds)
+            .enumerate()
+            .map(|(i, (r, b))| BatchedChunk {
+                token: i as u64,
+                region_addr: r.as_mut_ptr() as u64,
+                chunk: ChunkGather {
+                    descs: ds.clone(),
+                    bound: *b,
+                    max_chunk_size_bytes: max,
+                    merge_runs: true,
+                    uniform_data: true,
+                },
+            })
+            .collect();
+        let mut got = Vec::new();
+        run_batch(&silent, items, &mut |token, r, _| got.push((token, r)));
+        assert_eq!(got.len(), 2);
+        for (i, (token, r)) in got.into_iter().enumerate() {
+            assert_eq!(token, i as u64);
+            assert!(r.unwrap_err().0.contains("did not report"));
+        }
     }
 
     fn job(token: u64) -> WorkerMsg {

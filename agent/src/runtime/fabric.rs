@@ -618,6 +618,7 @@ impl FabricAgent {
             grant_policy: cfg.grant_policy(),
             uniform_data: cfg.uniform_data(),
             merge_runs: !cfg.config().disable_scatter_run_merging,
+            batch_gathers: cfg.batch_gathers(),
             busy_poll: cfg.busy_poll(host_cpus()),
             allowed_scatter_ranges: init.allowed,
             scoped_ranges: init.scoped,

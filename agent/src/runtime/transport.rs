@@ -45,7 +45,10 @@ use kvfabric_core::{Descriptor, ScatterList};
 
 use super::control::{ControlChannel, ControlError};
 use super::engine::{MemDesc, MemKind, TransferEngine, XferHandle, XferState};
-use super::exec::{CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers, WorkerPrimer};
+use super::exec::{
+    BatchedChunk, ChunkGather, CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers,
+    WorkerPrimer,
+};
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -73,6 +76,12 @@ pub struct TransportSettings {
     pub uniform_data: bool,
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
+    /// Hand the gathers one input starts (a new request's first chunks)
+    /// to one copy worker as one job, for a copy engine that
+    /// [`batches_gathers`](CopyEngine::batches_gathers) (config
+    /// `batchGathers`; issue 18 step 3). Without it, or on other engines,
+    /// one job a chunk.
+    pub batch_gathers: bool,
     /// Busy-poll window: while the transport has work in flight (requests
     /// waiting for GRANT/ACK, granted regions waiting for DATA, copies),
     /// the IO thread keeps polling without blocking for up to this long
@@ -119,6 +128,7 @@ impl Default for TransportSettings {
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             merge_runs: true,
+            batch_gathers: true,
             busy_poll: Duration::ZERO,
             allowed_scatter_ranges: Vec::new(),
             scoped_ranges: Vec::new(),
@@ -162,6 +172,14 @@ struct CompletionState {
 /// ([`BounceTransport::submit_traced`]; issue 15, OpenTelemetry traces).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
+    /// The transport's submit call began, on the caller's thread (chunk 0).
+    Entered,
+    /// The caller's sizing pass ([`TransferPlan::chunk_bounds`]) ended, on
+    /// the caller's thread (chunk 0).
+    Sized,
+    /// The request is on the IO thread's command queue and the IO thread
+    /// was woken, on the caller's thread (chunk 0).
+    Queued,
     /// The IO thread took the request off its command queue (chunk 0):
     /// submit → this is the caller's sizing plus the IO thread's wake-up.
     Received,
@@ -181,6 +199,9 @@ impl Stage {
     /// The span event's name.
     pub fn name(self) -> &'static str {
         match self {
+            Stage::Entered => "entered",
+            Stage::Sized => "sized",
+            Stage::Queued => "queued",
             Stage::Received => "received",
             Stage::Want => "want",
             Stage::Gathered => "gather",
@@ -658,6 +679,11 @@ pub const MAX_TOMBSTONES: usize = 262_144;
 /// Bound on synchronous commands (add/forget peer, snapshot).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Most chunks in one batched gather job (`TransportSettings::batch_gathers`):
+/// a request's first chunks (W = 8 by default) go as one submission; a
+/// longer run of started gathers is split so that other workers take part.
+pub const MAX_GATHER_BATCH: usize = 8;
+
 impl BounceTransport {
     /// Starts the IO thread and copy workers over `engine`, `channel`,
     /// `copy` and the registered `arena`.
@@ -715,6 +741,7 @@ impl BounceTransport {
         channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let gather_batch = (settings.batch_gathers && copy.batches_gathers()).then(Vec::new);
         let workers = CopyWorkers::start(
             &name,
             settings.copy_workers,
@@ -747,6 +774,7 @@ impl BounceTransport {
             deadline: None,
             deadline_stale: true,
             workers: Some(workers),
+            gather_batch,
             done_rx,
             cmd_rx,
             stats: stats.clone(),
@@ -1057,6 +1085,7 @@ impl BounceTransport {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
         let completion = Arc::new(completion);
+        completion.note(Stage::Entered, 0, Instant::now());
         let handle = TransferHandle {
             completion: completion.clone(),
             request_id: rid,
@@ -1085,6 +1114,7 @@ impl BounceTransport {
                 return handle;
             }
         };
+        completion.note(Stage::Sized, 0, Instant::now());
         tracing::trace!(
             rid,
             chunks = chunks.len(),
@@ -1101,6 +1131,7 @@ impl BounceTransport {
                 completion,
             })
             .is_ok();
+        handle.completion.note(Stage::Queued, 0, Instant::now());
         // Not sent, or sent after the IO thread's last drain (its queue is
         // then dropped unread): resolve here, once.
         if (!sent || self.closed.load(Ordering::SeqCst))
@@ -1241,6 +1272,11 @@ struct Io {
     writes: Vec<WriteIo>,
     /// Reused buffer of writes found terminal by one poll pass.
     landed: Vec<(WriteIo, Result<(), String>, Duration)>,
+    /// Gathers started by the actions performed so far, held to go as one
+    /// job (`Some` only when batching: `TransportSettings::batch_gathers`
+    /// and an engine that batches); flushed before any other action and
+    /// at the end of each `perform_all`, at most [`MAX_GATHER_BATCH`].
+    gather_batch: Option<Vec<BatchedChunk>>,
     /// Reused action queues (one per nesting level of `perform_all`).
     queues: Vec<VecDeque<Step>>,
     /// Disallow / quiesce requests waiting for the machine's answer.
@@ -1434,6 +1470,9 @@ impl Io {
             match step {
                 Step::Event(e) => self.on_event(e),
                 Step::Action(a) => {
+                    if !matches!(a, Action::StartGather { .. }) {
+                        self.flush_gathers();
+                    }
                     let post = matches!(a, Action::PostWrite { .. });
                     self.perform(a);
                     // A post can take a while (the engine may copy
@@ -1449,7 +1488,40 @@ impl Io {
                 }
             }
         }
+        self.flush_gathers();
         self.queues.push(q);
+    }
+
+    /// Submits the gathers held for one batch (see `gather_batch`).
+    fn flush_gathers(&mut self) {
+        let held = match &mut self.gather_batch {
+            Some(b) if !b.is_empty() => std::mem::take(b),
+            _ => return,
+        };
+        self.submit_gathers(held);
+    }
+
+    /// Queues `gathers` for the copy workers: one lone chunk as a
+    /// [`CopyPlan::Chunk`], several as one [`CopyPlan::Batch`].
+    fn submit_gathers(&mut self, mut gathers: Vec<BatchedChunk>) {
+        let Some(w) = &self.workers else { return };
+        let job = if gathers.len() == 1 {
+            let g = gathers.pop().expect("one gather");
+            CopyJob {
+                token: g.token,
+                kind: CopyKind::Gather,
+                region_addr: g.region_addr,
+                plan: CopyPlan::Chunk(g.chunk),
+            }
+        } else {
+            CopyJob {
+                token: gathers[0].token,
+                kind: CopyKind::Gather,
+                region_addr: gathers[0].region_addr,
+                plan: CopyPlan::Batch(gathers),
+            }
+        };
+        w.submit(job);
     }
 
     fn on_event(&mut self, e: Event) {
@@ -1493,19 +1565,27 @@ impl Io {
                     });
                 };
                 tracing::trace!(rid, chunk, "gather");
-                if let Some(w) = &self.workers {
-                    w.submit(CopyJob {
-                        token: job,
-                        kind: CopyKind::Gather,
-                        region_addr: self.arena.base + local,
-                        plan: CopyPlan::Chunk {
-                            descs: r.descs.clone(),
-                            bound,
-                            max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
-                            merge_runs: self.settings.merge_runs,
-                            uniform_data: r.uniform_data,
-                        },
-                    });
+                let gather = BatchedChunk {
+                    token: job,
+                    region_addr: self.arena.base + local,
+                    chunk: ChunkGather {
+                        descs: r.descs.clone(),
+                        bound,
+                        max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
+                        merge_runs: self.settings.merge_runs,
+                        uniform_data: r.uniform_data,
+                    },
+                };
+                match &mut self.gather_batch {
+                    // Gathers started together go as one job (flushed
+                    // before the next other action, so nothing waits).
+                    Some(batch) => {
+                        batch.push(gather);
+                        if batch.len() >= MAX_GATHER_BATCH {
+                            self.flush_gathers();
+                        }
+                    }
+                    None => self.submit_gathers(vec![gather]),
                 }
             }
             Action::PostWrite {
