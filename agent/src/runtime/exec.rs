@@ -1392,6 +1392,63 @@ mod tests {
         }
     }
 
+    /// A worker runs a batch job as one engine call and reports one
+    /// completion per chunk, each with its own token and scatter, in order.
+    #[test]
+    fn a_batch_job_reports_every_chunk_under_its_own_token() {
+        let engine = Arc::new(OneSubmission::default());
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let workers =
+            CopyWorkers::start("batch", 2, engine.clone(), done_tx, None, Duration::ZERO).unwrap();
+        let len = 4096usize;
+        let src: Vec<u8> = (0..48 * len).map(|i| (i % 251) as u8).collect();
+        let ds = Arc::new(
+            (0..48)
+                .map(|k| {
+                    Descriptor::new(src.as_ptr() as u64 + (k * len) as u64, 0x1000, len as u64)
+                })
+                .collect::<Vec<_>>(),
+        );
+        let max = 16 * len as u64;
+        let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
+        let mut regions = vec![vec![0u8; max as usize]; bounds.len()];
+        let items: Vec<BatchedChunk> = regions
+            .iter_mut()
+            .zip(&bounds)
+            .enumerate()
+            .map(|(i, (r, b))| BatchedChunk {
+                token: 7 + i as u64,
+                region_addr: r.as_mut_ptr() as u64,
+                chunk: ChunkGather {
+                    descs: ds.clone(),
+                    bound: *b,
+                    max_chunk_size_bytes: max,
+                    merge_runs: true,
+                    uniform_data: true,
+                },
+            })
+            .collect();
+        workers.submit(CopyJob {
+            token: 7,
+            kind: CopyKind::Gather,
+            region_addr: 0,
+            plan: CopyPlan::Batch(items),
+        });
+        for (i, region) in regions.iter().enumerate() {
+            let d = done_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+            assert_eq!(d.token, 7 + i as u64);
+            assert!(d.result.is_ok(), "{:?}", d.result);
+            let ScatterList::Uniform(u) = d.scatter else {
+                panic!("chunk {i}: a uniform scatter expected")
+            };
+            assert_eq!(u.dsts.len(), 16);
+            assert_eq!(&region[..], &src[i * 16 * len..(i + 1) * 16 * len]);
+        }
+        drop(workers);
+        assert!(done_rx.try_recv().is_err(), "one completion per chunk");
+        assert_eq!(engine.batches.load(Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn primed_workers_still_run_every_job_and_drop_joins_despite_a_live_primer() {
         let engine = Arc::new(Counting::default());
