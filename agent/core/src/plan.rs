@@ -364,6 +364,46 @@ fn validate(descs: &[Descriptor], max: u64) -> Result<u64, PlanError> {
 /// [`validate`], also returning the common length when every descriptor
 /// has the same non-zero length (KV blocks usually do).
 fn validate_and_measure(descs: &[Descriptor], max: u64) -> Result<(u64, Option<u64>), PlanError> {
+    // One branch-free pass first (the sizing pass is on every request's
+    // critical path: 16,384 descriptors took 23–53 µs on the H200 host
+    // with a branch per check, issue 18); the checking loop below runs
+    // only when it finds something to report, to name the descriptor.
+    let first_len = descs.first().map_or(0, |d| d.len);
+    let (mut overflow, mut sum, mut same) = (false, 0u128, true);
+    for d in descs {
+        overflow |= d.src.wrapping_add(d.len) < d.src;
+        overflow |= d.dst.wrapping_add(d.len) < d.dst;
+        sum += u128::from(d.len);
+        same &= d.len == first_len;
+    }
+    if !overflow {
+        if let Ok(total) = u64::try_from(sum) {
+            check_chunk_count(total, max)?;
+            return Ok((total, (same && first_len > 0).then_some(first_len)));
+        }
+    }
+    validate_and_measure_checked(descs, max)
+}
+
+/// The chunk count `total` bytes need at `max` bytes a chunk, at most
+/// [`MAX_CHUNKS`].
+fn check_chunk_count(total: u64, max: u64) -> Result<(), PlanError> {
+    let min_chunks = total.div_ceil(max);
+    if min_chunks > MAX_CHUNKS {
+        return Err(PlanError::TooManyChunks {
+            needed: min_chunks,
+            max_chunk_size_bytes: max,
+        });
+    }
+    Ok(())
+}
+
+/// [`validate_and_measure`] descriptor by descriptor: the first overflow
+/// is reported with its index.
+fn validate_and_measure_checked(
+    descs: &[Descriptor],
+    max: u64,
+) -> Result<(u64, Option<u64>), PlanError> {
     let mut total: u64 = 0;
     let first_len = descs.first().map_or(0, |d| d.len);
     let mut uniform = first_len > 0;
@@ -382,13 +422,7 @@ fn validate_and_measure(descs: &[Descriptor], max: u64) -> Result<(u64, Option<u
             .checked_add(d.len)
             .ok_or(PlanError::TotalBytesOverflow { index })?;
     }
-    let min_chunks = total.div_ceil(max);
-    if min_chunks > MAX_CHUNKS {
-        return Err(PlanError::TooManyChunks {
-            needed: min_chunks,
-            max_chunk_size_bytes: max,
-        });
-    }
+    check_chunk_count(total, max)?;
     Ok((total, uniform.then_some(first_len)))
 }
 

@@ -1228,7 +1228,9 @@ impl FabricAgent {
         src_kind: MemKind,
         dst_kind: MemKind,
     ) -> bool {
-        self.bounce_route(peer, descs, src_kind, dst_kind).is_some()
+        let bytes = descs.iter().fold(0u64, |a, d| a.saturating_add(d.len));
+        self.bounce_route(peer, descs.len(), bytes, src_kind, dst_kind)
+            .is_some()
     }
 
     /// [`FabricAgent::should_use_bounce`], returning the transport to use
@@ -1237,7 +1239,8 @@ impl FabricAgent {
     fn bounce_route(
         &self,
         peer: &str,
-        descs: &[Descriptor],
+        count: usize,
+        bytes: u64,
         src_kind: MemKind,
         dst_kind: MemKind,
     ) -> Option<Arc<BounceTransport>> {
@@ -1255,12 +1258,11 @@ impl FabricAgent {
         if !self.has_peer_handshake(peer) {
             return None;
         }
-        let n = descs.len() as u64;
+        let n = count as u64;
         if n == 0 || n < min_n {
             return None;
         }
-        let total: u64 = descs.iter().map(|d| d.len).sum();
-        (total / n <= max_avg).then_some(t)
+        (bytes / n <= max_avg).then_some(t)
     }
 
     /// The GPU of the bounce arena, when it lives in device memory.
@@ -1320,8 +1322,10 @@ impl FabricAgent {
         scope: u64,
         traced: bool,
     ) -> (PathKind, TransferHandle) {
-        let bytes: u64 = descs.iter().map(|d| d.len).sum();
-        if let Some(t) = self.bounce_route(peer, &descs, src_kind, dst_kind) {
+        // One pass over the descriptors for the gate and the counters
+        // (saturating: the planner rejects an overflowing list).
+        let bytes = descs.iter().fold(0u64, |a, d| a.saturating_add(d.len));
+        if let Some(t) = self.bounce_route(peer, descs.len(), bytes, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_bounce.fetch_add(bytes, Ordering::Relaxed);
             (
