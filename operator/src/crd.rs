@@ -261,7 +261,7 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
             "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst"], "default": def("grantPolicy"),
                             "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."},
             "uniformData": flag("uniformData", "Uniform chunks described by their blocks' destinations (DATA_UNIFORM; advertised in the handshake, used only when both agents advertise it, else the seed's DATA)."),
-            "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local; off by default).")
+            "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local).")
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

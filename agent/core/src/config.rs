@@ -787,9 +787,10 @@ pub struct BounceConfig {
     /// request instead of concurrent ones per chunk, which contend in the
     /// driver under MPS); the first chunk reports as soon as it is
     /// gathered, the rest together. Only the CUDA kernel path batches.
-    /// Sender-local: peers need not agree. Default `false`: on the H200
-    /// (MPS, 64 MiB as 16,384 × 4 KiB) it measured within noise of one job
-    /// a chunk (docs/benchmarks.md, "Issue 18 step 3, fourth session").
+    /// Sender-local: peers need not agree. Default `true`: on the H200
+    /// (MPS) an isolated 64 MiB request is no faster, but the open-loop
+    /// tail is shorter (p99 from arrival lower in 6 of 7 alternated
+    /// pairs; docs/benchmarks.md, "Issue 18 step 3, fourth session").
     /// Env `KVFABRIC_BOUNCE_BATCH_GATHERS`.
     #[serde(deserialize_with = "de_batch_gathers")]
     pub batch_gathers: bool,
@@ -819,7 +820,7 @@ impl Default for BounceConfig {
             io_busy_poll_us: BusyPoll::Auto,
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
-            batch_gathers: false,
+            batch_gathers: true,
         }
     }
 }
@@ -1674,7 +1675,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
             ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
-            ("KVFABRIC_BOUNCE_BATCH_GATHERS", "1"),
+            ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1700,7 +1701,7 @@ mod tests {
             io_busy_poll_us: BusyPoll::Micros(500),
             grant_policy: GrantPolicy::OldestFirst,
             uniform_data: false,
-            batch_gathers: true,
+            batch_gathers: false,
         };
         assert_eq!(c, want);
     }
@@ -1718,13 +1719,13 @@ mod tests {
     }
 
     #[test]
-    fn batch_gathers_defaults_off_and_parses_from_yaml_and_env() {
-        assert!(!BounceConfig::default().batch_gathers);
-        let c = BounceConfig::from_yaml_str("batchGathers: true").unwrap();
-        assert!(c.batch_gathers);
+    fn batch_gathers_defaults_on_and_parses_from_yaml_and_env() {
+        assert!(BounceConfig::default().batch_gathers);
+        let c = BounceConfig::from_yaml_str("batchGathers: false").unwrap();
+        assert!(!c.batch_gathers);
         let mut c = BounceConfig::default();
-        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_BATCH_GATHERS", "on")]);
-        assert!(w.is_empty() && c.batch_gathers, "{w:?}");
+        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_BATCH_GATHERS", "off")]);
+        assert!(w.is_empty() && !c.batch_gathers, "{w:?}");
         let e = BounceConfig::from_yaml_str("batchGathers: 2").unwrap_err();
         assert!(e.to_string().contains("batchGathers"), "{e}");
     }

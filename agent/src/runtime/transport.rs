@@ -128,7 +128,7 @@ impl Default for TransportSettings {
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             merge_runs: true,
-            batch_gathers: false,
+            batch_gathers: true,
             busy_poll: Duration::ZERO,
             allowed_scatter_ranges: Vec::new(),
             scoped_ranges: Vec::new(),
