@@ -1189,6 +1189,34 @@ mod tests {
         }
     }
 
+    /// One [`BatchedChunk`] per bound of `ds`, gathered into `regions`
+    /// (one a bound), tokens from `first_token`.
+    fn batch_items(
+        regions: &mut [Vec<u8>],
+        bounds: &[ChunkBound],
+        ds: &Arc<Vec<Descriptor>>,
+        max: u64,
+        uniform_data: bool,
+        first_token: u64,
+    ) -> Vec<BatchedChunk> {
+        regions
+            .iter_mut()
+            .zip(bounds)
+            .enumerate()
+            .map(|(i, (r, b))| BatchedChunk {
+                token: first_token + i as u64,
+                region_addr: r.as_mut_ptr() as u64,
+                chunk: ChunkGather {
+                    descs: ds.clone(),
+                    bound: *b,
+                    max_chunk_size_bytes: max,
+                    merge_runs: true,
+                    uniform_data,
+                },
+            })
+            .collect()
+    }
+
     /// A batch of a request's chunks (issue 18 step 3, `batchGathers`)
     /// lands in every chunk's region exactly the bytes a lone chunk job
     /// lands, with the same scatter (DATA_UNIFORM and runs), each reported
@@ -1235,22 +1263,7 @@ mod tests {
             for (engine, counted) in engines {
                 let mut regions: Vec<Vec<u8>> =
                     want.iter().map(|(r, _)| vec![0xA5u8; r.len()]).collect();
-                let items: Vec<BatchedChunk> = regions
-                    .iter_mut()
-                    .zip(&bounds)
-                    .enumerate()
-                    .map(|(i, (r, b))| BatchedChunk {
-                        token: 100 + i as u64,
-                        region_addr: r.as_mut_ptr() as u64,
-                        chunk: ChunkGather {
-                            descs: ds.clone(),
-                            bound: *b,
-                            max_chunk_size_bytes: max,
-                            merge_runs: true,
-                            uniform_data,
-                        },
-                    })
-                    .collect();
+                let items = batch_items(&mut regions, &bounds, &ds, max, uniform_data, 100);
                 let mut got = Vec::new();
                 run_batch(engine, items, &mut |token, r, list| {
                     got.push((token, r.map(|()| list)))
@@ -1288,22 +1301,7 @@ mod tests {
         );
         let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
         let mut regions = vec![vec![0u8; max as usize]; 2];
-        let items: Vec<BatchedChunk> = regions
-            .iter_mut()
-            .zip(&bounds)
-            .enumerate()
-            .map(|(i, (r, b))| BatchedChunk {
-                token: i as u64,
-                region_addr: r.as_mut_ptr() as u64,
-                chunk: ChunkGather {
-                    descs: ds.clone(),
-                    bound: *b,
-                    max_chunk_size_bytes: max,
-                    merge_runs: true,
-                    uniform_data: true,
-                },
-            })
-            .collect();
+        let items = batch_items(&mut regions, &bounds, &ds, max, true, 0);
         let mut got = Vec::new();
         run_batch(&silent, items, &mut |token, r, _| got.push((token, r)));
         assert_eq!(got.len(), 2);
@@ -1412,22 +1410,7 @@ mod tests {
         let max = 16 * len as u64;
         let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
         let mut regions = vec![vec![0u8; max as usize]; bounds.len()];
-        let items: Vec<BatchedChunk> = regions
-            .iter_mut()
-            .zip(&bounds)
-            .enumerate()
-            .map(|(i, (r, b))| BatchedChunk {
-                token: 7 + i as u64,
-                region_addr: r.as_mut_ptr() as u64,
-                chunk: ChunkGather {
-                    descs: ds.clone(),
-                    bound: *b,
-                    max_chunk_size_bytes: max,
-                    merge_runs: true,
-                    uniform_data: true,
-                },
-            })
-            .collect();
+        let items = batch_items(&mut regions, &bounds, &ds, max, true, 7);
         workers.submit(CopyJob {
             token: 7,
             kind: CopyKind::Gather,
