@@ -1122,8 +1122,9 @@ pub struct ExecCtx {
     dplan_cap: usize,
     /// The plan buffers may still be read by earlier work on the stream.
     busy: bool,
-    /// Per-item completion events of a batched gather
-    /// ([`CudaCopyEngine::run_gather_batch`]), created on first use.
+    /// The two completion marks of a batched gather (after its first and
+    /// after its last item: [`CudaCopyEngine::run_gather_batch`]),
+    /// created on first use.
     marks: Vec<sys::CUevent>,
     runs: Vec<GpuRun>,
     tasks: Vec<GpuTask>,
@@ -2012,8 +2013,10 @@ impl CudaCopyEngine {
         let mut next = 0;
         let mut failed = enqueued.err();
         if failed.is_none() {
-            // Mark 0: the first item; mark 1: all of them.
-            for (mark, upto) in [(0, 1), (1, items.len())] {
+            // Mark 0: the first item; mark 1 (recorded only for two or
+            // more): all of them.
+            let marks = if items.len() > 1 { 2 } else { 1 };
+            for (mark, upto) in [(0, 1), (1, items.len())].into_iter().take(marks) {
                 if let Err(e) = ctx.wait_mark(mark) {
                     failed = Some(e);
                     break;
@@ -2218,8 +2221,13 @@ impl CopyEngine for CudaCopyEngine {
             _ => super::exec::gather_uniform_each(self, items, meanwhile, done),
         }
     }
-    fn batches_gathers(&self) -> bool {
-        self.cfg.path == CopyPath::Kernel
+    fn max_batched_piece_bytes(&self) -> u64 {
+        // What `gather_uniform_batch` submits at once (a warp a piece).
+        if self.cfg.path == CopyPath::Kernel {
+            self.cfg.piece_bytes
+        } else {
+            0
+        }
     }
     fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
         self.run(Direction::Scatter, region_addr, runs)

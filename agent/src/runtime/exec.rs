@@ -106,11 +106,14 @@ pub trait CopyEngine: Send + Sync {
     /// Gathers several uniform chunks ([`UniformGather`]) as one
     /// submission (issue 18 step 3: one driver submission for a request's
     /// chunks instead of one per chunk, whose concurrent enqueues contend
-    /// in the driver). Calls `meanwhile` exactly once, after everything is
-    /// enqueued and before the first wait, then `done(i, result)` exactly
-    /// once for every item `i`, in order, each as soon as that item's
-    /// bytes are in its region. The default is [`gather_uniform_each`]
-    /// (one [`CopyEngine::gather_uniform`] after the other).
+    /// in the driver). Calls `meanwhile` exactly once, before the first
+    /// wait (the CUDA engine: after everything is enqueued; the default:
+    /// after the first item is), then `done(i, result)` exactly once for
+    /// every item `i`, in order, each once that item's bytes are in its
+    /// region (the CUDA engine reports the first item at its own event and
+    /// the others together at the last). The default is
+    /// [`gather_uniform_each`] (one [`CopyEngine::gather_uniform`] after
+    /// the other).
     fn gather_uniform_batch(
         &self,
         items: &[UniformGather<'_>],
@@ -119,12 +122,14 @@ pub trait CopyEngine: Send + Sync {
     ) {
         gather_uniform_each(self, items, meanwhile, done);
     }
-    /// Whether the transport should hand this engine the gathers it starts
-    /// together as one [`CopyPlan::Batch`] (engines whose
-    /// [`CopyEngine::gather_uniform_batch`] is one submission). Default
-    /// `false`: one job a chunk, run in parallel by the copy workers.
-    fn batches_gathers(&self) -> bool {
-        false
+    /// The longest piece (bytes) whose chunks the transport should hand
+    /// this engine together as one [`CopyPlan::Batch`] — engines whose
+    /// [`CopyEngine::gather_uniform_batch`] is one submission for uniform
+    /// chunks of pieces up to this long. Default 0: no batching, one job a
+    /// chunk, run in parallel by the copy workers (a batch the engine
+    /// cannot submit at once would run its chunks one after another).
+    fn max_batched_piece_bytes(&self) -> u64 {
+        0
     }
     /// Short name for logs and metrics ("host", "cuda").
     fn name(&self) -> &'static str;
@@ -355,12 +360,13 @@ pub enum CopyPlan {
     /// with [`CopyKind::Gather`].
     Chunk(ChunkGather),
     /// Several sender chunks (of one or more requests) started together,
-    /// for an engine that [`batches_gathers`](CopyEngine::batches_gathers):
+    /// for an engine with a [`max_batched_piece_bytes`](CopyEngine::max_batched_piece_bytes):
     /// when every one is uniform, gathered as one submission
     /// ([`CopyEngine::gather_uniform_batch`]), else one after the other as
     /// [`CopyPlan::Chunk`]s. Each reports its own [`CopyDone`] (its own
-    /// token) as soon as its bytes are in its region; the job's `token`
-    /// and `region_addr` are unused. Only valid with [`CopyKind::Gather`].
+    /// token) once its bytes are in its region; the job's `token` and
+    /// `region_addr` are unused. Only valid with [`CopyKind::Gather`]
+    /// (with another kind every chunk fails).
     Batch(Vec<BatchedChunk>),
 }
 
@@ -622,8 +628,8 @@ fn gather_one_chunk(
 }
 
 /// Runs a [`CopyPlan::Batch`] on `engine`, calling `report(token, result,
-/// scatter)` exactly once per chunk, in order, each as soon as its gather
-/// ended. When every chunk is uniform (and there are two or more) they go
+/// scatter)` exactly once per chunk, in order, each once its gather ended
+/// (as the engine's [`CopyEngine::gather_uniform_batch`] reports it). When every chunk is uniform (and there are two or more) they go
 /// to [`CopyEngine::gather_uniform_batch`] as one submission, their
 /// scatters described while it runs; otherwise each is gathered in turn
 /// as a lone [`CopyPlan::Chunk`] would be.
@@ -877,6 +883,15 @@ impl CopyWorkers {
                             match job.plan {
                                 CopyPlan::Batch(items) if kind == CopyKind::Gather => {
                                     run_batch(&*engine, items, &mut report)
+                                }
+                                CopyPlan::Batch(items) => {
+                                    for b in items {
+                                        report(
+                                            b.token,
+                                            Err(CopyError("a batch can only be gathered".into())),
+                                            ScatterList::default(),
+                                        );
+                                    }
                                 }
                                 plan => {
                                     let (result, scatter) =
@@ -1181,8 +1196,8 @@ mod tests {
                 done(i, r);
             }
         }
-        fn batches_gathers(&self) -> bool {
-            true
+        fn max_batched_piece_bytes(&self) -> u64 {
+            u64::MAX
         }
         fn name(&self) -> &'static str {
             "one-submission"
@@ -1426,6 +1441,20 @@ mod tests {
             };
             assert_eq!(u.dsts.len(), 16);
             assert_eq!(&region[..], &src[i * 16 * len..(i + 1) * 16 * len]);
+        }
+        // A batch sent as a scatter: every chunk fails, once, by token.
+        let mut regions = vec![vec![0u8; max as usize]; bounds.len()];
+        let items = batch_items(&mut regions, &bounds, &ds, max, true, 20);
+        workers.submit(CopyJob {
+            token: 20,
+            kind: CopyKind::Scatter,
+            region_addr: 0,
+            plan: CopyPlan::Batch(items),
+        });
+        for i in 0..bounds.len() as u64 {
+            let d = done_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+            assert_eq!(d.token, 20 + i);
+            assert!(d.result.unwrap_err().0.contains("only be gathered"));
         }
         drop(workers);
         assert!(done_rx.try_recv().is_err(), "one completion per chunk");

@@ -1323,7 +1323,9 @@ impl FabricAgent {
         traced: bool,
     ) -> (PathKind, TransferHandle) {
         // One pass over the descriptors for the gate and the counters
-        // (saturating: the planner rejects an overflowing list).
+        // (saturating: an overflowing list averages past the gate and goes
+        // to the standard path, which fails it — no registered memory
+        // covers a descriptor whose end overflows).
         let bytes = descs.iter().fold(0u64, |a, d| a.saturating_add(d.len));
         if let Some(t) = self.bounce_route(peer, descs.len(), bytes, src_kind, dst_kind) {
             self.stats.submit_bounce.fetch_add(1, Ordering::Relaxed);
@@ -1340,7 +1342,7 @@ impl FabricAgent {
     /// Submits through the standard per-descriptor path regardless of the
     /// gate (the bench's side-by-side comparison).
     pub fn submit_standard(&self, peer: &str, descs: Vec<Descriptor>) -> TransferHandle {
-        let bytes: u64 = descs.iter().map(|d| d.len).sum();
+        let bytes = descs.iter().fold(0u64, |a, d| a.saturating_add(d.len));
         self.stats.submit_standard.fetch_add(1, Ordering::Relaxed);
         self.stats
             .bytes_standard

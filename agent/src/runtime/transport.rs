@@ -77,8 +77,8 @@ pub struct TransportSettings {
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
     /// Hand the gathers one input starts (a new request's first chunks)
-    /// to one copy worker as one job, for a copy engine that
-    /// [`batches_gathers`](CopyEngine::batches_gathers) (config
+    /// to one copy worker as one job, for a copy engine with a
+    /// [`max_batched_piece_bytes`](CopyEngine::max_batched_piece_bytes) (config
     /// `batchGathers`; issue 18 step 3). Without it, or on other engines,
     /// one job a chunk.
     pub batch_gathers: bool,
@@ -177,8 +177,8 @@ pub enum Stage {
     /// The caller's sizing pass ([`TransferPlan::chunk_bounds`]) ended, on
     /// the caller's thread (chunk 0).
     Sized,
-    /// The request is on the IO thread's command queue and the IO thread
-    /// was woken, on the caller's thread (chunk 0).
+    /// The caller hands the request to the IO thread's command queue (and
+    /// wakes it), on the caller's thread (chunk 0).
     Queued,
     /// The IO thread took the request off its command queue (chunk 0):
     /// submit → this is the caller's sizing plus the IO thread's wake-up.
@@ -644,6 +644,10 @@ pub struct BounceTransport {
     primer: WorkerPrimer,
     /// The per-request in-flight cap `W`, chunks.
     max_inflight: usize,
+    /// Requests whose descriptors are at most this long (bytes) have their
+    /// first gathers batched into one job (`TransportSettings::batch_gathers`;
+    /// 0 when not batching): a submit then wakes one copy worker, not `W`.
+    batched_piece_max: u64,
     /// Set by the IO thread before its last drain of commands: a submit
     /// that sees it after queuing resolves its own handle (the drain may
     /// have missed it).
@@ -741,7 +745,9 @@ impl BounceTransport {
         channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let gather_batch = (settings.batch_gathers && copy.batches_gathers()).then(Vec::new);
+        let batch_piece_max = copy.max_batched_piece_bytes();
+        let batching = settings.batch_gathers && batch_piece_max > 0;
+        let gather_batch = batching.then(Vec::new);
         let workers = CopyWorkers::start(
             &name,
             settings.copy_workers,
@@ -775,6 +781,7 @@ impl BounceTransport {
             deadline_stale: true,
             workers: Some(workers),
             gather_batch,
+            batch_piece_max,
             done_rx,
             cmd_rx,
             stats: stats.clone(),
@@ -812,6 +819,7 @@ impl BounceTransport {
             max_chunk_size_bytes,
             primer,
             max_inflight,
+            batched_piece_max: if batching { batch_piece_max } else { 0 },
             closed,
             io_blocked,
             heard,
@@ -1103,7 +1111,13 @@ impl BounceTransport {
                 .saturating_mul(descs[0].len)
                 .div_ceil(self.max_chunk_size_bytes)
                 .clamp(1, self.max_inflight as u64);
-            self.primer.prime(estimate as usize);
+            // One job takes a batched request's first gathers.
+            let wanted = if descs[0].len <= self.batched_piece_max {
+                1
+            } else {
+                estimate as usize
+            };
+            self.primer.prime(wanted);
         }
         let t_size = Instant::now();
         let chunks = match TransferPlan::chunk_bounds(&descs, self.max_chunk_size_bytes) {
@@ -1121,6 +1135,7 @@ impl BounceTransport {
             sizing_us = t_size.elapsed().as_micros() as u64,
             "sized"
         );
+        completion.note(Stage::Queued, 0, Instant::now());
         let sent = self
             .send_cmd(Command::Submit {
                 rid,
@@ -1131,7 +1146,6 @@ impl BounceTransport {
                 completion,
             })
             .is_ok();
-        handle.completion.note(Stage::Queued, 0, Instant::now());
         // Not sent, or sent after the IO thread's last drain (its queue is
         // then dropped unread): resolve here, once.
         if (!sent || self.closed.load(Ordering::SeqCst))
@@ -1277,6 +1291,8 @@ struct Io {
     /// and an engine that batches); flushed before any other action and
     /// at the end of each `perform_all`, at most [`MAX_GATHER_BATCH`].
     gather_batch: Option<Vec<BatchedChunk>>,
+    /// The engine's [`CopyEngine::max_batched_piece_bytes`].
+    batch_piece_max: u64,
     /// Reused action queues (one per nesting level of `perform_all`).
     queues: Vec<VecDeque<Step>>,
     /// Disallow / quiesce requests waiting for the machine's answer.
@@ -1576,16 +1592,24 @@ impl Io {
                         uniform_data: r.uniform_data,
                     },
                 };
+                // Only chunks the engine submits at once are held: whole
+                // descriptors (the first one's length is checked here, in
+                // O(1); a chunk of mixed lengths still reaches the batch
+                // and is gathered on its own there).
+                let batchable = bound.first_done == 0
+                    && r.descs
+                        .get(bound.first_desc)
+                        .is_some_and(|d| d.len > 0 && d.len <= self.batch_piece_max);
                 match &mut self.gather_batch {
                     // Gathers started together go as one job (flushed
                     // before the next other action, so nothing waits).
-                    Some(batch) => {
+                    Some(batch) if batchable => {
                         batch.push(gather);
                         if batch.len() >= MAX_GATHER_BATCH {
                             self.flush_gathers();
                         }
                     }
-                    None => self.submit_gathers(vec![gather]),
+                    _ => self.submit_gathers(vec![gather]),
                 }
             }
             Action::PostWrite {
