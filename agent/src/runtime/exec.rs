@@ -399,6 +399,18 @@ pub struct BatchedChunk {
     pub chunk: ChunkGather,
 }
 
+impl BatchedChunk {
+    /// The lone gather job of this chunk ([`CopyPlan::Chunk`]).
+    pub fn into_job(self) -> CopyJob {
+        CopyJob {
+            token: self.token,
+            kind: CopyKind::Gather,
+            region_addr: self.region_addr,
+            plan: CopyPlan::Chunk(self.chunk),
+        }
+    }
+}
+
 impl CopyPlan {
     /// Runs (for [`CopyPlan::Runs`]) or pieces (for the other plans),
     /// for logs.

@@ -745,9 +745,12 @@ impl BounceTransport {
         channel.set_waker(waker.clone());
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let batch_piece_max = copy.max_batched_piece_bytes();
-        let batching = settings.batch_gathers && batch_piece_max > 0;
-        let gather_batch = batching.then(Vec::new);
+        // The longest piece batched (0: no batching).
+        let batched_piece_max = if settings.batch_gathers {
+            copy.max_batched_piece_bytes()
+        } else {
+            0
+        };
         let workers = CopyWorkers::start(
             &name,
             settings.copy_workers,
@@ -780,8 +783,8 @@ impl BounceTransport {
             deadline: None,
             deadline_stale: true,
             workers: Some(workers),
-            gather_batch,
-            batch_piece_max,
+            gather_batch: Vec::new(),
+            batched_piece_max,
             done_rx,
             cmd_rx,
             stats: stats.clone(),
@@ -819,7 +822,7 @@ impl BounceTransport {
             max_chunk_size_bytes,
             primer,
             max_inflight,
-            batched_piece_max: if batching { batch_piece_max } else { 0 },
+            batched_piece_max,
             closed,
             io_blocked,
             heard,
@@ -1287,12 +1290,14 @@ struct Io {
     /// Reused buffer of writes found terminal by one poll pass.
     landed: Vec<(WriteIo, Result<(), String>, Duration)>,
     /// Gathers started by the actions performed so far, held to go as one
-    /// job (`Some` only when batching: `TransportSettings::batch_gathers`
-    /// and an engine that batches); flushed before any other action and
-    /// at the end of each `perform_all`, at most [`MAX_GATHER_BATCH`].
-    gather_batch: Option<Vec<BatchedChunk>>,
-    /// The engine's [`CopyEngine::max_batched_piece_bytes`].
-    batch_piece_max: u64,
+    /// job (only when batching: `batched_piece_max` > 0); flushed before
+    /// any other action and at the end of each `perform_all`, at most
+    /// [`MAX_GATHER_BATCH`].
+    gather_batch: Vec<BatchedChunk>,
+    /// Chunks of pieces at most this long (bytes) are held for a batch:
+    /// the engine's [`CopyEngine::max_batched_piece_bytes`] when
+    /// `TransportSettings::batch_gathers`, else 0 (nothing held).
+    batched_piece_max: u64,
     /// Reused action queues (one per nesting level of `perform_all`).
     queues: Vec<VecDeque<Step>>,
     /// Disallow / quiesce requests waiting for the machine's answer.
@@ -1508,36 +1513,26 @@ impl Io {
         self.queues.push(q);
     }
 
-    /// Submits the gathers held for one batch (see `gather_batch`).
-    fn flush_gathers(&mut self) {
-        let held = match &mut self.gather_batch {
-            Some(b) if !b.is_empty() => std::mem::take(b),
-            _ => return,
-        };
-        self.submit_gathers(held);
-    }
-
-    /// Queues `gathers` for the copy workers: one lone chunk as a
+    /// Queues the held gathers for the copy workers: a lone chunk as a
     /// [`CopyPlan::Chunk`], several as one [`CopyPlan::Batch`].
-    fn submit_gathers(&mut self, mut gathers: Vec<BatchedChunk>) {
-        let Some(w) = &self.workers else { return };
-        let job = if gathers.len() == 1 {
-            let g = gathers.pop().expect("one gather");
-            CopyJob {
-                token: g.token,
-                kind: CopyKind::Gather,
-                region_addr: g.region_addr,
-                plan: CopyPlan::Chunk(g.chunk),
-            }
-        } else {
-            CopyJob {
-                token: gathers[0].token,
-                kind: CopyKind::Gather,
-                region_addr: gathers[0].region_addr,
-                plan: CopyPlan::Batch(gathers),
-            }
+    fn flush_gathers(&mut self) {
+        let (Some(w), Some(first)) = (&self.workers, self.gather_batch.first()) else {
+            return;
         };
-        w.submit(job);
+        let (token, region_addr) = (first.token, first.region_addr);
+        let job = if self.gather_batch.len() == 1 {
+            self.gather_batch.pop().map(BatchedChunk::into_job)
+        } else {
+            Some(CopyJob {
+                token,
+                kind: CopyKind::Gather,
+                region_addr,
+                plan: CopyPlan::Batch(std::mem::take(&mut self.gather_batch)),
+            })
+        };
+        if let Some(job) = job {
+            w.submit(job);
+        }
     }
 
     fn on_event(&mut self, e: Event) {
@@ -1599,17 +1594,16 @@ impl Io {
                 let batchable = bound.first_done == 0
                     && r.descs
                         .get(bound.first_desc)
-                        .is_some_and(|d| d.len > 0 && d.len <= self.batch_piece_max);
-                match &mut self.gather_batch {
+                        .is_some_and(|d| d.len > 0 && d.len <= self.batched_piece_max);
+                if batchable {
                     // Gathers started together go as one job (flushed
                     // before the next other action, so nothing waits).
-                    Some(batch) if batchable => {
-                        batch.push(gather);
-                        if batch.len() >= MAX_GATHER_BATCH {
-                            self.flush_gathers();
-                        }
+                    self.gather_batch.push(gather);
+                    if self.gather_batch.len() >= MAX_GATHER_BATCH {
+                        self.flush_gathers();
                     }
-                    _ => self.submit_gathers(vec![gather]),
+                } else if let Some(w) = &self.workers {
+                    w.submit(gather.into_job());
                 }
             }
             Action::PostWrite {
