@@ -166,12 +166,13 @@ for step in ${KVF_STEPS:-engines model vram}; do
     profile)
       # Issue 18 step 3: where an isolated 64 MiB request's time goes on
       # both agents (sender and receiver trace logs, microsecond clock),
-      # MPS on; KVF_PROFILE_CHUNKS chunk sizes (default 16MiB 4MiB).
+      # MPS on; KVF_PROFILE_CHUNKS chunk sizes (default 16MiB 4MiB),
+      # KVF_PROFILE_ARGS more vram-bench flags (e.g. --fill device).
       mps_on
       for c in ${KVF_PROFILE_CHUNKS:-16MiB 4MiB}; do
         KVFABRIC_LOG=warn,kvfabric_agent::runtime=trace,kvfabric_core::protocol=trace \
         KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 120 /tmp/kvf/kvfabric-gpu vram-bench --skip-standard \
-          --chunks $c --iterations ${KVF_PROFILE_ITERS:-5} --json "$out/profile_$c.json" > "$out/profile_$c.log" 2>&1 || rc=1
+          --chunks $c --iterations ${KVF_PROFILE_ITERS:-5} ${KVF_PROFILE_ARGS:-} --json "$out/profile_$c.json" > "$out/profile_$c.log" 2>&1 || rc=1
         grep -E '^ *(bounce|one-desc)|timeline' "$out/profile_$c.log" | grep -v '^\[' | head
       done
       mps_off ;;

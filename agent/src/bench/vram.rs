@@ -67,6 +67,28 @@ pub struct VramOptions {
     pub copy: CudaCopyConfig,
     /// Skip the standard path (it takes ~0.1 s per 16,384 descriptors).
     pub skip_standard: bool,
+    /// Where each iteration's payload is written and checked.
+    pub fill: FillMode,
+}
+
+/// Where `vram-bench` writes each iteration's payload and checks it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FillMode {
+    /// On the host: the pattern is written into a host buffer of the
+    /// transfer's size and uploaded; the receiver downloads its whole pool
+    /// and compares every byte, including that bytes no descriptor covers
+    /// stayed zero. Between two timed transfers the host thus writes and
+    /// reads ≈ 3 × the transfer size, which evicts the CPU caches the next
+    /// transfer's code and data would otherwise find warm.
+    #[default]
+    Host,
+    /// On the GPU (`kernels/pattern.cu`): the sender fills its source
+    /// descriptors and the receiver checks every destination byte with a
+    /// kernel; no payload crosses the host — as in serving, where the
+    /// GPU writes the KV cache. Bytes outside the destinations are not
+    /// checked.
+    Device,
 }
 
 /// One measured row.
@@ -493,7 +515,16 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
     let dir = std::env::temp_dir().join(format!("kvfabric-vram-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let pool = CudaArena::new(gpu, total as usize).map_err(|e| e.to_string())?;
-    let mut staging = vec![0u8; total as usize];
+    let mut staging = match opts.fill {
+        FillMode::Host => vec![0u8; total as usize],
+        FillMode::Device => Vec::new(),
+    };
+    let fill_kernels = match opts.fill {
+        FillMode::Host => None,
+        FillMode::Device => {
+            Some(PatternKernels::new(gpu).map_err(|e| format!("pattern kernels: {e}"))?)
+        }
+    };
     let descs_file = dir.join("descs.bin");
     let mut rows = Vec::new();
     let mut seed = 1u64;
@@ -553,14 +584,29 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                 .map_or(0, |t| t.stats().chunks_written.load(Ordering::Relaxed));
             for it in 0..=opts.iterations.max(1) {
                 seed += 1;
-                for (k, d) in ds.iter().enumerate() {
-                    let off = d.src - pool.base_addr();
-                    let at = staging.as_mut_ptr() as u64 + off;
-                    // SAFETY: every src lies inside our pool, the same size
-                    // as `staging`.
-                    unsafe { fill_fast(at, d.len, seed, k as u64) };
+                if let Some(kernels) = &fill_kernels {
+                    let table: Vec<PatDesc> = ds
+                        .iter()
+                        .enumerate()
+                        .map(|(k, d)| PatDesc {
+                            addr: d.src,
+                            len: d.len,
+                            k: k as u64,
+                        })
+                        .collect();
+                    kernels
+                        .fill(&table, seed)
+                        .map_err(|e| format!("pattern fill: {e}"))?;
+                } else {
+                    for (k, d) in ds.iter().enumerate() {
+                        let off = d.src - pool.base_addr();
+                        let at = staging.as_mut_ptr() as u64 + off;
+                        // SAFETY: every src lies inside our pool, the same
+                        // size as `staging`.
+                        unsafe { fill_fast(at, d.len, seed, k as u64) };
+                    }
+                    pool.upload(0, &staging).map_err(|e| e.to_string())?;
                 }
-                pool.upload(0, &staging).map_err(|e| e.to_string())?;
                 write_descs(&descs_file, ds).map_err(|e| e.to_string())?;
                 peer.command("ZERO")?;
                 // The caller's own descriptor list, made before the clock
@@ -596,7 +642,11 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                     let (events, _) = h.take_timeline();
                     timelines.push(BounceTimeline::of(&events, t0, ms * 1e3));
                 }
-                peer.command(&format!("VERIFY {seed} {}", descs_file.display()))
+                let verify = match opts.fill {
+                    FillMode::Host => "VERIFY",
+                    FillMode::Device => "CHECK",
+                };
+                peer.command(&format!("{verify} {seed} {}", descs_file.display()))
                     .map_err(|e| format!("{path} verification: {e}"))?;
                 if it == 0 {
                     first_ms = ms;
@@ -680,6 +730,8 @@ pub struct VramBenchArgs {
     pub workers: Option<u32>,
     /// Write the JSON report here.
     pub json: Option<PathBuf>,
+    /// Where each iteration's payload is written and checked.
+    pub fill: FillMode,
 }
 
 /// `kvfabric-gpu vram-bench` on `gpu` (ordinal `device`): layers the flags
@@ -774,6 +826,7 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
         peer_device,
         copy: CudaCopyConfig::default(),
         skip_standard: a.skip_standard,
+        fill: a.fill,
     };
     let out = run(&exe, gpu, &opts);
     let report_tp = tap.map(OutputTap::finish);
@@ -787,6 +840,7 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
             "bench": "vram-bench",
             "report": report,
             "peer_access": p2p,
+            "fill": a.fill,
             "transport": report_tp,
         });
         std::fs::write(p, serde_json::to_string_pretty(&j).unwrap_or_default())

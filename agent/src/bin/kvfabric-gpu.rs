@@ -220,6 +220,20 @@ struct VramArgs {
     /// Write the JSON report here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Where each iteration's payload is written and checked: `host`
+    /// (filled on the host and uploaded; the receiver downloads and
+    /// compares its whole pool — this evicts the CPU caches between
+    /// timed transfers) or `device` (pattern kernels on both GPUs; no
+    /// payload crosses the host).
+    #[arg(long, value_enum, default_value = "host")]
+    fill: CliFill,
+}
+
+/// `vram-bench --fill`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum CliFill {
+    Host,
+    Device,
 }
 
 fn main() -> ExitCode {
@@ -282,6 +296,10 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 no_merge: a.no_merge,
                 workers: a.workers,
                 json: a.json,
+                fill: match a.fill {
+                    CliFill::Host => vram::FillMode::Host,
+                    CliFill::Device => vram::FillMode::Device,
+                },
             },
         ),
         Cmd::Bench {
