@@ -196,6 +196,15 @@ for step in ${KVF_STEPS:-engines model vram}; do
         grep -E '^ *(bounce|one-desc)|timeline|one-descriptor =' "$out/sweep_$i.log" | grep -v '^\['
       done
       mps_off ;;
+    floor)
+      # Issue 18: one GPU's floor for a bounce transfer (its three HBM
+      # passes alone, CUDA events, no protocol) beside one contiguous copy;
+      # MPS on as the vram-bench runs. KVF_FLOOR_ARGS: more flags.
+      mps_on
+      timeout 300 /tmp/kvf/kvfabric-gpu floor-bench ${KVF_FLOOR_ARGS:-} --json "$out/floor.json" \
+        > "$out/floor.log" 2>&1 || rc=1
+      cat "$out/floor.log"
+      mps_off ;;
     kerneltest)
       # Byte-exact kernel tests, the uniform gather / scatter included
       # (kvfabric-gpu kernel-test; every byte of both buffers compared).

@@ -11,6 +11,8 @@ pub mod dataplane;
 #[cfg(feature = "cuda")]
 pub mod direct;
 #[cfg(feature = "cuda")]
+pub mod floor;
+#[cfg(feature = "cuda")]
 pub mod gpu_kernel;
 #[cfg(feature = "cuda")]
 pub mod gpu_trace;

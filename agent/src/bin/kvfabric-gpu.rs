@@ -41,6 +41,7 @@ use kvfabric_agent::bench::cli::{
     bench_path, byte_size, concurrency, model_preset, nonzero_byte_size,
 };
 use kvfabric_agent::bench::direct;
+use kvfabric_agent::bench::floor;
 use kvfabric_agent::bench::gpu_kernel;
 use kvfabric_agent::bench::gpu_trace::{self, GpuBenchArgs};
 use kvfabric_agent::bench::trace::BenchPath;
@@ -115,6 +116,27 @@ enum Cmd {
         /// RNG seed.
         #[arg(long, default_value_t = 19)]
         seed: u64,
+        /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// One GPU's floor for a bounce transfer: its three HBM passes
+    /// (gather, staging copy, scatter) alone, serial and pipelined, beside
+    /// one contiguous copy of the same bytes (CUDA events, no protocol),
+    /// checked byte for byte.
+    FloorBench {
+        /// Bytes per transfer.
+        #[arg(long, default_value = "64MiB", value_parser = nonzero_byte_size)]
+        total: u64,
+        /// Piece (descriptor) size.
+        #[arg(long, default_value = "4KiB", value_parser = nonzero_byte_size)]
+        block: u64,
+        /// Chunk sizes of the pipelined rows, comma-separated.
+        #[arg(long, default_value = "4MiB,16MiB", value_delimiter = ',', value_parser = nonzero_byte_size)]
+        chunks: Vec<u64>,
+        /// Samples per row.
+        #[arg(long, default_value_t = 50, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+        reps: usize,
         /// Write the JSON report here.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -281,6 +303,13 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             seed,
             json,
         } => direct::direct_bench(&gpu, reps, big, seed, json.as_deref()),
+        Cmd::FloorBench {
+            total,
+            block,
+            chunks,
+            reps,
+            json,
+        } => floor::floor_bench(&gpu, total, block, &chunks, reps, json.as_deref()),
         Cmd::VramBench(a) => vram::run_cli(
             &gpu,
             device,
