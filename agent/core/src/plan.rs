@@ -367,20 +367,26 @@ fn validate_and_measure(descs: &[Descriptor], max: u64) -> Result<(u64, Option<u
     // One branch-free pass first (the sizing pass is on every request's
     // critical path: 16,384 descriptors took 23–53 µs on the H200 host
     // with a branch per check, issue 18); the checking loop below runs
-    // only when it finds something to report, to name the descriptor.
+    // only when the pass cannot vouch for the input, to name the
+    // descriptor. The pass is only ORs, XORs and wrapping adds (no
+    // 128-bit sum, no compare per descriptor), which the compiler
+    // vectorises.
     let first_len = descs.first().map_or(0, |d| d.len);
-    let (mut overflow, mut sum, mut same) = (false, 0u128, true);
+    let (mut addr_or, mut len_or, mut sum, mut diff) = (0u64, 0u64, 0u64, 0u64);
     for d in descs {
-        overflow |= d.src.wrapping_add(d.len) < d.src;
-        overflow |= d.dst.wrapping_add(d.len) < d.dst;
-        sum += u128::from(d.len);
-        same &= d.len == first_len;
+        addr_or |= d.src | d.dst;
+        len_or |= d.len;
+        sum = sum.wrapping_add(d.len);
+        diff |= d.len ^ first_len;
     }
-    if !overflow {
-        if let Ok(total) = u64::try_from(sum) {
-            check_chunk_count(total, max)?;
-            return Ok((total, (same && first_len > 0).then_some(first_len)));
-        }
+    // Every address and length below 2^63: no `addr + len` overflows.
+    // `n` lengths each at most `len_or`, and `n * len_or` fits: the
+    // wrapping sum is the exact total.
+    const HIGH: u64 = 1 << 63;
+    let fits = len_or.checked_mul(descs.len() as u64).is_some();
+    if addr_or < HIGH && len_or < HIGH && fits {
+        check_chunk_count(sum, max)?;
+        return Ok((sum, (diff == 0 && first_len > 0).then_some(first_len)));
     }
     validate_and_measure_checked(descs, max)
 }
@@ -1055,6 +1061,39 @@ mod tests {
         // Zero-length descriptors are skipped, even at the very top.
         let d = [Descriptor::new(u64::MAX, u64::MAX, 0)];
         assert_eq!(TransferPlan::build(&d, 64, true).unwrap().chunk_count(), 0);
+    }
+
+    #[test]
+    fn fast_sizing_pass_agrees_with_the_checked_loop() {
+        // Values from small to the top of u64, where the fast pass must
+        // hand over to the checked loop (which names the descriptor).
+        let mut rng = crate::rng::SplitMix64::new(18);
+        let mut value = |rng: &mut crate::rng::SplitMix64| match rng.below(6) {
+            0 => 0,
+            1 => rng.below(1 << 20),
+            2 => (1 << 62) + rng.below(1 << 20),
+            3 => (1 << 63) - rng.below(64),
+            4 => u64::MAX - rng.below(64),
+            _ => rng.next_u64(),
+        };
+        let mut fast_paths = 0;
+        for case in 0..20_000 {
+            let n = rng.below(6) as usize;
+            let uniform = rng.chance(300);
+            let len0 = value(&mut rng);
+            let descs: Vec<Descriptor> = (0..n)
+                .map(|_| {
+                    let len = if uniform { len0 } else { value(&mut rng) };
+                    Descriptor::new(value(&mut rng), value(&mut rng), len)
+                })
+                .collect();
+            for max in [64, 1 << 20] {
+                let checked = validate_and_measure_checked(&descs, max);
+                assert_eq!(validate_and_measure(&descs, max), checked, "case {case}: {descs:?}");
+                fast_paths += usize::from(checked.is_ok());
+            }
+        }
+        assert!(fast_paths > 1000, "too few valid cases: {fast_paths}");
     }
 
     #[test]
