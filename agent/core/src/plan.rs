@@ -1068,7 +1068,7 @@ mod tests {
         // Values from small to the top of u64, where the fast pass must
         // hand over to the checked loop (which names the descriptor).
         let mut rng = crate::rng::SplitMix64::new(18);
-        let mut value = |rng: &mut crate::rng::SplitMix64| match rng.below(6) {
+        let value = |rng: &mut crate::rng::SplitMix64| match rng.below(6) {
             0 => 0,
             1 => rng.below(1 << 20),
             2 => (1 << 62) + rng.below(1 << 20),
@@ -1089,7 +1089,11 @@ mod tests {
                 .collect();
             for max in [64, 1 << 20] {
                 let checked = validate_and_measure_checked(&descs, max);
-                assert_eq!(validate_and_measure(&descs, max), checked, "case {case}: {descs:?}");
+                assert_eq!(
+                    validate_and_measure(&descs, max),
+                    checked,
+                    "case {case}: {descs:?}"
+                );
                 fast_paths += usize::from(checked.is_ok());
             }
         }
