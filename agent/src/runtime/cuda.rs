@@ -1961,25 +1961,9 @@ impl CudaCopyEngine {
         let total: usize = items.iter().map(|g| g.descs.len()).sum();
         let mut ctx = self.acquire();
         let enqueued = self.gpu.bind().and_then(|()| {
-            if ctx.busy {
-                ctx.synchronize()?;
-            }
-            ctx.ensure_capacity(total * 8)?;
             ctx.ensure_marks(2)?;
-            let mut at = 0usize;
-            for g in items {
-                for d in g.descs {
-                    // SAFETY: the pinned buffer holds 8 * total bytes and
-                    // no pending work reads it (synchronised above);
-                    // at < total.
-                    unsafe {
-                        std::ptr::write_unaligned(ctx.pinned.add(at * 8).cast::<u64>(), d.src)
-                    };
-                    at += 1;
-                }
-            }
-            ctx.busy = true;
-            let table = piece_table(&self.cfg, &ctx, total * 8)?;
+            let mut srcs = items.iter().flat_map(|g| g.descs.iter().map(|d| d.src));
+            let table = self.stage_piece_table(&mut ctx, &mut srcs, total)?;
             let mut first = 0u64;
             for (i, (g, &len)) in items.iter().zip(lens).enumerate() {
                 let n = g.descs.len() as u32;
@@ -2050,6 +2034,43 @@ impl CudaCopyEngine {
         }
     }
 
+    /// Writes the first `n` addresses of `addrs` (u64 each) into `ctx`'s
+    /// pinned buffer — after waiting for work still reading it, growing it
+    /// to 8 `n` bytes — marks the context busy and returns the table's
+    /// device address for the piece kernels ([`piece_table`]). Shared by
+    /// [`CudaCopyEngine::run_pieces`] and
+    /// [`CudaCopyEngine::run_gather_batch`]. The context must be bound.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] if `addrs` ends before `n` addresses; the
+    /// driver's errors from synchronising, allocating or uploading.
+    fn stage_piece_table(
+        &self,
+        ctx: &mut ExecCtx,
+        addrs: &mut dyn Iterator<Item = u64>,
+        n: usize,
+    ) -> Result<u64, CudaError> {
+        let bytes = n * 8;
+        if ctx.busy {
+            ctx.synchronize()?;
+        }
+        ctx.ensure_capacity(bytes)?;
+        let mut written = 0usize;
+        for (i, a) in addrs.take(n).enumerate() {
+            // SAFETY: the pinned buffer holds `bytes` = 8 n and no pending
+            // work reads it (synchronised above); i < n.
+            unsafe { std::ptr::write_unaligned(ctx.pinned.add(i * 8).cast::<u64>(), a) };
+            written += 1;
+        }
+        if written != n {
+            return Err(CudaError::Invalid(format!(
+                "{written} piece addresses for {n} pieces"
+            )));
+        }
+        ctx.busy = true;
+        piece_table(&self.cfg, ctx, bytes)
+    }
+
     /// One launch of a piece kernel (`dir` Gather: `kvf_gather_srcs`;
     /// Scatter: `kvf_scatter_dsts`) over a table of `n` piece addresses
     /// (u64, from `addrs`; at most `n` are taken): written straight to the
@@ -2071,25 +2092,7 @@ impl CudaCopyEngine {
         let t0 = Instant::now();
         let mut ctx = self.acquire();
         let enqueued = self.gpu.bind().and_then(|()| {
-            let bytes = n as usize * 8;
-            if ctx.busy {
-                ctx.synchronize()?;
-            }
-            ctx.ensure_capacity(bytes)?;
-            let mut written = 0usize;
-            for (i, a) in addrs.take(n as usize).enumerate() {
-                // SAFETY: the pinned buffer holds `bytes` = 8 n and no
-                // pending work reads it (synchronised above); i < n.
-                unsafe { std::ptr::write_unaligned(ctx.pinned.add(i * 8).cast::<u64>(), a) };
-                written += 1;
-            }
-            if written != n as usize {
-                return Err(CudaError::Invalid(format!(
-                    "{written} piece addresses for {n} pieces"
-                )));
-            }
-            ctx.busy = true;
-            let table = piece_table(&self.cfg, &ctx, bytes)?;
+            let table = self.stage_piece_table(&mut ctx, addrs, n as usize)?;
             // SAFETY: the stream is this context's; the table stays valid
             // until the completion event; the callers checked lengths,
             // strides, the region and (scatter) the destinations.
