@@ -1895,7 +1895,7 @@ impl CudaCopyEngine {
         self.run_pieces(
             Direction::Gather,
             region_addr,
-            &mut descs.iter().map(|d| d.src),
+            descs.iter().map(|d| d.src),
             n,
             len,
             stride,
@@ -1930,7 +1930,7 @@ impl CudaCopyEngine {
         self.run_pieces(
             Direction::Scatter,
             region_addr,
-            &mut u.dsts.iter().copied(),
+            u.dsts.iter().copied(),
             n,
             u.segment_len,
             u.region_stride,
@@ -1962,8 +1962,8 @@ impl CudaCopyEngine {
         let mut ctx = self.acquire();
         let enqueued = self.gpu.bind().and_then(|()| {
             ctx.ensure_marks(2)?;
-            let mut srcs = items.iter().flat_map(|g| g.descs.iter().map(|d| d.src));
-            let table = self.stage_piece_table(&mut ctx, &mut srcs, total)?;
+            let srcs = items.iter().flat_map(|g| g.descs.iter().map(|d| d.src));
+            let table = self.stage_piece_table(&mut ctx, srcs, total)?;
             let mut first = 0u64;
             for (i, (g, &len)) in items.iter().zip(lens).enumerate() {
                 let n = g.descs.len() as u32;
@@ -2047,7 +2047,7 @@ impl CudaCopyEngine {
     fn stage_piece_table(
         &self,
         ctx: &mut ExecCtx,
-        addrs: &mut dyn Iterator<Item = u64>,
+        addrs: impl Iterator<Item = u64>,
         n: usize,
     ) -> Result<u64, CudaError> {
         let bytes = n * 8;
@@ -2056,12 +2056,15 @@ impl CudaCopyEngine {
         }
         ctx.ensure_capacity(bytes)?;
         let mut written = 0usize;
-        for (i, a) in addrs.take(n).enumerate() {
+        let base = ctx.pinned;
+        // Internal iteration (`for_each`): a chained or flattened iterator
+        // then runs as plain nested loops.
+        addrs.take(n).for_each(|a| {
             // SAFETY: the pinned buffer holds `bytes` = 8 n and no pending
-            // work reads it (synchronised above); i < n.
-            unsafe { std::ptr::write_unaligned(ctx.pinned.add(i * 8).cast::<u64>(), a) };
+            // work reads it (synchronised above); written < n (`take`).
+            unsafe { std::ptr::write_unaligned(base.add(written * 8).cast::<u64>(), a) };
             written += 1;
-        }
+        });
         if written != n {
             return Err(CudaError::Invalid(format!(
                 "{written} piece addresses for {n} pieces"
@@ -2083,7 +2086,7 @@ impl CudaCopyEngine {
         &self,
         dir: Direction,
         region_addr: u64,
-        addrs: &mut dyn Iterator<Item = u64>,
+        addrs: impl Iterator<Item = u64>,
         n: u32,
         len: u64,
         stride: u64,
