@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""The best goodput any scheduler can reach at a p99 latency SLO (issue 18).
+"""Goodput an ideal single FIFO server reaches at a p99 latency SLO (issue 18).
 
 Models the transfer engine at load as one ideal server: Poisson arrivals,
 every request served in D = 1 / peak seconds (the closed-loop peak
 throughput, requests/s), first come first served, no overhead — an M/D/1
-queue. For equal-size requests FIFO gives the smallest tail of any
-work-conserving order, so this bounds what the real engine can do when its
-lone-request latency is about 1 / peak (on the H200, 151 MB requests:
+queue. An estimate, not a bound: FIFO minimises the largest wait, not
+the p99, and an engine that serves several requests at once can beat it;
+it fits when the lone-request latency is about 1 / peak (on the H200, 151 MB requests:
 1 / 836 req/s = 1.2 ms against a lone request's 1.3-1.7 ms).
 
 Prints, for each peak: the highest load (fraction of peak, and req/s) at
