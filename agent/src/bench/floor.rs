@@ -23,8 +23,11 @@
 //!   MPS on the H200 host).
 //!
 //! Every multi-pass row's result is checked byte for byte once against
-//! the pattern kernels (`kernels/pattern.cu`) in a destination zeroed
-//! before it.
+//! the pattern kernels (`kernels/pattern.cu`), with the destination pool
+//! and both stagings zeroed before it (so no row passes on an earlier
+//! row's bytes). A gated row counts the samples in which the gate had
+//! already drained when the host finished enqueueing (`gate_missed`):
+//! those samples include launch cost.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -71,16 +74,41 @@ fn p(v: &[f64], q: f64) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The streams, events and buffers of one run.
+/// A chunk size as a label: `16 MiB`, `4 KiB`, `1000 B`.
+fn size_label(bytes: u64) -> String {
+    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Pieces a chunk of `chunk` bytes holds, for `block`-byte pieces and
+/// `pieces` in all: at least 1, at most `pieces` (so the pipelined loop
+/// always advances, whatever the chunk).
+fn pieces_per_chunk(chunk: u64, block: u64, pieces: u32) -> u32 {
+    let per = (chunk / block.max(1)).clamp(1, u64::from(pieces.max(1)));
+    u32::try_from(per).unwrap_or(u32::MAX)
+}
+
+/// The streams, events and buffers of one run. Handles start null and are
+/// filled in one by one, so `Drop` frees whatever was made if `new` fails
+/// half way.
 struct Rig {
     gpu: Arc<CudaGpu>,
     streams: [sys::CUstream; 3],
     start: sys::CUevent,
     end: sys::CUevent,
+    /// Joins streams 0 and 1 into stream 2 at the end of a timed run.
+    joins: [sys::CUevent; 2],
     links: Vec<sys::CUevent>,
     /// Scratch the gate's memset writes (holds the GPU busy while the
-    /// host enqueues a gated row).
-    gate: CudaArena,
+    /// host enqueues a gated row); only when a gated row runs.
+    gate: Option<CudaArena>,
+    /// Gated samples whose gate had drained before the enqueue ended.
+    gate_missed: usize,
     src: CudaArena,
     dst: CudaArena,
     send: CudaArena,
@@ -93,7 +121,7 @@ struct Rig {
 }
 
 impl Rig {
-    fn new(gpu: &Arc<CudaGpu>, total: u64, block: u64, seed: u64) -> AnyResult<Self> {
+    fn new(gpu: &Arc<CudaGpu>, total: u64, block: u64, seed: u64, gated: bool) -> AnyResult<Self> {
         gpu.bind().map_err(e2s)?;
         let n = (total / block) as usize;
         let arena = |len: u64| CudaArena::new(gpu, len as usize).map_err(e2s);
@@ -109,21 +137,16 @@ impl Rig {
         };
         let srcs = table(src.base_addr(), &shuffled(n, seed))?;
         let dsts = table(dst.base_addr(), &shuffled(n, seed ^ 0x5eed))?;
-        let mut streams = [std::ptr::null_mut(); 3];
-        for s in &mut streams {
-            *s = drv(
-                "cuStreamCreate",
-                result::stream::create(result::stream::StreamKind::NonBlocking),
-            )?;
-        }
-        let timing = sys::CUevent_flags::CU_EVENT_DEFAULT;
-        Ok(Self {
+        let gate = if gated { Some(arena(4 << 30)?) } else { None };
+        let mut rig = Self {
             gpu: gpu.clone(),
-            streams,
-            start: drv("cuEventCreate", result::event::create(timing))?,
-            end: drv("cuEventCreate", result::event::create(timing))?,
+            streams: [std::ptr::null_mut(); 3],
+            start: std::ptr::null_mut(),
+            end: std::ptr::null_mut(),
+            joins: [std::ptr::null_mut(); 2],
             links: Vec::new(),
-            gate: arena(4 << 30)?,
+            gate,
+            gate_missed: 0,
             src,
             dst,
             send,
@@ -133,7 +156,21 @@ impl Rig {
             pieces: n as u32,
             block,
             total,
-        })
+        };
+        for i in 0..3 {
+            rig.streams[i] = drv(
+                "cuStreamCreate",
+                result::stream::create(result::stream::StreamKind::NonBlocking),
+            )?;
+        }
+        let timing = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        rig.start = drv("cuEventCreate", result::event::create(timing))?;
+        rig.end = drv("cuEventCreate", result::event::create(timing))?;
+        let untimed = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        for i in 0..2 {
+            rig.joins[i] = drv("cuEventCreate", result::event::create(untimed))?;
+        }
+        Ok(rig)
     }
 
     fn link(&mut self, i: usize) -> AnyResult<sys::CUevent> {
@@ -180,7 +217,9 @@ impl Rig {
     /// Device µs of `work` between a start event on stream 0 (streams 1
     /// and 2 wait for it) and an end event after all three streams.
     /// `gated`: a memset of the 4 GiB scratch runs first on stream 0, so
-    /// the host enqueues `work` while the GPU is busy.
+    /// the host enqueues `work` while the GPU is busy; if the start event
+    /// has already completed once `work` is enqueued, the gate drained
+    /// too early and `gate_missed` counts the sample.
     fn time(
         &mut self,
         gated: bool,
@@ -190,7 +229,11 @@ impl Rig {
         // SAFETY: live events, streams and scratch allocation.
         unsafe {
             if gated {
-                let r = sys::cuMemsetD8Async(self.gate.base_addr(), 0, self.gate.len(), s0);
+                let gate = self
+                    .gate
+                    .as_ref()
+                    .ok_or("a gated row on a rig made without a gate")?;
+                let r = sys::cuMemsetD8Async(gate.base_addr(), 0, gate.len(), s0);
                 drv("cuMemsetD8Async", r.result())?;
             }
             drv("cuEventRecord", result::event::record(self.start, s0))?;
@@ -205,9 +248,11 @@ impl Rig {
                 )?;
             }
             work(self)?;
+            if gated && sys::cuEventQuery(self.start) == sys::CUresult::CUDA_SUCCESS {
+                self.gate_missed += 1;
+            }
             // Join streams 0 and 1 into 2, then end there.
-            for (i, s) in [s0, s1].into_iter().enumerate() {
-                let e = self.link(1000 + i)?;
+            for (e, s) in self.joins.into_iter().zip([s0, s1]) {
                 drv("cuEventRecord", result::event::record(e, s))?;
                 drv(
                     "cuStreamWaitEvent",
@@ -232,7 +277,7 @@ impl Rig {
     /// staging copy on stream 1 → scatter on stream 2, chained per chunk.
     fn pipelined(&mut self, chunk: u64) -> AnyResult<()> {
         let [s0, s1, s2] = self.streams;
-        let per = (chunk / self.block).max(1) as u32;
+        let per = pieces_per_chunk(chunk, self.block, self.pieces);
         let mut first = 0u32;
         let mut c = 0usize;
         while first < self.pieces {
@@ -285,12 +330,15 @@ impl Drop for Rig {
         // SAFETY: created in new / link, destroyed once, after a sync.
         unsafe {
             let _ = self.gpu.bind();
-            for s in self.streams {
+            for s in self.streams.into_iter().filter(|s| !s.is_null()) {
                 let _ = result::stream::synchronize(s);
                 let _ = result::stream::destroy(s);
             }
-            for e in self.links.iter().chain([&self.start, &self.end]) {
-                let _ = result::event::destroy(*e);
+            let events = self.links.iter().chain(&self.joins);
+            for e in events.chain([&self.start, &self.end]) {
+                if !e.is_null() {
+                    let _ = result::event::destroy(*e);
+                }
             }
         }
     }
@@ -298,8 +346,8 @@ impl Drop for Rig {
 
 /// `kvfabric-gpu floor-bench`: see the module docs. `total` bytes as
 /// `total / block` pieces (`block` divides `total`, both > 0), `chunks`
-/// the pipelined rows' chunk sizes (bytes), `reps` samples a row (p50,
-/// min reported). Prints a Markdown table; writes a JSON report to `json`.
+/// the pipelined rows' chunk sizes (bytes, multiples of `block`, at most
+/// `total`), `reps` (≥ 1) samples a row (p50, min reported). Prints a Markdown table; writes a JSON report to `json`.
 ///
 /// # Errors
 /// Bad sizes (named), a CUDA failure, a result that is not byte-exact, a
@@ -317,12 +365,18 @@ pub fn floor_bench(
             "--total {total} must be a nonzero multiple of --block {block} (at most 2^32 pieces)"
         ));
     }
-    if let Some(c) = chunks.iter().find(|&&c| c < block || c % block != 0) {
+    if let Some(c) = chunks
+        .iter()
+        .find(|&&c| c < block || c % block != 0 || c > total)
+    {
         return Err(format!(
-            "--chunks: {c} is not a multiple of the block {block}"
+            "--chunks: {c} is not a multiple of the block {block} between {block} and --total {total}"
         ));
     }
-    let mut rig = Rig::new(gpu, total, block, 18)?;
+    if reps == 0 {
+        return Err("--reps must be at least 1".into());
+    }
+    let mut rig = Rig::new(gpu, total, block, 18, !chunks.is_empty())?;
     let pattern = PatternKernels::new(gpu).map_err(e2s)?;
     let table = |base: u64, table: &CudaArena| -> AnyResult<Vec<PatDesc>> {
         let mut bytes = vec![0u8; table.len()];
@@ -405,8 +459,8 @@ pub fn floor_bench(
         for gated in [true, false] {
             rows.push((
                 format!(
-                    "pipelined {} KiB chunks, {}",
-                    c >> 10,
+                    "pipelined {} chunks, {}",
+                    size_label(c),
                     if gated { "gated" } else { "ungated" }
                 ),
                 gated,
@@ -419,7 +473,9 @@ pub fn floor_bench(
     let mut out = Vec::new();
     for (name, gated, check, mut work) in rows {
         let exact = if check {
-            rig.dst.zero().map_err(e2s)?;
+            for a in [&rig.dst, &rig.send, &rig.recv] {
+                a.zero().map_err(e2s)?;
+            }
             rig.time(gated, &mut *work)?;
             match pattern.check(&dst_pat, 18).map_err(e2s)? {
                 None => Some(true),
@@ -436,6 +492,7 @@ pub fn floor_bench(
         for _ in 0..3 {
             rig.time(gated, &mut *work)?;
         }
+        rig.gate_missed = 0;
         let mut v = Vec::with_capacity(reps);
         for _ in 0..reps {
             v.push(rig.time(gated, &mut *work)?);
@@ -450,9 +507,16 @@ pub fn floor_bench(
             one_copy / p50,
             exact.map_or("–", |_| "yes")
         );
+        if gated && rig.gate_missed > 0 {
+            println!(
+                "  ({name}: the gate drained before the enqueue ended in {} of {reps} samples; those include launch cost)",
+                rig.gate_missed
+            );
+        }
         out.push(json!({
             "row": name, "gated": gated, "p50_us": p50, "min_us": min, "gbps": gbps,
             "one_copy_over_row": one_copy / p50, "byte_exact": exact,
+            "gate_missed": if gated { Some(rig.gate_missed) } else { None },
         }));
     }
     if let Some(path) = json_path {
@@ -481,6 +545,17 @@ mod tests {
         s.sort_unstable();
         assert_eq!(s, (0..1000).collect::<Vec<u64>>());
         assert_ne!(v, s, "a shuffle of 1000 left everything in place");
+    }
+
+    #[test]
+    fn chunk_pieces_never_zero_nor_past_the_total() {
+        assert_eq!(pieces_per_chunk(16 << 20, 4096, 16_384), 4096);
+        assert_eq!(pieces_per_chunk(4096, 4096, 16_384), 1);
+        assert_eq!(pieces_per_chunk(1 << 50, 4096, 16_384), 16_384);
+        assert_eq!(pieces_per_chunk(1, 4096, 16_384), 1);
+        assert_eq!(size_label(16 << 20), "16 MiB");
+        assert_eq!(size_label(4096), "4 KiB");
+        assert_eq!(size_label(1000), "1000 B");
     }
 
     #[test]

@@ -5,10 +5,16 @@
 //! same GPU or on `--peer-device`. Side by side, the same bytes move as
 //! (a) the standard per-descriptor NIXL path, (b) bounce (GPU gather →
 //! one NIXL write per chunk → GPU scatter), (c) one contiguous descriptor.
-//! Every transfer is verified byte-exact: the sender fills its pool on the
-//! host with the fast pattern and uploads it; the receiver zeroes its pool
-//! before, downloads the whole pool after and checks every byte (the pool
-//! is exactly the transferred bytes, so a write outside a target fails too).
+//! Every transfer is verified byte-exact. With `--fill host` (the
+//! default) the sender fills its pool on the host with the fast pattern
+//! and uploads it; the receiver zeroes its pool before, downloads the whole
+//! pool after and checks every byte (the pool is exactly the transferred
+//! bytes, so a write outside a target fails too). That round trip through
+//! host memory evicts the CPU caches between timed transfers; with
+//! `--fill device` the pattern kernels (`kernels/pattern.cu`) fill the
+//! source and check the destination on the GPUs, and the CPU caches stay
+//! as a serving agent's would (issue 18, fifth session: both paths ≈ 40 %
+//! faster, their ratio unchanged).
 //!
 //! The protocol with the child is the data-plane bench's
 //! ([`super::dataplane::PeerProcess`]): `READY <file>`, then `ZERO`,

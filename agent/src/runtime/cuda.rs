@@ -804,13 +804,17 @@ impl CudaArena {
         })
     }
 
-    /// Sets every byte to zero (synchronous; tests and benches).
+    /// Sets every byte to zero and waits for it (tests and benches).
+    /// `cuMemsetD8` may return before the memset ran and is ordered only
+    /// with the legacy stream, not with the non-blocking streams the
+    /// kernels use, so the context is synchronized before returning.
     pub fn zero(&self) -> Result<(), CudaError> {
         self.gpu.bind()?;
         // SAFETY: the whole allocation.
         drv("cuMemsetD8", unsafe {
             result::memset_d8_sync(self.ptr, 0, self.len)
-        })
+        })?;
+        drv("cuCtxSynchronize", result::ctx::synchronize())
     }
 
     /// The GPU it lives on.
