@@ -121,7 +121,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
           [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; }
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce --verify-every ${KVF_VERIFY_EVERY:-1} \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
         done
@@ -139,9 +139,30 @@ for step in ${KVF_STEPS:-engines model vram}; do
           [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; }
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 --verify-every ${KVF_VERIFY_EVERY:-1} \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
+        done
+      done
+      mps_off ;;
+    cpuprof)
+      # Issue 18: which thread saturates at the closed-loop peak — each
+      # thread's CPU share of both agent processes over a window in the
+      # middle of a KVF_CONC run (MPS on, TCP control), and the run's own
+      # numbers. KVF_CONFIGS as in load.
+      mps_on
+      for c in ${KVF_CONC:-8 32}; do
+        for v in ${KVF_CONFIGS:--}; do
+          tag="$(cfg_tag "$v")_c$c"
+          env $(cfg_env "$v") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 /tmp/kvf/kvfabric-gpu \
+            "${seed_args[@]}" --requests ${KVF_REQUESTS:-2048} --concurrency $c --paths bounce --verify-every ${KVF_VERIFY_EVERY:-1} \
+            --json "$out/cpu_$tag.json" > "$out/cpu_$tag.log" 2>&1 &
+          pid=$!
+          python3 e2e/gpu/thread_cpu.py --pattern kvfabric-gpu --delay 1 --window 1.5 --windows 60 \
+            > "$out/cpu_threads_$tag.txt" 2>&1
+          wait $pid || rc=1
+          echo "cpuprof $tag: $(grep -E '^ *bounce' "$out/cpu_$tag.log" | tail -n 1 | tr -s ' ')"
+          cat "$out/cpu_threads_$tag.txt"
         done
       done
       mps_off ;;

@@ -13,6 +13,7 @@
 //! the child's `CHECK` command), outside the timed window.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -62,6 +63,9 @@ pub struct GpuReplayOptions {
     pub paths: Vec<BenchPath>,
     /// Progress bar on stderr.
     pub progress: bool,
+    /// Fill and verify the requests whose seed is a multiple of this (1 =
+    /// every request; at least 1).
+    pub verify_every: u64,
 }
 
 /// [`HandOff`] from a prefill agent on a GPU to a decode agent in a child
@@ -77,6 +81,10 @@ pub struct GpuHandOff<'a> {
     pub decode: &'a Mutex<PeerProcess>,
     /// Directory for the per-request destination tables.
     pub dir: PathBuf,
+    /// Fill and verify requests whose seed is a multiple of this (≥ 1).
+    pub verify_every: u64,
+    /// Requests filled and verified byte for byte so far.
+    pub verified: AtomicU64,
 }
 
 impl HandOff for GpuHandOff<'_> {
@@ -114,18 +122,21 @@ impl GpuHandOff<'_> {
         descs: Vec<Descriptor>,
         request_id: &mut Option<u64>,
     ) -> Result<f64, String> {
-        let table: Vec<PatDesc> = descs
-            .iter()
-            .enumerate()
-            .map(|(k, d)| PatDesc {
-                addr: d.src,
-                len: d.len,
-                k: k as u64,
-            })
-            .collect();
-        self.fill
-            .fill(&table, seed)
-            .map_err(|e| format!("filling the source blocks: {e}"))?;
+        let verify = seed % self.verify_every.max(1) == 0;
+        if verify {
+            let table: Vec<PatDesc> = descs
+                .iter()
+                .enumerate()
+                .map(|(k, d)| PatDesc {
+                    addr: d.src,
+                    len: d.len,
+                    k: k as u64,
+                })
+                .collect();
+            self.fill
+                .fill(&table, seed)
+                .map_err(|e| format!("filling the source blocks: {e}"))?;
+        }
         let t0 = Instant::now();
         let handle = match path {
             BenchPath::Bounce => self
@@ -155,6 +166,9 @@ impl GpuHandOff<'_> {
             }
             other => return Err(format!("transfer failed: {other:?}")),
         }
+        if !verify {
+            return Ok(ms);
+        }
         let file = self.dir.join(format!("check-{seed}.bin"));
         write_descs(&file, &descs).map_err(|e| format!("{}: {e}", file.display()))?;
         let r = self
@@ -164,6 +178,7 @@ impl GpuHandOff<'_> {
             .command(&format!("CHECK {seed} {}", file.display()));
         let _ = std::fs::remove_file(&file);
         r.map_err(|e| format!("verification on the decode GPU: {e}"))?;
+        self.verified.fetch_add(1, Ordering::Relaxed);
         Ok(ms)
     }
 }
@@ -259,14 +274,17 @@ fn run_in(
         opts.concurrency
     );
     let decode = Mutex::new(peer);
+    let hand_off = GpuHandOff {
+        prefill: &prefill,
+        decode_name: rdesc.name.clone(),
+        fill: &fill,
+        decode: &decode,
+        dir: dir.to_path_buf(),
+        verify_every: opts.verify_every.max(1),
+        verified: AtomicU64::new(0),
+    };
     let report = replay_with(
-        &GpuHandOff {
-            prefill: &prefill,
-            decode_name: rdesc.name.clone(),
-            fill: &fill,
-            decode: &decode,
-            dir: dir.to_path_buf(),
-        },
+        &hand_off,
         &pblocks,
         &dblocks,
         trace,
@@ -278,6 +296,12 @@ fn run_in(
             paths: opts.paths.clone(),
             progress: opts.progress,
         },
+    );
+    println!(
+        "verified byte for byte on the decode GPU: {} of {} hand-offs (--verify-every {})",
+        hand_off.verified.load(Ordering::Relaxed),
+        trace.len() * opts.paths.len(),
+        opts.verify_every.max(1)
     );
     if let Some(r) = prefill
         .transport()
@@ -333,6 +357,8 @@ pub struct GpuBenchArgs {
     pub peer_device: usize,
     /// Paths, in order.
     pub paths: Vec<BenchPath>,
+    /// Fill and verify every Nth request (`--verify-every`, ≥ 1).
+    pub verify_every: u64,
     /// Write the JSON report here.
     pub json: Option<PathBuf>,
 }
@@ -370,6 +396,7 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
             copy: CudaCopyConfig::default(),
             paths: a.paths.clone(),
             progress: false,
+            verify_every: a.verify_every,
         },
     )?;
     report.fixed_prompt_tokens = a.fixed_prompt;

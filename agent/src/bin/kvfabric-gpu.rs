@@ -184,6 +184,14 @@ enum Cmd {
         /// Paths, comma-separated (bounce, standard).
         #[arg(long, default_value = "bounce,standard", value_delimiter = ',', value_parser = bench_path)]
         paths: Vec<BenchPath>,
+        /// Fill and verify every Nth request (1 = all, the default). The
+        /// fill and the byte check run on the GPUs beside the transfers
+        /// and the checks go one at a time through the decode process, so
+        /// at high rates they cap the closed loop; N > 1 measures the
+        /// fabric with a sample verified (the others move whatever the
+        /// source blocks hold).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        verify_every: u64,
         /// Write the JSON report here.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -343,6 +351,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             pool,
             peer_device,
             paths,
+            verify_every,
             json,
         } => {
             // The replay opens its GPUs itself.
@@ -361,6 +370,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 device,
                 peer_device: peer_device.unwrap_or(device),
                 paths,
+                verify_every,
                 json,
             })
         }
