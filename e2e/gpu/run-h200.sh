@@ -118,10 +118,12 @@ for step in ${KVF_STEPS:-engines model vram}; do
       for c in ${KVF_CONC:-1 8 32 128}; do
         for v in $variants; do
           exe=/tmp/kvf/kvfabric-gpu; cfg=$v; b=after
-          [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; }
+          # --verify-every is newer than the "before" build.
+          va=(--verify-every "${KVF_VERIFY_EVERY:-1}")
+          [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; va=(); }
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce --verify-every ${KVF_VERIFY_EVERY:-1} \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
         done
@@ -136,10 +138,11 @@ for step in ${KVF_STEPS:-engines model vram}; do
         for cfg in ${KVF_CONFIGS:--}; do
           # "before": the build in .gpu/before.xz, defaults.
           exe=/tmp/kvf/kvfabric-gpu; b=""
-          [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; }
+          va=(--verify-every "${KVF_VERIFY_EVERY:-1}")
+          [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; va=(); }
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 --verify-every ${KVF_VERIFY_EVERY:-1} \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
         done

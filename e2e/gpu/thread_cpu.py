@@ -72,7 +72,8 @@ def main() -> None:
             break
         rows = []
         for key, (name, ticks) in s1.items():
-            before = s0.get(key, (name, ticks))[1]
+            # A thread born inside the window: all its ticks are new.
+            before = s0[key][1] if key in s0 else 0
             share = (ticks - before) / hz / (t1 - t0) * 100
             rows.append((share, key[0], key[1], name))
         rows.sort(reverse=True)

@@ -63,7 +63,7 @@ pub struct GpuReplayOptions {
     pub paths: Vec<BenchPath>,
     /// Progress bar on stderr.
     pub progress: bool,
-    /// Fill and verify the requests whose seed is a multiple of this (1 =
+    /// Fill and verify the requests whose index is a multiple of this (1 =
     /// every request; at least 1).
     pub verify_every: u64,
 }
@@ -81,7 +81,7 @@ pub struct GpuHandOff<'a> {
     pub decode: &'a Mutex<PeerProcess>,
     /// Directory for the per-request destination tables.
     pub dir: PathBuf,
-    /// Fill and verify requests whose seed is a multiple of this (≥ 1).
+    /// Fill and verify requests whose index is a multiple of this (≥ 1).
     pub verify_every: u64,
     /// Requests filled and verified byte for byte so far.
     pub verified: AtomicU64,
@@ -122,7 +122,10 @@ impl GpuHandOff<'_> {
         descs: Vec<Descriptor>,
         request_id: &mut Option<u64>,
     ) -> Result<f64, String> {
-        let verify = seed % self.verify_every.max(1) == 0;
+        // `replay_with` seeds request i of path p with ((p + 1) << 40) + i:
+        // the low 40 bits are the request's index, so every path verifies
+        // requests 0, N, 2N, ….
+        let verify = (seed & ((1 << 40) - 1)) % self.verify_every.max(1) == 0;
         if verify {
             let table: Vec<PatDesc> = descs
                 .iter()
