@@ -110,17 +110,17 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # Issue 18's table: closed loop at each KVF_CONC, MPS on, TCP control.
       # KVF_CONFIGS: bounce settings to compare, alternated within each
       # concurrency; each KEY=VALUE[,KEY=VALUE...] sets KVFABRIC_BOUNCE_KEY
-      # (both agents), "-" for the defaults. loadab puts the build before
-      # the issue-18 work (.gpu/before.xz, c2fc7d1, defaults) first in each
-      # concurrency.
+      # (both agents), "-" for the defaults. loadab puts the build in
+      # .gpu/before.xz (defaults) first in each concurrency.
       mps_on
       variants="${KVF_CONFIGS:--}"; [ $step = loadab ] && variants="before - ${KVF_CONFIGS:-}"
       for c in ${KVF_CONC:-1 8 32 128}; do
         for v in $variants; do
           exe=/tmp/kvf/kvfabric-gpu; cfg=$v; b=after
-          # --verify-every is newer than the "before" build.
           va=(--verify-every "${KVF_VERIFY_EVERY:-1}")
-          [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; va=(); }
+          [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; }
+          # A "before" build older than --verify-every checks every hand-off.
+          $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
             --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" \
@@ -139,7 +139,8 @@ for step in ${KVF_STEPS:-engines model vram}; do
           # "before": the build in .gpu/before.xz, defaults.
           exe=/tmp/kvf/kvfabric-gpu; b=""
           va=(--verify-every "${KVF_VERIFY_EVERY:-1}")
-          [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; va=(); }
+          [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; }
+          $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" \

@@ -261,7 +261,9 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
             "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst"], "default": def("grantPolicy"),
                             "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."},
             "uniformData": flag("uniformData", "Uniform chunks described by their blocks' destinations (DATA_UNIFORM; advertised in the handshake, used only when both agents advertise it, else the seed's DATA)."),
-            "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local).")
+            "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local)."),
+            "eagerGrantOrder": flag("eagerGrantOrder", "Eager gathers staged in the order the receiver (grantPolicy) is expected to grant them, none while a granted chunk waits for staging; false: the seed's submit order (sender-local)."),
+            "releaseStagingOnWrite": flag("releaseStagingOnWrite", "A chunk's staging region is freed when its write completed, not at its ACK (the seed's rule when false; sender-local).")
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

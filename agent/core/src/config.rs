@@ -629,6 +629,8 @@ field_deserializers! {
     de_grant_policy: GrantPolicy = "grantPolicy";
     de_uniform_data: bool = "uniformData";
     de_batch_gathers: bool = "batchGathers";
+    de_eager_grant_order: bool = "eagerGrantOrder";
+    de_release_staging_on_write: bool = "releaseStagingOnWrite";
 }
 
 // ---------------------------------------------------------------------------
@@ -794,6 +796,28 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_BATCH_GATHERS`.
     #[serde(deserialize_with = "de_batch_gathers")]
     pub batch_gathers: bool,
+
+    /// kvfabric (issue 18): stage eager gathers in the order the receiver
+    /// is expected to grant them — the sender mirrors the receiver's
+    /// `grantPolicy` (its own: the operator rolls one config out) over its
+    /// own requests — and none while a credited chunk waits for staging.
+    /// `false`: the seed's order (each request stages up to its window when
+    /// submitted), under which, with many requests in flight, the eager
+    /// budget holds chunks the receiver grants a whole round later while
+    /// granted chunks wait for staging. Sender-local: peers need not
+    /// agree; no effect without `enableEagerGather`. Default `true`.
+    /// Env `KVFABRIC_BOUNCE_EAGER_GRANT_ORDER`.
+    #[serde(deserialize_with = "de_eager_grant_order")]
+    pub eager_grant_order: bool,
+
+    /// kvfabric (issue 18): free a chunk's staging region as soon as its
+    /// write completed (landed at the target, seed §6) instead of at its
+    /// ACK (the seed's rule, `false`), so staging is not held over the DATA
+    /// hop, the receiver's scatter and the ACK hop. Sender-local: peers
+    /// need not agree. Default `true`.
+    /// Env `KVFABRIC_BOUNCE_RELEASE_STAGING_ON_WRITE`.
+    #[serde(deserialize_with = "de_release_staging_on_write")]
+    pub release_staging_on_write: bool,
 }
 
 impl Default for BounceConfig {
@@ -821,6 +845,8 @@ impl Default for BounceConfig {
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             batch_gathers: true,
+            eager_grant_order: true,
+            release_staging_on_write: true,
         }
     }
 }
@@ -835,7 +861,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 21] = [
+pub const FIELDS: [FieldName; 23] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -920,6 +946,14 @@ pub const FIELDS: [FieldName; 21] = [
         yaml: "batchGathers",
         env: "BATCH_GATHERS",
     },
+    FieldName {
+        yaml: "eagerGrantOrder",
+        env: "EAGER_GRANT_ORDER",
+    },
+    FieldName {
+        yaml: "releaseStagingOnWrite",
+        env: "RELEASE_STAGING_ON_WRITE",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -940,7 +974,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 21] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 23] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -964,6 +998,8 @@ impl BounceConfig {
             (f[18], &mut self.grant_policy),
             (f[19], &mut self.uniform_data),
             (f[20], &mut self.batch_gathers),
+            (f[21], &mut self.eager_grant_order),
+            (f[22], &mut self.release_staging_on_write),
         ]
     }
 
@@ -1330,6 +1366,18 @@ impl EffectiveBounceConfig {
         self.config.batch_gathers
     }
 
+    /// Whether eager gathers are staged in the receiver's expected grant
+    /// order (`eagerGrantOrder`).
+    pub fn eager_grant_order(&self) -> bool {
+        self.config.eager_grant_order
+    }
+
+    /// Whether a chunk's staging is freed when its write completed rather
+    /// than at its ACK (`releaseStagingOnWrite`).
+    pub fn release_staging_on_write(&self) -> bool {
+        self.config.release_staging_on_write
+    }
+
     /// Per-flow in-flight cap `W` (≥ 1), chunks.
     pub fn max_inflight_chunks_per_request(&self) -> u32 {
         self.config.max_inflight_chunks_per_request
@@ -1676,6 +1724,8 @@ mod tests {
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
             ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
             ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
+            ("KVFABRIC_BOUNCE_EAGER_GRANT_ORDER", "false"),
+            ("KVFABRIC_BOUNCE_RELEASE_STAGING_ON_WRITE", "off"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1702,6 +1752,8 @@ mod tests {
             grant_policy: GrantPolicy::OldestFirst,
             uniform_data: false,
             batch_gathers: false,
+            eager_grant_order: false,
+            release_staging_on_write: false,
         };
         assert_eq!(c, want);
     }

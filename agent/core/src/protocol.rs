@@ -243,6 +243,27 @@ pub struct Config {
     pub request_timeout: Nanos,
     /// Stage gathers before a GRANT arrives (seed §2).
     pub eager_gather: bool,
+    /// Stage eager gathers in the order the receiver will grant them
+    /// (config `eagerGrantOrder`, issue 18; a kvfabric rule, not the
+    /// seed's): the sender mirrors each peer's [`GrantPolicy`] — its own
+    /// `grant_policy`, which the operator rolls out to every agent — over
+    /// its own requests (round-robin: the next chunk of each request in
+    /// ring order from the one granted last; oldest first: the oldest
+    /// request's chunks first), and stages no eager gather while a credited
+    /// chunk waits for staging. Off: the seed's rule, each request stages
+    /// eagerly up to its window at submit and whenever it is pumped, so with
+    /// many requests in flight the eager budget holds chunks the receiver
+    /// grants a whole round later. Only which chunks are staged early
+    /// changes; never what is written where.
+    pub eager_grant_order: bool,
+    /// Free a chunk's staging region once its write completed (config
+    /// `releaseStagingOnWrite`, issue 18; a kvfabric rule): a completed write
+    /// has landed at the target (seed §6: the status poll includes the
+    /// endpoint flush), and nothing reads the staging after it (the DATA
+    /// carries the scatter list; there is no retransmission). Off: the
+    /// seed's rule, staging is held until the chunk's ACK, i.e. also over
+    /// the DATA hop, the receiver's scatter and the ACK hop.
+    pub release_staging_on_write: bool,
     /// Which flow the receiver grants next ([`GrantPolicy`]).
     pub grant_policy: GrantPolicy,
     /// Take DATA_UNIFORM (config `uniformData`, advertised as
@@ -674,7 +695,24 @@ struct SendRequest {
     traced: bool,
 }
 
+/// What [`Machine::stage_next`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Staging {
+    /// A gather was started.
+    Started,
+    /// No region, eager budget or copy context for the next chunk now.
+    Starved,
+    /// Nothing to stage: all staged, window full, or uncredited and not
+    /// allowed eagerly.
+    Stopped,
+}
+
 impl SendRequest {
+    /// Chunks whose credit arrived (attached or not).
+    fn granted(&self) -> usize {
+        self.next_attach + self.credits.len() + self.unkeyed.len()
+    }
+
     fn staged_unacked(&self) -> usize {
         self.state
             .iter()
@@ -775,6 +813,10 @@ pub struct Machine {
     /// space or eager budget (not for their window or a missing credit):
     /// the only ones a freed resource can move, retried oldest first.
     starved: BTreeSet<u64>,
+    /// Per peer, this sender's requests that still have chunks the peer
+    /// has not granted, in the order the peer is expected to grant them
+    /// next (front first; [`Config::eager_grant_order`]).
+    grant_order: BTreeMap<String, VecDeque<u64>>,
     shut_down: bool,
     actions: VecDeque<Step>,
     counters: Counters,
@@ -873,6 +915,7 @@ impl Machine {
             quiesce: Vec::new(),
             parked: false,
             starved: BTreeSet::new(),
+            grant_order: BTreeMap::new(),
             shut_down: false,
             actions: VecDeque::new(),
             counters: Counters::default(),
@@ -956,6 +999,9 @@ impl Machine {
         let retry = std::mem::take(&mut self.parked) || freed;
         if retry && !self.starved.is_empty() {
             self.retry_starved();
+        }
+        if retry && self.eager_by_grant_order() {
+            self.stage_eager();
         }
         self.answer_quiesce();
     }
@@ -1168,6 +1214,19 @@ impl Machine {
 
     fn resolve(&mut self, rid: u64, outcome: Outcome, timed_out: bool) {
         self.starved.remove(&rid);
+        let mut emptied = None;
+        for (peer, ring) in &mut self.grant_order {
+            if let Some(p) = ring.iter().position(|&r| r == rid) {
+                ring.remove(p);
+                if ring.is_empty() {
+                    emptied = Some(peer.clone());
+                }
+                break;
+            }
+        }
+        if let Some(peer) = emptied {
+            self.grant_order.remove(&peer);
+        }
         match outcome {
             Outcome::Success => self.counters.succeeded += 1,
             Outcome::Failure(_) => self.counters.failed += 1,
@@ -1239,12 +1298,20 @@ impl Machine {
                 traced: false,
             },
         );
+        self.grant_order
+            .entry(to.clone())
+            .or_default()
+            .push_back(rid);
         // The eager gathers first, then the WANT: a control send can take
         // tens of µs (a loopback TCP write that wakes the receiver's IO
         // thread: 47 µs on the H200 host), and the gathers do not depend
         // on it (issue 18 step 3). Nothing the peer sends back can precede
         // the WANT.
-        self.pump(rid);
+        if self.eager_by_grant_order() {
+            self.stage_eager();
+        } else {
+            self.pump(rid);
+        }
         if self.requests.contains_key(&rid) {
             self.send(&to, want);
         }
@@ -1288,10 +1355,9 @@ impl Machine {
     /// `Io::pump`: attach credits in chunk order, stage gathers within the
     /// window, post writes for gathered credited chunks.
     fn pump(&mut self, rid: u64) {
-        let w = self.cfg.max_inflight_chunks;
         let eager_ok = self.cfg.eager_gather;
         let unkeyed = self.cfg.mutations.unkeyed_credits;
-        let legacy_eager = self.cfg.mutations.legacy_eager_reserve;
+        let by_grant_order = self.eager_by_grant_order();
         let Some(req) = self.requests.get_mut(&rid) else {
             return;
         };
@@ -1314,78 +1380,25 @@ impl Machine {
             }
             req.next_attach += 1;
         }
-        // 2. Stage gathers within the window.
-        let mut starved = false;
-        while req.next_stage < req.chunks.len() && req.staged_unacked() < w {
-            let i = req.next_stage;
-            let credited = req.state[i].credit.is_some();
-            if !credited && !eager_ok {
-                break;
+        // 2. Stage gathers within the window (eager ones too, unless
+        // `stage_eager` orders them).
+        let eager = eager_ok && !by_grant_order;
+        let starved = loop {
+            match self.stage_next(rid, eager) {
+                Staging::Started => {}
+                Staging::Starved => break true,
+                Staging::Stopped => break false,
             }
-            let bytes = req.chunks[i].packed_bytes;
-            let Some(local) = self.scheduler.acquire_local(bytes, !credited) else {
-                starved = true;
-                break;
-            };
-            if !credited {
-                if let Some(b) = self.reserve_block {
-                    // Eager staging never takes the block kept for credited
-                    // chunks, nor (deviation, see the module docs) the last
-                    // block a remote flow could be granted beside it.
-                    let ok = if legacy_eager {
-                        self.scheduler.arena().largest_free_block() >= b
-                    } else {
-                        match self.scheduler.acquire_local(b, false) {
-                            Some(hold) => {
-                                let ok = self.scheduler.arena().largest_free_block() >= b;
-                                let _ = self.scheduler.release_local(hold);
-                                ok
-                            }
-                            None => false,
-                        }
-                    };
-                    if !ok {
-                        let _ = self.scheduler.release_local(local);
-                        starved = true;
-                        break;
-                    }
-                }
-            }
-            if self.exec_free == 0 {
-                let _ = self.scheduler.release_local(local);
-                starved = true;
-                break;
-            }
-            self.exec_free -= 1;
-            let job = self.next_token;
-            self.next_token += 1;
-            self.jobs.insert(
-                job,
-                Job::Gather {
-                    rid,
-                    chunk: i,
-                    local,
-                },
-            );
-            let c = &mut req.state[i];
-            c.state = ChunkState::Gathering(job);
-            c.local = Some(local);
-            c.eager = !credited;
-            self.actions.push_back(Step::Action(Action::StartGather {
-                job,
-                rid,
-                chunk: i as u32,
-                local,
-                bound: req.chunks[i],
-            }));
-            req.next_stage += 1;
-        }
+        };
         if starved {
             self.starved.insert(rid);
         } else {
             self.starved.remove(&rid);
         }
         // 3. Post writes for gathered + credited chunks.
+        let Some(req) = self.requests.get(&rid) else {
+            return;
+        };
         let ready: Vec<usize> = (0..req.next_attach)
             .filter(|&i| req.state[i].state == ChunkState::Gathered)
             .collect();
@@ -1393,6 +1406,162 @@ impl Machine {
             if let Err(why) = self.post_chunk(rid, i) {
                 self.fail_request(rid, why, false);
                 return;
+            }
+        }
+    }
+
+    /// Starts the gather of request `rid`'s next unstaged chunk, if its
+    /// window W allows and, for a chunk without a credit, `eager` is set
+    /// (seed §5 `pump` step 2). Staging takes a local region — an
+    /// uncredited one from the eager budget (≤ ½ arena), never the block
+    /// kept for credited chunks nor the last block a remote flow could be
+    /// granted beside it — and a copy context.
+    ///
+    /// Returns [`Staging::Started`], [`Staging::Starved`] (no region, eager
+    /// budget or copy context now: a freed resource may change that) or
+    /// [`Staging::Stopped`] (all staged, window full, uncredited and not
+    /// `eager`, or no such request).
+    fn stage_next(&mut self, rid: u64, eager: bool) -> Staging {
+        let w = self.cfg.max_inflight_chunks;
+        let legacy_eager = self.cfg.mutations.legacy_eager_reserve;
+        let Some(req) = self.requests.get(&rid) else {
+            return Staging::Stopped;
+        };
+        if req.next_stage >= req.chunks.len() || req.staged_unacked() >= w {
+            return Staging::Stopped;
+        }
+        let i = req.next_stage;
+        let credited = req.state[i].credit.is_some();
+        if !credited && !eager {
+            return Staging::Stopped;
+        }
+        let bound = req.chunks[i];
+        let Some(local) = self.scheduler.acquire_local(bound.packed_bytes, !credited) else {
+            return Staging::Starved;
+        };
+        if !credited {
+            if let Some(b) = self.reserve_block {
+                // Eager staging never takes the block kept for credited
+                // chunks, nor (deviation, see the module docs) the last
+                // block a remote flow could be granted beside it.
+                let ok = if legacy_eager {
+                    self.scheduler.arena().largest_free_block() >= b
+                } else {
+                    match self.scheduler.acquire_local(b, false) {
+                        Some(hold) => {
+                            let ok = self.scheduler.arena().largest_free_block() >= b;
+                            let _ = self.scheduler.release_local(hold);
+                            ok
+                        }
+                        None => false,
+                    }
+                };
+                if !ok {
+                    let _ = self.scheduler.release_local(local);
+                    return Staging::Starved;
+                }
+            }
+        }
+        if self.exec_free == 0 {
+            let _ = self.scheduler.release_local(local);
+            return Staging::Starved;
+        }
+        self.exec_free -= 1;
+        let job = self.next_token;
+        self.next_token += 1;
+        self.jobs.insert(
+            job,
+            Job::Gather {
+                rid,
+                chunk: i,
+                local,
+            },
+        );
+        let Some(req) = self.requests.get_mut(&rid) else {
+            return Staging::Stopped;
+        };
+        let c = &mut req.state[i];
+        c.state = ChunkState::Gathering(job);
+        c.local = Some(local);
+        c.eager = !credited;
+        req.next_stage += 1;
+        self.actions.push_back(Step::Action(Action::StartGather {
+            job,
+            rid,
+            chunk: i as u32,
+            local,
+            bound,
+        }));
+        Staging::Started
+    }
+
+    /// Whether eager gathers are staged by [`Self::stage_eager`]
+    /// ([`Config::eager_grant_order`]).
+    fn eager_by_grant_order(&self) -> bool {
+        self.cfg.eager_gather && self.cfg.eager_grant_order
+    }
+
+    /// Stages eager gathers in the order each peer is expected to grant
+    /// them ([`Config::eager_grant_order`]), stopping at the first chunk
+    /// that cannot be staged now, so the eager budget goes to the chunks
+    /// granted soonest. Nothing is staged eagerly while a credited chunk
+    /// waits for staging (`starved`): credited chunks come first.
+    ///
+    /// Round-robin (seed §5): the peer grants one region per flow per sweep
+    /// and moves past the flow it granted, new flows joining just before
+    /// that point, so the expected order is pass 0: the first ungranted
+    /// chunk of each request in `grant_order` (front first), pass 1: the
+    /// second, … Oldest first: every chunk of the front request, then the
+    /// next request's. Peers are taken in name order and share the budget.
+    /// O(requests looked at) per call; it returns at the first starved
+    /// chunk.
+    fn stage_eager(&mut self) {
+        if !self.starved.is_empty() {
+            return;
+        }
+        let round_robin = self.cfg.grant_policy == GrantPolicy::RoundRobin;
+        let peers: Vec<String> = self.grant_order.keys().cloned().collect();
+        for peer in peers {
+            let Some(ring) = self.grant_order.get(&peer) else {
+                continue;
+            };
+            let ring: Vec<u64> = ring.iter().copied().collect();
+            if !round_robin {
+                for rid in ring {
+                    loop {
+                        match self.stage_next(rid, true) {
+                            Staging::Started => {}
+                            Staging::Starved => return,
+                            Staging::Stopped => break,
+                        }
+                    }
+                }
+                continue;
+            }
+            for pass in 0.. {
+                let mut more = false;
+                for &rid in &ring {
+                    let Some(req) = self.requests.get(&rid) else {
+                        continue;
+                    };
+                    // Chunks staged once this pass's chunk is.
+                    let want = req.granted() + pass + 1;
+                    if want > req.chunks.len() {
+                        continue;
+                    }
+                    more = true;
+                    // Staged already, or an earlier chunk is not (its
+                    // window is full): nothing to do in this pass.
+                    if req.next_stage + 1 != want {
+                        continue;
+                    }
+                    if self.stage_next(rid, true) == Staging::Starved {
+                        return;
+                    }
+                }
+                if !more {
+                    break;
+                }
             }
         }
     }
@@ -1461,6 +1630,13 @@ impl Machine {
                         let Some(credit) = req.state[i].credit else {
                             return;
                         };
+                        // Landed at the target: nothing reads the staging
+                        // any more (`release_staging_on_write`).
+                        let staging = if self.cfg.release_staging_on_write {
+                            req.state[i].local.take()
+                        } else {
+                            None
+                        };
                         let data = match std::mem::take(&mut req.state[i].runs) {
                             ScatterList::Runs(runs) => Message::Data(Data {
                                 request_id: rid,
@@ -1487,6 +1663,10 @@ impl Machine {
                             self.stage(rid, i, ChunkStage::DataSent);
                         }
                         self.push(Action::Send { to, msg: data });
+                        if let Some(local) = staging {
+                            self.release_local(local);
+                            self.schedule_and_send();
+                        }
                     }
                     Err(e) => {
                         // Terminal: the NIC no longer reads the staging.
@@ -1564,7 +1744,31 @@ impl Machine {
             }
             req.credits.insert(c.chunk_index, (c, self.now));
         }
+        let done = req.granted() >= n;
+        self.note_granted(peer, g.request_id, done);
         self.pump(g.request_id);
+    }
+
+    /// Moves the expected grant order of `peer` past request `rid`, just
+    /// granted ([`Config::eager_grant_order`]): round-robin, the peer
+    /// grants the flow after it next; `done` (every chunk granted), it
+    /// leaves the order.
+    fn note_granted(&mut self, peer: &str, rid: u64, done: bool) {
+        let round_robin = self.cfg.grant_policy == GrantPolicy::RoundRobin;
+        let Some(ring) = self.grant_order.get_mut(peer) else {
+            return;
+        };
+        let Some(p) = ring.iter().position(|&r| r == rid) else {
+            return;
+        };
+        if round_robin {
+            ring.rotate_left(p + 1);
+            if done {
+                ring.pop_back();
+            }
+        } else if done {
+            ring.remove(p);
+        }
     }
 
     fn on_ack(&mut self, peer: &str, a: Ack) {
@@ -2484,7 +2688,12 @@ mod tests {
     const T: Nanos = 1_000_000_000;
 
     fn machine(name: &str) -> Machine {
-        let mut m = Machine::new(Config {
+        machine_with(name, |_| {})
+    }
+
+    /// [`machine`] with its configuration changed by `f` first.
+    fn machine_with(name: &str, f: impl FnOnce(&mut Config)) -> Machine {
+        let mut cfg = Config {
             arena_bytes: 4096,
             granularity_bytes: 256,
             max_chunk_size_bytes: 1024,
@@ -2492,14 +2701,17 @@ mod tests {
             copy_contexts: 2,
             request_timeout: T,
             eager_gather: true,
+            eager_grant_order: true,
+            release_staging_on_write: true,
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             arena_base: 0x7000_0000,
             device_id: 0,
             endpoint: name.as_bytes().to_vec(),
             mutations: Mutations::default(),
-        })
-        .unwrap();
+        };
+        f(&mut cfg);
+        let mut m = Machine::new(cfg).unwrap();
         m.handle(
             0,
             Input::AllowScatter {
@@ -2636,6 +2848,244 @@ mod tests {
             }
         }
         assert_eq!(order, ["gather 0", "gather 1", "want"]);
+    }
+
+    /// A GRANT from "b" for chunk `chunk` of `rid`, region at `offset`.
+    fn grant_from_b(m: &mut Machine, now: Nanos, rid: u64, chunk: u32, offset: u64) {
+        m.handle(
+            now,
+            Input::Message {
+                from: "b".into(),
+                msg: Message::Grant(Grant {
+                    request_id: rid,
+                    credits: vec![Credit {
+                        chunk_index: chunk,
+                        region_handle: offset,
+                        addr: 0x7000_0000 + offset,
+                        len: 1024,
+                        device_id: 0,
+                    }],
+                }),
+                route: Route::Usable,
+            },
+        );
+    }
+
+    /// Feeds sender "a" (arena of 8 blocks: an eager budget of 4 chunks;
+    /// W = 8) `requests` requests of `chunks` 1 KiB chunks, then GRANTs in
+    /// `order` (request, chunk), completing every gather and write at
+    /// once; returns how many GRANTs found their chunk already staged.
+    fn staged_at_grant(
+        policy: GrantPolicy,
+        grant_order: bool,
+        requests: u64,
+        chunks_each: usize,
+        order: &[(u64, u32)],
+    ) -> usize {
+        let mut a = machine_with("a", |c| {
+            c.arena_bytes = 8192;
+            c.max_inflight_chunks = 8;
+            c.grant_policy = policy;
+            c.eager_grant_order = grant_order;
+        });
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        let mut staged = std::collections::BTreeSet::new();
+        let settle_a = |a: &mut Machine, staged: &mut BTreeSet<(u64, u32)>, now| loop {
+            let acts = drain(a);
+            if acts.is_empty() {
+                return;
+            }
+            for act in acts {
+                match act {
+                    Action::StartGather {
+                        job,
+                        rid,
+                        chunk,
+                        bound,
+                        ..
+                    } => {
+                        staged.insert((rid, chunk));
+                        a.handle(
+                            now,
+                            Input::GatherDone {
+                                job,
+                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
+                            },
+                        );
+                    }
+                    Action::PostWrite { write, .. } => a.handle(
+                        now,
+                        Input::WriteDone {
+                            write,
+                            result: Ok(()),
+                        },
+                    ),
+                    _ => {}
+                }
+            }
+        };
+        for rid in 1..=requests {
+            a.handle(
+                0,
+                Input::Submit {
+                    rid,
+                    peer: "b".into(),
+                    scope: 0,
+                    chunks: chunks(&vec![1024; chunks_each]),
+                },
+            );
+        }
+        settle_a(&mut a, &mut staged, 0);
+        let mut hits = 0;
+        for (t, &(rid, chunk)) in order.iter().enumerate() {
+            hits += usize::from(staged.contains(&(rid, chunk)));
+            grant_from_b(&mut a, t as u64 + 1, rid, chunk, 1024 * t as u64);
+            settle_a(&mut a, &mut staged, t as u64 + 1);
+        }
+        assert_eq!(
+            staged.len(),
+            order.len(),
+            "every granted chunk was gathered"
+        );
+        hits
+    }
+
+    /// Issue 18: eight requests of two chunks, an eager budget of four
+    /// chunks. A round-robin receiver grants the first chunk of every
+    /// request, then the second ones. In grant order every GRANT finds its
+    /// chunk staged; under the seed's rule the budget holds the first
+    /// requests' second chunks (granted a round later) and the later
+    /// requests' first chunks are gathered only once granted.
+    #[test]
+    fn eager_gathers_follow_the_receivers_round_robin_order() {
+        let order: Vec<(u64, u32)> = (0..2).flat_map(|c| (1..=8).map(move |r| (r, c))).collect();
+        let rr = GrantPolicy::RoundRobin;
+        assert_eq!(staged_at_grant(rr, true, 8, 2, &order), 16);
+        let seed = staged_at_grant(rr, false, 8, 2, &order);
+        assert!(seed <= 12, "seed rule: {seed} of 16 staged at their GRANT");
+    }
+
+    /// Issue 18: an oldest-first receiver grants the oldest request's
+    /// chunks first; staged in that order, every GRANT finds its chunk
+    /// staged.
+    #[test]
+    fn eager_gathers_follow_the_receivers_oldest_first_order() {
+        let order: Vec<(u64, u32)> = (1..=4).flat_map(|r| (0..3).map(move |c| (r, c))).collect();
+        let of = GrantPolicy::OldestFirst;
+        assert_eq!(staged_at_grant(of, true, 4, 3, &order), 12);
+    }
+
+    /// Issue 18: a chunk's staging is freed when its write completed
+    /// (`release_staging_on_write`), not at its ACK; off, at the ACK (seed).
+    #[test]
+    fn staging_is_freed_when_its_write_completes() {
+        for on_write in [true, false] {
+            let (mut a, mut b) = (machine("a"), machine("b"));
+            a.cfg.release_staging_on_write = on_write;
+            a.handle(0, Input::PeerAdded { peer: "b".into() });
+            a.handle(
+                0,
+                Input::Submit {
+                    rid: 1,
+                    peer: "b".into(),
+                    scope: 0,
+                    chunks: chunks(&[1024]),
+                },
+            );
+            // Gather, WANT → b, GRANT → a, write posted.
+            let mut write = None;
+            for _ in 0..4 {
+                for act in drain(&mut a) {
+                    match act {
+                        Action::StartGather { job, bound, .. } => a.handle(
+                            1,
+                            Input::GatherDone {
+                                job,
+                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
+                            },
+                        ),
+                        Action::Send { msg, .. } => b.handle(
+                            1,
+                            Input::Message {
+                                from: "a".into(),
+                                msg,
+                                route: Route::Usable,
+                            },
+                        ),
+                        Action::PostWrite { write: w, .. } => write = Some(w),
+                        _ => {}
+                    }
+                }
+                for act in drain(&mut b) {
+                    if let Action::Send { msg, .. } = act {
+                        a.handle(
+                            1,
+                            Input::Message {
+                                from: "b".into(),
+                                msg,
+                                route: Route::Usable,
+                            },
+                        );
+                    }
+                }
+            }
+            let write = write.expect("write posted");
+            let cap = a.snapshot().capacity;
+            assert!(a.snapshot().free_bytes < cap, "staging held while writing");
+            a.handle(
+                2,
+                Input::WriteDone {
+                    write,
+                    result: Ok(()),
+                },
+            );
+            let free = a.snapshot().free_bytes;
+            assert_eq!(free == cap, on_write, "free {free} of {cap}");
+            a.scheduler().check_conservation().unwrap();
+            // The DATA, the scatter and the ACK complete the request either way.
+            assert_eq!(settle(&mut a, &mut b, 3), vec![(1, Outcome::Success)]);
+            quiet(&a);
+            quiet(&b);
+        }
+    }
+
+    /// Issue 18: many requests between two agents complete, every region
+    /// freed, under each combination of the sender rules and both policies.
+    #[test]
+    fn many_requests_complete_under_every_sender_rule() {
+        for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+            for (grant_order, on_write) in
+                [(false, false), (true, false), (false, true), (true, true)]
+            {
+                let (mut a, mut b) = (machine("a"), machine("b"));
+                for m in [&mut a, &mut b] {
+                    m.cfg.eager_grant_order = grant_order;
+                    m.cfg.release_staging_on_write = on_write;
+                    m.cfg.grant_policy = policy;
+                }
+                b.scheduler = CreditScheduler::new(4096, 256, 2)
+                    .unwrap()
+                    .with_policy(policy);
+                a.handle(0, Input::PeerAdded { peer: "b".into() });
+                for rid in 1..=12 {
+                    a.handle(
+                        0,
+                        Input::Submit {
+                            rid,
+                            peer: "b".into(),
+                            scope: 0,
+                            chunks: chunks(&[1024, 1024, 512][..(rid as usize % 3) + 1]),
+                        },
+                    );
+                }
+                let mut out = settle(&mut a, &mut b, 1);
+                out.sort_by_key(|(rid, _)| *rid);
+                let want: Vec<(u64, Outcome)> = (1..=12).map(|r| (r, Outcome::Success)).collect();
+                assert_eq!(out, want, "{policy:?} {grant_order} {on_write}");
+                quiet(&a);
+                quiet(&b);
+            }
+        }
     }
 
     #[test]
@@ -2800,6 +3250,8 @@ mod tests {
                 copy_contexts: 1,
                 request_timeout: T,
                 eager_gather: true,
+                eager_grant_order: true,
+                release_staging_on_write: true,
                 grant_policy: GrantPolicy::RoundRobin,
                 uniform_data: true,
                 arena_base: 0x7000_0000,

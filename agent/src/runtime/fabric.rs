@@ -615,6 +615,8 @@ impl FabricAgent {
             copy_workers: cfg.scatter_worker_count() as usize,
             request_timeout: Duration::from_millis(cfg.request_timeout_ms()),
             eager_gather: cfg.config().enable_eager_gather,
+            eager_grant_order: cfg.eager_grant_order(),
+            release_staging_on_write: cfg.release_staging_on_write(),
             grant_policy: cfg.grant_policy(),
             uniform_data: cfg.uniform_data(),
             merge_runs: !cfg.config().disable_scatter_run_merging,

@@ -69,6 +69,12 @@ pub struct TransportSettings {
     pub request_timeout: Duration,
     /// Stage gathers before the GRANT arrives (seed §2).
     pub eager_gather: bool,
+    /// Stage eager gathers in the receiver's expected grant order
+    /// (`eagerGrantOrder`, [`Config::eager_grant_order`]).
+    pub eager_grant_order: bool,
+    /// Free staging when its write completed, not at the ACK
+    /// (`releaseStagingOnWrite`, [`Config::release_staging_on_write`]).
+    pub release_staging_on_write: bool,
     /// Which flow this receiver grants a free region to next.
     pub grant_policy: GrantPolicy,
     /// Take DATA_UNIFORM from peers (config `uniformData`; what is sent
@@ -125,6 +131,8 @@ impl Default for TransportSettings {
             copy_workers: 4,
             request_timeout: Duration::from_millis(30_000),
             eager_gather: true,
+            eager_grant_order: true,
+            release_staging_on_write: true,
             grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             merge_runs: true,
@@ -715,6 +723,8 @@ impl BounceTransport {
             copy_contexts: settings.copy_contexts.max(1),
             request_timeout: u64::try_from(settings.request_timeout.as_nanos()).unwrap_or(u64::MAX),
             eager_gather: settings.eager_gather,
+            eager_grant_order: settings.eager_grant_order,
+            release_staging_on_write: settings.release_staging_on_write,
             grant_policy: settings.grant_policy,
             uniform_data: settings.uniform_data,
             arena_base: arena.base,

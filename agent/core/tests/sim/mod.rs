@@ -458,6 +458,12 @@ impl Sim {
             copy_contexts: rng.range(1, 3) as usize,
             request_timeout: TIMEOUT,
             eager_gather: !rng.chance(200),
+            // Issue 18's sender rules, each on in half the scoped worlds
+            // (the legacy world keeps the seed's, run for run); drawn from
+            // generators of their own so every seed's other choices stay
+            // what they were.
+            eager_grant_order: scoped && Rng::new(seed ^ 0x0E46_E500_0000_0000).chance(500),
+            release_staging_on_write: scoped && Rng::new(seed ^ 0x5E1E_A5E0_0000_0000).chance(500),
             // Half the scoped worlds run the receiver's oldest-first grant
             // policy; drawn from a generator of its own so every seed's
             // other choices (and the legacy world) stay what they were.
