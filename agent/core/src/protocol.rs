@@ -2962,7 +2962,7 @@ mod tests {
         let rr = GrantPolicy::RoundRobin;
         assert_eq!(staged_at_grant(rr, true, 8, 2, &order), 16);
         let seed = staged_at_grant(rr, false, 8, 2, &order);
-        assert!(seed <= 12, "seed rule: {seed} of 16 staged at their GRANT");
+        assert_eq!(seed, 12, "seed rule: {seed} of 16 staged at their GRANT");
     }
 
     /// Issue 18: an oldest-first receiver grants the oldest request's
