@@ -1122,6 +1122,9 @@ impl Machine {
     /// earliest request timeout, flow silence or overdue orphan write
     /// (`None` when nothing waits on time). A timeout fires strictly after
     /// its bound, so this is bound + 1.
+    ///
+    /// O(requests + flows): a caller that must not scan after every input
+    /// keeps [`Self::keepable_deadline`] instead.
     pub fn next_deadline(&self) -> Option<Nanos> {
         let t = self.cfg.request_timeout;
         let reqs = self.requests.values().map(|r| r.last_progress);
@@ -1136,6 +1139,23 @@ impl Machine {
             .chain(orphans)
             .min()
             .map(|x| x.saturating_add(t).saturating_add(1))
+    }
+
+    /// A deadline the caller may keep until it passes, feeding `Tick`
+    /// then (which may find nothing due yet) and asking again: the earlier
+    /// of [`Self::next_deadline`] and one request timeout + 1 after the
+    /// last input. Every clock an input starts or restarts is set to that
+    /// input's time, and the shortest bound is one request timeout (flow
+    /// silence is two), so no later input makes the machine's deadline
+    /// earlier than this (the simulator checks it). Used by the runtime's
+    /// reactor, which asked [`Self::next_deadline`] after every input
+    /// before (issue 18: O(requests + flows) each, 128 requests in flight).
+    pub fn keepable_deadline(&self) -> Option<Nanos> {
+        let cap = self
+            .now
+            .saturating_add(self.cfg.request_timeout)
+            .saturating_add(1);
+        self.next_deadline().map(|d| d.min(cap))
     }
 
     /// Whether request `rid` is in flight (submitted, not resolved).

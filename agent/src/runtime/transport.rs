@@ -1280,7 +1280,7 @@ struct Io {
     origin: Instant,
     /// The machine's counters as last added to `stats`.
     last_counters: Counters,
-    /// The machine's next deadline; recomputed after inputs.
+    /// The machine's next deadline, kept until it passes (`check_deadline`).
     deadline: Option<Nanos>,
     deadline_stale: bool,
     workers: Option<CopyWorkers>,
@@ -1897,15 +1897,20 @@ impl Io {
         n
     }
 
-    /// Feeds [`Input::Tick`] once the machine's next deadline passed.
+    /// Feeds [`Input::Tick`] once the machine's next deadline passed. The
+    /// deadline is kept until it passes ([`Machine::keepable_deadline`]):
+    /// the O(requests + flows) scan runs when none is kept or the kept one
+    /// passed, not after every input (issue 18: 128 requests in flight).
     fn check_deadline(&mut self) {
-        if self.deadline_stale {
-            self.deadline = self.m.next_deadline();
+        if self.deadline_stale && self.deadline.is_none() {
+            self.deadline = self.m.keepable_deadline();
             self.deadline_stale = false;
         }
         let Some(d) = self.deadline else { return };
         if self.now() >= d {
             self.feed(Input::Tick);
+            self.deadline = self.m.keepable_deadline();
+            self.deadline_stale = false;
         }
     }
 

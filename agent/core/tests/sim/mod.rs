@@ -398,6 +398,9 @@ pub struct Sim {
     eng: Rng,
     /// Destination of every request submitted: (sender, rid) → meta.
     flows_meta: BTreeMap<(String, u64), FlowMeta>,
+    /// Per agent, the deadline a reactor would keep until it passes
+    /// (`Machine::next_deadline`'s contract: no input makes it earlier).
+    deadline_kept: BTreeMap<usize, Nanos>,
     /// Scope of each rogue flow: (receiver, rid) → scope of the WANT
     /// that created it.
     rogue_scope: BTreeMap<(String, u64), u64>,
@@ -491,6 +494,7 @@ impl Sim {
             faults,
             mutations,
             agents: Vec::new(),
+            deadline_kept: BTreeMap::new(),
             queue: BTreeMap::new(),
             link_last: BTreeMap::new(),
             writes_in: BTreeMap::new(),
@@ -675,6 +679,38 @@ impl Sim {
         }
     }
 
+    /// `Machine::keepable_deadline`: no input moves `next_deadline` before
+    /// a kept deadline that has not passed, so the runtime's reactor keeps
+    /// one until then instead of rescanning every request and flow after
+    /// each input; a machine breaking that would be ticked late.
+    fn check_deadlines_kept(&mut self) -> R {
+        for (i, a) in self.agents.iter().enumerate() {
+            let Some(m) = a.m.as_ref().filter(|_| !a.down) else {
+                self.deadline_kept.remove(&i);
+                continue;
+            };
+            let d = m.next_deadline();
+            match (self.deadline_kept.get(&i), d) {
+                (Some(&kept), Some(d)) if self.now < kept && d < kept => {
+                    return Err(format!(
+                        "agent {i}: next deadline {d} moved before the kept {kept} (now {})",
+                        self.now
+                    ));
+                }
+                (Some(&kept), _) if self.now < kept => {}
+                _ => match m.keepable_deadline() {
+                    Some(d) => {
+                        self.deadline_kept.insert(i, d);
+                    }
+                    None => {
+                        self.deadline_kept.remove(&i);
+                    }
+                },
+            }
+        }
+        Ok(())
+    }
+
     fn run_inner(&mut self) -> R {
         self.settle()?;
         loop {
@@ -683,6 +719,7 @@ impl Sim {
                 return Err("did not quiesce within 200,000 steps".into());
             }
             let active = self.spont_done < self.budget;
+            self.check_deadlines_kept()?;
             let ev_t = self.queue.keys().next().map(|k| k.0);
             let dl = self
                 .agents
