@@ -681,6 +681,10 @@ const SPIN_BEFORE_BACKOFF: u32 = 64;
 /// targets of AM-emulated RMA).
 const IDLE_WAIT: Duration = Duration::from_millis(1);
 
+/// How stale the arena / flow gauges may get while the IO thread is busy
+/// (they are stored at once when it goes idle).
+const GAUGE_PERIOD: Duration = Duration::from_millis(1);
+
 /// Most ended receiver flows remembered at once (≈ 250 bytes each: at most
 /// ≈ 64 MB). Past it the oldest are forgotten first (counted in
 /// [`TransportStats::tombstones_evicted`]): the replay guard then covers
@@ -792,6 +796,8 @@ impl BounceTransport {
             last_counters: Counters::default(),
             deadline: None,
             deadline_stale: true,
+            gauges_dirty: true,
+            gauges_at: Instant::now(),
             workers: Some(workers),
             gather_batch: Vec::new(),
             batched_piece_max,
@@ -1283,6 +1289,10 @@ struct Io {
     /// The machine's next deadline, kept until it passes (`check_deadline`).
     deadline: Option<Nanos>,
     deadline_stale: bool,
+    /// An input changed the machine since the gauges were last stored.
+    gauges_dirty: bool,
+    /// When the gauges were last stored.
+    gauges_at: Instant,
     workers: Option<CopyWorkers>,
     done_rx: Receiver<CopyDone>,
     cmd_rx: Receiver<Command>,
@@ -1408,8 +1418,14 @@ impl Io {
             let done = self.drain_copies();
             let polled = self.poll_writes();
             self.check_deadline();
-            self.update_gauges();
-            if got == 0 && done == 0 && polled == 0 {
+            let idle = got == 0 && done == 0 && polled == 0;
+            // The gauges cost O(requests) (chunks in flight): stored once
+            // the loop goes idle, or every GAUGE_PERIOD under load — not
+            // on every spin (issue 18: 128 requests in flight).
+            if self.gauges_dirty && (idle || self.gauges_at.elapsed() >= GAUGE_PERIOD) {
+                self.update_gauges();
+            }
+            if idle {
                 // Adaptive poll (seed §7): with writes in flight spin
                 // briefly for latency, then yield (the engine needs progress
                 // calls for them to complete); otherwise the next tick
@@ -1452,6 +1468,7 @@ impl Io {
     fn after_input(&mut self) {
         self.sync_stats();
         self.deadline_stale = true;
+        self.gauges_dirty = true;
         self.perform_all();
     }
 
@@ -1914,7 +1931,9 @@ impl Io {
         }
     }
 
-    fn update_gauges(&self) {
+    fn update_gauges(&mut self) {
+        self.gauges_dirty = false;
+        self.gauges_at = Instant::now();
         let s = self.m.scheduler();
         let cap = s.capacity();
         self.stats
