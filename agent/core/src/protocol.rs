@@ -648,6 +648,11 @@ pub struct Snapshot {
     pub scatter_queue: usize,
     /// Open disallow / quiesce requests.
     pub quiesce_waiting: usize,
+    /// Requests waiting to retry their staging (starved).
+    pub starved: usize,
+    /// Requests in the peers' expected grant orders
+    /// ([`Config::eager_grant_order`]).
+    pub grant_order: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1212,6 +1217,8 @@ impl Machine {
             regions: self.regions.len(),
             scatter_queue: self.scatter_queue.len(),
             quiesce_waiting: self.quiesce.len(),
+            starved: self.starved.len(),
+            grant_order: self.grant_order.values().map(VecDeque::len).sum(),
         }
     }
 
@@ -1232,21 +1239,21 @@ impl Machine {
         }
     }
 
-    fn resolve(&mut self, rid: u64, outcome: Outcome, timed_out: bool) {
+    /// Drops request `rid` (just removed from `requests`, to `peer`) from
+    /// the starved set and its peer's expected grant order.
+    fn forget_request(&mut self, rid: u64, peer: &str) {
         self.starved.remove(&rid);
-        let mut emptied = None;
-        for (peer, ring) in &mut self.grant_order {
+        if let Some(ring) = self.grant_order.get_mut(peer) {
             if let Some(p) = ring.iter().position(|&r| r == rid) {
                 ring.remove(p);
-                if ring.is_empty() {
-                    emptied = Some(peer.clone());
-                }
-                break;
+            }
+            if ring.is_empty() {
+                self.grant_order.remove(peer);
             }
         }
-        if let Some(peer) = emptied {
-            self.grant_order.remove(&peer);
-        }
+    }
+
+    fn resolve(&mut self, rid: u64, outcome: Outcome, timed_out: bool) {
         match outcome {
             Outcome::Success => self.counters.succeeded += 1,
             Outcome::Failure(_) => self.counters.failed += 1,
@@ -1536,54 +1543,82 @@ impl Machine {
     /// O(requests looked at) per call; it returns at the first starved
     /// chunk.
     fn stage_eager(&mut self) {
-        if !self.starved.is_empty() {
+        if !self.starved.is_empty() || self.grant_order.is_empty() {
             return;
         }
-        let round_robin = self.cfg.grant_policy == GrantPolicy::RoundRobin;
-        let peers: Vec<String> = self.grant_order.keys().cloned().collect();
-        for peer in peers {
-            let Some(ring) = self.grant_order.get(&peer) else {
-                continue;
-            };
-            let ring: Vec<u64> = ring.iter().copied().collect();
-            if !round_robin {
-                for rid in ring {
-                    loop {
-                        match self.stage_next(rid, true) {
-                            Staging::Started => {}
-                            Staging::Starved => return,
-                            Staging::Stopped => break,
-                        }
-                    }
-                }
-                continue;
-            }
-            for pass in 0.. {
-                let mut more = false;
-                for &rid in &ring {
-                    let Some(req) = self.requests.get(&rid) else {
-                        continue;
-                    };
-                    // Chunks staged once this pass's chunk is.
-                    let want = req.granted() + pass + 1;
-                    if want > req.chunks.len() {
-                        continue;
-                    }
-                    more = true;
-                    // Staged already, or an earlier chunk is not (its
-                    // window is full): nothing to do in this pass.
-                    if req.next_stage + 1 != want {
-                        continue;
-                    }
-                    if self.stage_next(rid, true) == Staging::Starved {
-                        return;
-                    }
-                }
-                if !more {
-                    break;
-                }
+        // `stage_next` never touches the orders: walk them taken out.
+        let orders = std::mem::take(&mut self.grant_order);
+        for ring in orders.values() {
+            if !self.stage_eager_in(ring) {
+                break;
             }
         }
+        self.grant_order = orders;
+    }
+
+    /// [`Self::stage_eager`] over one peer's expected grant order; false
+    /// when a chunk starved (stop everywhere: the budget is shared).
+    /// Round-robin: pass 0 walks the order from the front, later passes
+    /// only the requests still in play (staged so far, window not full),
+    /// so a call costs O(requests walked + passes × requests in play).
+    fn stage_eager_in(&mut self, ring: &VecDeque<u64>) -> bool {
+        if self.cfg.grant_policy != GrantPolicy::RoundRobin {
+            for &rid in ring {
+                loop {
+                    match self.stage_next(rid, true) {
+                        Staging::Started => {}
+                        Staging::Starved => return false,
+                        Staging::Stopped => break,
+                    }
+                }
+            }
+            return true;
+        }
+        let mut in_play: Vec<u64> = Vec::new();
+        for &rid in ring {
+            match self.eager_step(rid, 0) {
+                Some(true) => in_play.push(rid),
+                Some(false) => {}
+                None => return false,
+            }
+        }
+        let mut pass = 1;
+        while !in_play.is_empty() {
+            for rid in std::mem::take(&mut in_play) {
+                match self.eager_step(rid, pass) {
+                    Some(true) => in_play.push(rid),
+                    Some(false) => {}
+                    None => return false,
+                }
+            }
+            pass += 1;
+        }
+        true
+    }
+
+    /// One request's turn in pass `pass` of a round-robin eager walk:
+    /// stages its `pass + 1`-th ungranted chunk if that is its next one.
+    /// `Some(true)`: staged or staged already, in play for the next pass;
+    /// `Some(false)`: out (all chunks, or its window is full); `None`: a
+    /// chunk starved.
+    fn eager_step(&mut self, rid: u64, pass: usize) -> Option<bool> {
+        let Some(req) = self.requests.get(&rid) else {
+            return Some(false);
+        };
+        // Chunks staged once this pass's chunk is.
+        let want = req.granted() + pass + 1;
+        if want > req.chunks.len() || req.next_stage + 1 < want {
+            // Done, or an earlier chunk is not staged (window full).
+            return Some(false);
+        }
+        if req.next_stage + 1 == want {
+            match self.stage_next(rid, true) {
+                Staging::Started => {}
+                Staging::Starved => return None,
+                Staging::Stopped => return Some(false),
+            }
+        }
+        Some(true)
     }
 
     fn post_chunk(&mut self, rid: u64, i: usize) -> Result<(), String> {
@@ -1820,11 +1855,16 @@ impl Machine {
         if done {
             if let Some(req) = self.requests.remove(&rid) {
                 self.counters.bytes_sent += req.total_bytes;
+                self.forget_request(rid, &req.peer);
             }
             self.resolve(rid, Outcome::Success, false);
             self.parked = true;
         } else {
             self.pump(rid);
+            // The ACK opened the request's window: with its staging gone
+            // at the write (`release_staging_on_write`) nothing was freed,
+            // so ask for the end-of-input retry that stages eagerly.
+            self.parked |= self.eager_by_grant_order();
         }
         self.schedule_and_send();
     }
@@ -1836,6 +1876,7 @@ impl Machine {
         let Some(req) = self.requests.remove(&rid) else {
             return;
         };
+        self.forget_request(rid, &req.peer);
         tracing::warn!(agent = %self.log_name, peer = %req.peer, rid, reason = %why, "bounce request failed");
         let m = self.cfg.mutations;
         let in_flight = req
@@ -2317,8 +2358,15 @@ impl Machine {
                     chunk,
                 },
             );
-            match batches.iter_mut().find(|(f, _)| *f == g.flow) {
-                Some((_, v)) => v.push(credit),
+            // Batches go out in the order of each flow's last grant, so a
+            // sender mirroring the round-robin cursor (`eager_grant_order`)
+            // ends where this receiver's cursor is.
+            match batches.iter().position(|(f, _)| *f == g.flow) {
+                Some(p) => {
+                    let (f, mut v) = batches.remove(p);
+                    v.push(credit);
+                    batches.push((f, v));
+                }
                 None => batches.push((g.flow, vec![credit])),
             }
         }
@@ -2833,6 +2881,7 @@ mod tests {
             (s.capacity, 0, 0, 0),
             "{s:?}"
         );
+        assert_eq!((s.starved, s.grant_order), (0, 0), "{s:?}");
         m.scheduler().check_conservation().unwrap();
     }
 
@@ -2986,13 +3035,120 @@ mod tests {
     }
 
     /// Issue 18: an oldest-first receiver grants the oldest request's
-    /// chunks first; staged in that order, every GRANT finds its chunk
-    /// staged.
+    /// chunks first (eight requests of three chunks, eager budget four).
+    /// Mirrored as oldest first, every GRANT finds its chunk staged;
+    /// mirrored as round-robin (the wrong policy), the budget goes to the
+    /// first chunks of younger requests and the oldest one's next chunks
+    /// are gathered only once granted.
     #[test]
     fn eager_gathers_follow_the_receivers_oldest_first_order() {
-        let order: Vec<(u64, u32)> = (1..=4).flat_map(|r| (0..3).map(move |c| (r, c))).collect();
+        let order: Vec<(u64, u32)> = (1..=8).flat_map(|r| (0..3).map(move |c| (r, c))).collect();
         let of = GrantPolicy::OldestFirst;
-        assert_eq!(staged_at_grant(of, true, 4, 3, &order), 12);
+        assert_eq!(staged_at_grant(of, true, 8, 3, &order), 24);
+        let wrong = staged_at_grant(GrantPolicy::RoundRobin, true, 8, 3, &order);
+        assert!(wrong < 24, "round-robin mirror: {wrong} of 24");
+    }
+
+    /// Review finding: with the staging freed at the write, the ACK that
+    /// opens a request's window frees nothing, and must still let the
+    /// next chunk be gathered eagerly.
+    #[test]
+    fn an_ack_that_opens_the_window_stages_the_next_chunk_eagerly() {
+        let mut a = machine_with("a", |c| c.arena_bytes = 8192);
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        a.handle(
+            0,
+            Input::Submit {
+                rid: 1,
+                peer: "b".into(),
+                scope: 0,
+                chunks: chunks(&[1024; 4]),
+            },
+        );
+        let mut gathered = Vec::new();
+        let mut write = None;
+        let pump = |a: &mut Machine, gathered: &mut Vec<u32>, write: &mut Option<u64>| {
+            for act in drain(a) {
+                match act {
+                    Action::StartGather {
+                        job, chunk, bound, ..
+                    } => {
+                        gathered.push(chunk);
+                        a.handle(
+                            1,
+                            Input::GatherDone {
+                                job,
+                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
+                            },
+                        );
+                    }
+                    Action::PostWrite { write: w, .. } => *write = Some(w),
+                    _ => {}
+                }
+            }
+        };
+        pump(&mut a, &mut gathered, &mut write);
+        assert_eq!(gathered, [0, 1], "window W = 2");
+        grant_from_b(&mut a, 1, 1, 0, 0);
+        pump(&mut a, &mut gathered, &mut write);
+        a.handle(
+            2,
+            Input::WriteDone {
+                write: write.expect("chunk 0 written"),
+                result: Ok(()),
+            },
+        );
+        pump(&mut a, &mut gathered, &mut write);
+        assert_eq!(gathered, [0, 1], "DATA sent: chunk 0 still in the window");
+        a.handle(
+            3,
+            Input::Message {
+                from: "b".into(),
+                msg: Message::Ack(Ack {
+                    request_id: 1,
+                    chunk_index: 0,
+                    region_handle: 0,
+                }),
+                route: Route::Usable,
+            },
+        );
+        pump(&mut a, &mut gathered, &mut write);
+        assert_eq!(gathered, [0, 1, 2]);
+    }
+
+    /// Review finding: a duplicate submit fails alone; the live request
+    /// keeps its place in the grant order (and stages eagerly).
+    #[test]
+    fn a_duplicate_submit_leaves_the_live_request_in_the_grant_order() {
+        let mut a = machine_with("a", |c| c.arena_bytes = 8192);
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        for _ in 0..2 {
+            a.handle(
+                0,
+                Input::Submit {
+                    rid: 1,
+                    peer: "b".into(),
+                    scope: 0,
+                    chunks: chunks(&[1024; 2]),
+                },
+            );
+        }
+        let s = a.snapshot();
+        assert_eq!((s.requests, s.grant_order), (1, 1), "{s:?}");
+        let failed = drain(&mut a)
+            .into_iter()
+            .filter(|x| {
+                matches!(
+                    x,
+                    Action::Resolve {
+                        rid: 1,
+                        outcome: Outcome::Failure(_),
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(failed, 1);
     }
 
     /// Issue 18: a chunk's staging is freed when its write completed

@@ -461,7 +461,8 @@ pub struct TransportStats {
     /// lasts less than a scrape interval, so the gauge alone can miss it).
     pub drain_entries: AtomicU64,
     /// Chunks of this agent's bounce requests staged and not yet ACKed
-    /// (gauge: gathering, gathered, writing or DATA sent; stored each tick).
+    /// (gauge: gathering, gathered, writing or DATA sent; stored when the
+    /// IO loop goes idle, at least every millisecond while it is busy).
     pub chunks_in_flight: AtomicU64,
     /// Live flows of this agent's receiver role: incoming requests the
     /// credit scheduler tracks, from their WANT until their last ACK or
@@ -681,8 +682,8 @@ const SPIN_BEFORE_BACKOFF: u32 = 64;
 /// targets of AM-emulated RMA).
 const IDLE_WAIT: Duration = Duration::from_millis(1);
 
-/// How stale the arena / flow gauges may get while the IO thread is busy
-/// (they are stored at once when it goes idle).
+/// How stale the chunks-in-flight gauge may get while the IO thread is
+/// busy (it is stored at once when the thread goes idle).
 const GAUGE_PERIOD: Duration = Duration::from_millis(1);
 
 /// Most ended receiver flows remembered at once (≈ 250 bytes each: at most
@@ -1289,9 +1290,9 @@ struct Io {
     /// The machine's next deadline, kept until it passes (`check_deadline`).
     deadline: Option<Nanos>,
     deadline_stale: bool,
-    /// An input changed the machine since the gauges were last stored.
+    /// An input changed the machine since `chunks_in_flight` was stored.
     gauges_dirty: bool,
-    /// When the gauges were last stored.
+    /// When `chunks_in_flight` was last stored.
     gauges_at: Instant,
     workers: Option<CopyWorkers>,
     done_rx: Receiver<CopyDone>,
@@ -1419,12 +1420,7 @@ impl Io {
             let polled = self.poll_writes();
             self.check_deadline();
             let idle = got == 0 && done == 0 && polled == 0;
-            // The gauges cost O(requests) (chunks in flight): stored once
-            // the loop goes idle, or every GAUGE_PERIOD under load — not
-            // on every spin (issue 18: 128 requests in flight).
-            if self.gauges_dirty && (idle || self.gauges_at.elapsed() >= GAUGE_PERIOD) {
-                self.update_gauges();
-            }
+            self.update_gauges(idle);
             if idle {
                 // Adaptive poll (seed §7): with writes in flight spin
                 // briefly for latency, then yield (the engine needs progress
@@ -1931,9 +1927,18 @@ impl Io {
         }
     }
 
-    fn update_gauges(&mut self) {
-        self.gauges_dirty = false;
-        self.gauges_at = Instant::now();
+    /// Stores the gauges. `chunks_in_flight` costs O(requests): it is
+    /// stored once the loop goes `idle`, or every [`GAUGE_PERIOD`] under
+    /// load, not on every spin (issue 18: 128 requests in flight); the
+    /// O(1) ones every call (drain-mode entries are counted from them).
+    fn update_gauges(&mut self, idle: bool) {
+        if self.gauges_dirty && (idle || self.gauges_at.elapsed() >= GAUGE_PERIOD) {
+            self.gauges_dirty = false;
+            self.gauges_at = Instant::now();
+            self.stats
+                .chunks_in_flight
+                .store(self.m.chunks_in_flight() as u64, Ordering::Relaxed);
+        }
         let s = self.m.scheduler();
         let cap = s.capacity();
         self.stats
@@ -1943,9 +1948,6 @@ impl Io {
         if self.stats.drain_mode.swap(drain, Ordering::Relaxed) < drain {
             self.stats.drain_entries.fetch_add(1, Ordering::Relaxed);
         }
-        self.stats
-            .chunks_in_flight
-            .store(self.m.chunks_in_flight() as u64, Ordering::Relaxed);
         self.stats
             .recv_flows
             .store(s.flow_count() as u64, Ordering::Relaxed);
@@ -2289,7 +2291,7 @@ impl Io {
             }
         }
         // The gauges' last values: read after shutdown, they are not stale.
-        self.update_gauges();
+        self.update_gauges(true);
     }
 }
 

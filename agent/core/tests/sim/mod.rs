@@ -1968,7 +1968,9 @@ impl Sim {
                 + s.recv_orphans
                 + s.deferred_cancels
                 + s.regions
-                + s.scatter_queue;
+                + s.scatter_queue
+                + s.starved
+                + s.grant_order;
             if busy != 0 || s.free_bytes != s.capacity {
                 return Err(format!("{}: not idle at quiesce: {s:?}", a.name));
             }
