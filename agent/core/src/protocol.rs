@@ -1325,10 +1325,12 @@ impl Machine {
                 traced: false,
             },
         );
-        self.grant_order
-            .entry(to.clone())
-            .or_default()
-            .push_back(rid);
+        if self.eager_by_grant_order() {
+            self.grant_order
+                .entry(to.clone())
+                .or_default()
+                .push_back(rid);
+        }
         // The eager gathers first, then the WANT: a control send can take
         // tens of µs (a loopback TCP write that wakes the receiver's IO
         // thread: 47 µs on the H200 host), and the gathers do not depend
@@ -1800,7 +1802,9 @@ impl Machine {
             req.credits.insert(c.chunk_index, (c, self.now));
         }
         let done = req.granted() >= n;
-        self.note_granted(peer, g.request_id, done);
+        if self.eager_by_grant_order() {
+            self.note_granted(peer, g.request_id, done);
+        }
         self.pump(g.request_id);
     }
 
@@ -2809,6 +2813,28 @@ mod tests {
         std::iter::from_fn(|| m.poll_action()).collect()
     }
 
+    /// Completes gather `job` of a `len`-byte chunk (one run).
+    fn gather_ok(m: &mut Machine, now: Nanos, job: u64, len: u64) {
+        m.handle(
+            now,
+            Input::GatherDone {
+                job,
+                result: Ok(ScatterList::Runs(run(len))),
+            },
+        );
+    }
+
+    /// Completes write `write`.
+    fn write_ok(m: &mut Machine, now: Nanos, write: u64) {
+        m.handle(
+            now,
+            Input::WriteDone {
+                write,
+                result: Ok(()),
+            },
+        );
+    }
+
     fn run(len: u64) -> Vec<ScatterRun> {
         vec![ScatterRun {
             region_offset: 0,
@@ -2846,20 +2872,10 @@ mod tests {
                             route: Route::Usable,
                         },
                     ),
-                    Action::StartGather { job, bound, .. } => me.handle(
-                        now,
-                        Input::GatherDone {
-                            job,
-                            result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
-                        },
-                    ),
-                    Action::PostWrite { write, .. } => me.handle(
-                        now,
-                        Input::WriteDone {
-                            write,
-                            result: Ok(()),
-                        },
-                    ),
+                    Action::StartGather { job, bound, .. } => {
+                        gather_ok(me, now, job, bound.packed_bytes)
+                    }
+                    Action::PostWrite { write, .. } => write_ok(me, now, write),
                     Action::StartScatter { job, .. } => me.handle(
                         now,
                         Input::ScatterDone {
@@ -2974,21 +2990,9 @@ mod tests {
                         ..
                     } => {
                         staged.insert((rid, chunk));
-                        a.handle(
-                            now,
-                            Input::GatherDone {
-                                job,
-                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
-                            },
-                        );
+                        gather_ok(a, now, job, bound.packed_bytes);
                     }
-                    Action::PostWrite { write, .. } => a.handle(
-                        now,
-                        Input::WriteDone {
-                            write,
-                            result: Ok(()),
-                        },
-                    ),
+                    Action::PostWrite { write, .. } => write_ok(a, now, write),
                     _ => {}
                 }
             }
@@ -3074,13 +3078,7 @@ mod tests {
                         job, chunk, bound, ..
                     } => {
                         gathered.push(chunk);
-                        a.handle(
-                            1,
-                            Input::GatherDone {
-                                job,
-                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
-                            },
-                        );
+                        gather_ok(a, 1, job, bound.packed_bytes);
                     }
                     Action::PostWrite { write: w, .. } => *write = Some(w),
                     _ => {}
@@ -3091,13 +3089,7 @@ mod tests {
         assert_eq!(gathered, [0, 1], "window W = 2");
         grant_from_b(&mut a, 1, 1, 0, 0);
         pump(&mut a, &mut gathered, &mut write);
-        a.handle(
-            2,
-            Input::WriteDone {
-                write: write.expect("chunk 0 written"),
-                result: Ok(()),
-            },
-        );
+        write_ok(&mut a, 2, write.expect("chunk 0 written"));
         pump(&mut a, &mut gathered, &mut write);
         assert_eq!(gathered, [0, 1], "DATA sent: chunk 0 still in the window");
         a.handle(
@@ -3173,13 +3165,9 @@ mod tests {
             for _ in 0..4 {
                 for act in drain(&mut a) {
                     match act {
-                        Action::StartGather { job, bound, .. } => a.handle(
-                            1,
-                            Input::GatherDone {
-                                job,
-                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
-                            },
-                        ),
+                        Action::StartGather { job, bound, .. } => {
+                            gather_ok(&mut a, 1, job, bound.packed_bytes)
+                        }
                         Action::Send { msg, .. } => b.handle(
                             1,
                             Input::Message {
@@ -3208,13 +3196,7 @@ mod tests {
             let write = write.expect("write posted");
             let cap = a.snapshot().capacity;
             assert!(a.snapshot().free_bytes < cap, "staging held while writing");
-            a.handle(
-                2,
-                Input::WriteDone {
-                    write,
-                    result: Ok(()),
-                },
-            );
+            write_ok(&mut a, 2, write);
             let free = a.snapshot().free_bytes;
             assert_eq!(free == cap, on_write, "free {free} of {cap}");
             a.scheduler().check_conservation().unwrap();
@@ -3483,13 +3465,9 @@ mod tests {
                                 route: Route::Usable,
                             },
                         ),
-                        Action::StartGather { job, bound, .. } => me.handle(
-                            1,
-                            Input::GatherDone {
-                                job,
-                                result: Ok(ScatterList::Runs(run(bound.packed_bytes))),
-                            },
-                        ),
+                        Action::StartGather { job, bound, .. } => {
+                            gather_ok(me, 1, job, bound.packed_bytes)
+                        }
                         Action::PostWrite { write, .. } => me.handle(
                             1,
                             Input::WriteDone {
