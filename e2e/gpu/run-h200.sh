@@ -45,8 +45,10 @@ before_exe() {
   echo /tmp/kvf/kvfabric-gpu-$n
 }
 # KVF_CONFIGS entries: "GRANT_POLICY=oldestFirst,ARENA_SIZE_BYTES=1GiB" →
-# the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag).
-cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/KVFABRIC_BOUNCE_/'; }
+# the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag);
+# SPIN_ keys are the spin experiment switches (KVFABRIC_SPIN_ADAPTIVE,
+# KVFABRIC_SPIN_WORKERS; agent/src/runtime/spin.rs).
+cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/KVFABRIC_BOUNCE_/; s/^KVFABRIC_BOUNCE_SPIN_/KVFABRIC_SPIN_/'; }
 cfg_tag() { [ "$1" = - ] && echo default || echo "$1" | tr ',=' '_-'; }
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in

@@ -5,8 +5,12 @@ Samples /proc/PID/task/*/stat (utime + stime, clock ticks) of every process
 whose command line contains PATTERN at the ends of consecutive windows of
 WINDOW seconds (after DELAY, until no such process is left or WINDOWS
 windows passed), and prints per window each thread's CPU share (100 % =
-one core busy the whole window), busiest first. Used on the GPU machine
-during a closed-loop run to see which thread saturates first.
+one core busy the whole window), busiest first, with the share of the
+window it spent runnable but waiting for a CPU (run queue delay, from
+/proc/.../schedstat: a thread that spins needs a core of its own, so a
+large wait on the IO threads means the host is oversubscribed), and the
+whole host's busy CPUs and runnable threads (/proc/stat). Used on the GPU
+machine during a closed-loop run to see which thread saturates first.
 
     python3 thread_cpu.py --pattern kvfabric-gpu --delay 1 --window 1.5 --windows 20
 """
@@ -31,8 +35,28 @@ def pids(pattern: str) -> list[int]:
     return out
 
 
-def sample(pattern: str) -> dict[tuple[int, int], tuple[str, int]]:
-    """(pid, tid) -> (thread name, utime + stime ticks)."""
+def host() -> tuple[int, int, int]:
+    """(busy ticks, all ticks, runnable threads now) of the whole host."""
+    with open("/proc/stat") as f:
+        lines = f.read().splitlines()
+    cpu = [int(x) for x in lines[0].split()[1:]]
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)
+    running = next((int(l.split()[1]) for l in lines if l.startswith("procs_running")), 0)
+    return sum(cpu) - idle, sum(cpu), running
+
+
+def sched(pid: int, tid: str) -> tuple[int, int]:
+    """(on-CPU ns, run-queue wait ns) of one thread, (0, 0) if unknown."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            on, wait, _ = f.read().split()
+        return int(on), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def sample(pattern: str) -> dict[tuple[int, int], tuple[str, int, int]]:
+    """(pid, tid) -> (thread name, utime + stime ticks, run-queue wait ns)."""
     res = {}
     for pid in pids(pattern):
         try:
@@ -48,7 +72,7 @@ def sample(pattern: str) -> dict[tuple[int, int], tuple[str, int]]:
             # The name is in parentheses and may hold spaces.
             name = s[s.index("(") + 1 : s.rindex(")")]
             rest = s[s.rindex(")") + 2 :].split()
-            res[(pid, int(tid))] = (name, int(rest[11]) + int(rest[12]))
+            res[(pid, int(tid))] = (name, int(rest[11]) + int(rest[12]), sched(pid, tid)[1])
     return res
 
 
@@ -64,24 +88,42 @@ def main() -> None:
         ap.error("--delay must be >= 0, --window > 0, --windows and --top >= 1")
     time.sleep(a.delay)
     hz = os.sysconf("SC_CLK_TCK")
-    t0, s0 = time.monotonic(), sample(a.pattern)
+    t0, s0, h0 = time.monotonic(), sample(a.pattern), host()
     for w in range(a.windows):
-        time.sleep(a.window)
-        t1, s1 = time.monotonic(), sample(a.pattern)
+        # The runnable count, sampled every 10 ms through the window.
+        runnable = []
+        end = time.monotonic() + a.window
+        while time.monotonic() < end:
+            runnable.append(host()[2])
+            time.sleep(0.01)
+        t1, s1, h1 = time.monotonic(), sample(a.pattern), host()
         if not s1:
             break
         rows = []
-        for key, (name, ticks) in s1.items():
+        waits = {}
+        for key, (name, ticks, wait) in s1.items():
             # A thread born inside the window: all its ticks are new.
-            before = s0[key][1] if key in s0 else 0
+            before, wait0 = (s0[key][1], s0[key][2]) if key in s0 else (0, 0)
             share = (ticks - before) / hz / (t1 - t0) * 100
-            rows.append((share, key[0], key[1], name))
+            waited = (wait - wait0) / 1e9 / (t1 - t0) * 100
+            rows.append((share, waited, key[0], key[1], name))
+            # Run-queue wait summed by thread name less its number (workers).
+            group = name.rstrip("0123456789")
+            waits[group] = waits.get(group, 0.0) + waited
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        print(f"window {w} ({t1 - t0:.2f} s): {len(rows)} threads, total {total:.0f} % of one core")
-        for share, pid, tid, name in rows[: a.top]:
-            print(f"  {share:6.1f} %  pid {pid:>7} tid {tid:>7}  {name}")
-        t0, s0 = t1, s1
+        busy = (h1[0] - h0[0]) / max(1, h1[1] - h0[1]) * os.cpu_count()
+        mean_run = sum(runnable) / max(1, len(runnable))
+        print(
+            f"window {w} ({t1 - t0:.2f} s): {len(rows)} threads, total {total:.0f} % of one core; "
+            f"host {busy:.1f} of {os.cpu_count()} CPUs busy, runnable threads mean {mean_run:.1f} "
+            f"max {max(runnable, default=0)}"
+        )
+        for share, waited, pid, tid, name in rows[: a.top]:
+            print(f"  {share:6.1f} %  wait {waited:5.1f} %  pid {pid:>7} tid {tid:>7}  {name}")
+        top_waits = sorted(waits.items(), key=lambda kv: -kv[1])[:6]
+        print("  run-queue wait by name: " + ", ".join(f"{n} {v:.0f} %" for n, v in top_waits))
+        t0, s0, h0 = t1, s1, h1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use kvfabric_core::plan::{ChunkBound, TransferPlan};
 use kvfabric_core::{Descriptor, ScatterList, ScatterRun, UniformScatter};
 
+use super::spin::SpinSlots;
 use super::waker::Waker;
 
 /// A pool of `copyStreamCount` execution contexts (seed §4 `ExecPool`):
@@ -748,8 +749,17 @@ fn next_msg(
     spin: Duration,
     line: &WakeLine,
     prime: &Receiver<()>,
+    slots: &SpinSlots,
 ) -> Option<WorkerMsg> {
-    if !spin.is_zero() {
+    // Only `slots`' worth of the pool spin at once (issue 18: one spinning
+    // worker takes the next job at once; more took the cores of threads
+    // with work); the others block at once.
+    let slot = if spin.is_zero() {
+        None
+    } else {
+        slots.try_take()
+    };
+    if slot.is_some() {
         let start = Instant::now();
         loop {
             match rx.try_recv() {
@@ -760,6 +770,7 @@ fn next_msg(
             }
         }
     }
+    drop(slot);
     // A prime sent while spinning is stale: the window it asks for is
     // the one just spent.
     while prime.try_recv().is_ok() {}
@@ -831,7 +842,8 @@ impl CopyWorkers {
     /// zero blocks at once). A blocked worker pays a wake-up per job —
     /// 50–200 µs measured on the H200 host between the IO thread queuing a
     /// gather and a worker starting it (docs/benchmarks.md) — which is
-    /// longer than the GPU copy itself.
+    /// longer than the GPU copy itself. At most `spinners` workers spin at
+    /// once ([`SpinSlots`]; 0: none).
     pub fn start(
         name: &str,
         count: usize,
@@ -839,7 +851,9 @@ impl CopyWorkers {
         done: Sender<CopyDone>,
         waker: Option<Arc<Waker>>,
         spin: Duration,
+        spinners: usize,
     ) -> std::io::Result<Self> {
+        let slots = Arc::new(SpinSlots::new(spinners));
         let (tx, rx): (Sender<WorkerMsg>, Receiver<WorkerMsg>) = crossbeam_channel::unbounded();
         let count = count.max(1);
         let (lines, primes): (Vec<WakeLine>, Vec<Receiver<()>>) = (0..count)
@@ -862,11 +876,12 @@ impl CopyWorkers {
             let done = done.clone();
             let engine = engine.clone();
             let waker = waker.clone();
+            let slots = slots.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("{name}-copy-{i}"))
                     .spawn(move || {
-                        while let Some(msg) = next_msg(&rx, spin, &lines[i], &prime) {
+                        while let Some(msg) = next_msg(&rx, spin, &lines[i], &prime, &slots) {
                             let job = match msg {
                                 WorkerMsg::Job(job) => job,
                                 WorkerMsg::Prime => continue,
@@ -1372,18 +1387,18 @@ mod tests {
                 // Dropping `tx` closes the queue.
             });
             assert_eq!(
-                token(next_msg(&rx, spin, &line, &prx)),
+                token(next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1))),
                 Some(1),
                 "spin {spin:?}"
             );
             assert_eq!(
-                token(next_msg(&rx, spin, &line, &prx)),
+                token(next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1))),
                 Some(2),
                 "spin {spin:?}"
             );
             sender.join().unwrap();
             assert!(
-                next_msg(&rx, spin, &line, &prx).is_none(),
+                next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1)).is_none(),
                 "a closed queue ends the worker"
             );
             assert!(!line.blocked.load(Ordering::Acquire));
@@ -1424,7 +1439,8 @@ mod tests {
         let engine = Arc::new(OneSubmission::default());
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
         let workers =
-            CopyWorkers::start("batch", 2, engine.clone(), done_tx, None, Duration::ZERO).unwrap();
+            CopyWorkers::start("batch", 2, engine.clone(), done_tx, None, Duration::ZERO, 0)
+                .unwrap();
         let len = 4096usize;
         let src: Vec<u8> = (0..48 * len).map(|i| (i % 251) as u8).collect();
         let ds = Arc::new(
@@ -1486,6 +1502,7 @@ mod tests {
             // Long enough that all three are seen spinning at once after
             // the prime, even on a 2-core host.
             Duration::from_millis(300),
+            3,
         )
         .unwrap();
         let primer = workers.primer();

@@ -607,6 +607,7 @@ impl FabricAgent {
                 Box::new(NixlNotifControlChannel::new(engine.clone()))
             }
         };
+        let spin_env = crate::runtime::spin::SpinEnv::read();
         let settings = TransportSettings {
             granularity_bytes: cfg.granularity_bytes(),
             max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
@@ -622,6 +623,8 @@ impl FabricAgent {
             merge_runs: !cfg.config().disable_scatter_run_merging,
             batch_gathers: cfg.batch_gathers(),
             busy_poll: cfg.busy_poll(host_cpus()),
+            spin_adaptive: spin_env.adaptive,
+            spinning_workers: spin_env.workers,
             allowed_scatter_ranges: init.allowed,
             scoped_ranges: init.scoped,
             notice_sink: init.notice_sink,

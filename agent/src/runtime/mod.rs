@@ -9,5 +9,6 @@ pub mod exec;
 pub mod fabric;
 pub mod faults;
 pub mod nixl_runtime;
+pub mod spin;
 pub mod transport;
 pub mod waker;

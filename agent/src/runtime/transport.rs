@@ -49,6 +49,7 @@ use super::exec::{
     BatchedChunk, ChunkGather, CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers,
     WorkerPrimer,
 };
+use super::spin::SpinHistory;
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -100,6 +101,14 @@ pub struct TransportSettings {
     /// Takes a core while active. From the bounce config's `ioBusyPollUs`
     /// ([`kvfabric_core::config::BusyPoll`]).
     pub busy_poll: Duration,
+    /// Callers of [`TransferHandle::wait`] spin only while a quarter of
+    /// the recent waits ended inside the busy-poll window
+    /// ([`SpinHistory`]; issue 18). Off: every wait spins (up to
+    /// [`MAX_SPINNING_WAITERS`] at once).
+    pub spin_adaptive: bool,
+    /// Most copy workers that spin between jobs at once
+    /// ([`crate::runtime::spin::SpinSlots`]; issue 18).
+    pub spinning_workers: usize,
     /// Scatter destinations allowed from the start, `(addr, len)` bytes
     /// (more with [`BounceTransport::allow_scatter_range`]).
     pub allowed_scatter_ranges: Vec<(u64, u64)>,
@@ -138,6 +147,8 @@ impl Default for TransportSettings {
             merge_runs: true,
             batch_gathers: true,
             busy_poll: Duration::ZERO,
+            spin_adaptive: true,
+            spinning_workers: DEFAULT_SPINNING_WORKERS,
             allowed_scatter_ranges: Vec::new(),
             scoped_ranges: Vec::new(),
             notice_sink: None,
@@ -252,6 +263,9 @@ pub struct Completion {
     resolved: AtomicBool,
     /// How long [`TransferHandle::wait`] polls before it blocks.
     spin: Duration,
+    /// Recent waits of the transport's callers: spin only while they pay
+    /// (`None`: always spin).
+    history: Option<Arc<SpinHistory>>,
     /// Stage events, for a traced request only (`None`: one branch on the
     /// IO thread, nothing recorded).
     timeline: Option<Mutex<Timeline>>,
@@ -309,6 +323,14 @@ static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 /// block at once.
 pub const MAX_SPINNING_WAITERS: usize = 4;
 
+/// Default of [`TransportSettings::spinning_workers`]: no cap (every
+/// worker may spin). A cap of 2 measured on the H200 (issue 18, eighth
+/// session): 128 in flight about the same, 8 in flight 10 % fewer
+/// requests a second and an isolated request 15 % slower — a request's
+/// gathers and scatters run on several workers at once, and each blocked
+/// one takes 50–200 µs to wake.
+pub const DEFAULT_SPINNING_WORKERS: usize = usize::MAX;
+
 /// Handle of a submitted transfer; resolves SUCCESS or FAILURE (seed R5).
 #[derive(Clone)]
 pub struct TransferHandle {
@@ -342,10 +364,43 @@ impl TransferHandle {
     /// caller's thread polls for up to that long (never past `timeout`)
     /// before it blocks — if fewer than [`MAX_SPINNING_WAITERS`] callers
     /// are spinning already.
+    ///
+    /// Under [`TransportSettings::spin_adaptive`] the caller spins only
+    /// while at least a quarter of the transport's recent waits ended
+    /// inside the window ([`SpinHistory`]): with many requests in flight a
+    /// wait takes tens of ms and spinning only takes a core from the
+    /// threads that move the bytes.
     pub fn wait(&self, timeout: Duration) -> Option<TransferOutcome> {
         let start = Instant::now();
+        let history = self.completion.history.as_deref();
+        let spin = if history.is_some_and(|h| !h.should_spin()) {
+            Duration::ZERO
+        } else {
+            self.completion.spin.min(timeout)
+        };
+        let outcome = self.wait_spinning(start, spin, timeout);
+        if let Some(h) = history {
+            if !self.completion.spin.is_zero() {
+                // Resolved or not, this wait took this long.
+                let waited = if outcome.is_some() {
+                    start.elapsed()
+                } else {
+                    Duration::MAX
+                };
+                h.record(waited, self.completion.spin);
+            }
+        }
+        outcome
+    }
+
+    /// [`wait`](Self::wait) with a spin window of `spin`.
+    fn wait_spinning(
+        &self,
+        start: Instant,
+        spin: Duration,
+        timeout: Duration,
+    ) -> Option<TransferOutcome> {
         let deadline = start + timeout;
-        let spin = self.completion.spin.min(timeout);
         // At most MAX_SPINNING_WAITERS callers of the process spin at once
         // (a replay with 128 waiting threads must not take 128 cores); the
         // others block at once.
@@ -647,6 +702,9 @@ pub struct BounceTransport {
     stats: Arc<TransportStats>,
     /// The busy-poll window, also the handles' wait spin.
     busy_poll: Duration,
+    /// Recent waits of this transport's callers
+    /// ([`TransportSettings::spin_adaptive`]; `None`: always spin).
+    wait_history: Option<Arc<SpinHistory>>,
     /// The plan's chunk cap, bytes (for the sizing pass in `submit`).
     max_chunk_size_bytes: u64,
     /// Wakes idle copy workers when a request is submitted.
@@ -773,8 +831,10 @@ impl BounceTransport {
             done_tx,
             Some(waker.clone()),
             settings.busy_poll,
+            settings.spinning_workers,
         )
         .map_err(|e| format!("spawning copy workers: {e}"))?;
+        let wait_history = settings.spin_adaptive.then(|| Arc::new(SpinHistory::new()));
         let primer = workers.primer();
         let stats = match &settings.stats {
             Some(s) => {
@@ -836,6 +896,7 @@ impl BounceTransport {
             next_rid: AtomicU64::new(first_request_id),
             stats,
             busy_poll,
+            wait_history,
             max_chunk_size_bytes,
             primer,
             max_inflight,
@@ -1109,6 +1170,7 @@ impl BounceTransport {
     ) -> TransferHandle {
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
         let mut completion = Completion::with_spin(self.busy_poll);
+        completion.history = self.wait_history.clone();
         if traced {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
@@ -2337,6 +2399,45 @@ mod tests {
                 "spin {spin:?}: waited {waited:?} for a 30 ms timeout"
             );
         }
+    }
+
+    /// Issue 18: with the adaptive rule, waits that end past the spin
+    /// window (here: time out before it) stop the next waits from spinning;
+    /// one wait that ends inside it brings spinning back; outcomes are seen
+    /// either way.
+    #[test]
+    fn waits_past_the_window_stop_the_spinning_and_a_short_one_restarts_it() {
+        let window = Duration::from_millis(20);
+        let history = Arc::new(SpinHistory::new());
+        let handle = |resolved: bool| {
+            let mut c = Completion::with_spin(window);
+            c.history = Some(history.clone());
+            let c = Arc::new(c);
+            if resolved {
+                c.resolve(TransferOutcome::Success);
+            }
+            TransferHandle::from_completion(c)
+        };
+        assert!(history.should_spin());
+        for i in 1..=5 {
+            // Unresolved, 1 ms timeout: a miss each.
+            assert!(handle(false).wait(Duration::from_millis(1)).is_none());
+            assert_eq!(history.should_spin(), i < 5, "after {i} timed-out waits");
+        }
+        // Not spinning now: a 30 ms wait for an outcome that never comes
+        // blocks (no spin window) and still honours its timeout.
+        let t0 = Instant::now();
+        assert!(handle(false).wait(Duration::from_millis(30)).is_none());
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        // An outcome already there: seen at once, and a hit.
+        assert!(matches!(
+            handle(true).wait(Duration::from_secs(1)),
+            Some(TransferOutcome::Success)
+        ));
+        assert!(
+            history.should_spin(),
+            "a wait inside the window restarts spinning"
+        );
     }
 
     #[test]

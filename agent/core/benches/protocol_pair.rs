@@ -1,0 +1,210 @@
+//! Criterion benchmark of the sans-IO protocol machine alone under a
+//! closed loop (issue 18: is the machine's own work per chunk flat in the
+//! number of requests in flight?).
+//!
+//! A sender and a receiver [`Machine`] exchange messages through one FIFO
+//! event queue; every gather, write and scatter completes as soon as the
+//! queue reaches it (no device, no sockets, no clock: `now` advances 1 µs
+//! per event). `C` requests are kept in flight until `REQUESTS` have
+//! resolved. Geometry as the GPU bench's seed-shaped load: 151 MB requests
+//! (36,900 × 4 KiB descriptors) in 32 MiB chunks, arena 256 MiB with 1 MiB
+//! granularity, W = 8, 8 copy contexts, uniform DATA (8 bytes a piece).
+//!
+//! Throughput is reported as elements = requests per second of machine
+//! work (both machines on one thread). A machine whose per-event work grows
+//! with the requests in flight shows as a lower rate at `c128` than `c8`.
+//!
+//! Run: `cargo bench -p kvfabric-core --bench protocol_pair`.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvfabric_core::plan::ChunkBound;
+use kvfabric_core::protocol::{Action, Config, Input, Machine, Mutations, Outcome, Route};
+use kvfabric_core::scheduler::GrantPolicy;
+use kvfabric_core::{ScatterList, UniformScatter};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1024 * 1024;
+/// Requests resolved per measured iteration.
+const REQUESTS: u64 = 1024;
+/// Descriptor (piece) size, bytes.
+const PIECE: u64 = 4096;
+/// Descriptors per request (gpt-oss-120b, TP 4, 8,192 tokens: 151 MB).
+const PIECES: u64 = 36_900;
+/// Chunk cap, bytes.
+const CHUNK: u64 = 32 * MIB;
+
+fn config(name: &str, policy: GrantPolicy) -> Config {
+    Config {
+        arena_bytes: 256 * MIB,
+        granularity_bytes: MIB,
+        max_chunk_size_bytes: CHUNK,
+        max_inflight_chunks: 8,
+        copy_contexts: 8,
+        request_timeout: 10_000_000_000,
+        eager_gather: true,
+        eager_grant_order: true,
+        release_staging_on_write: true,
+        grant_policy: policy,
+        uniform_data: true,
+        arena_base: 0x7000_0000_0000,
+        device_id: 0,
+        endpoint: name.as_bytes().to_vec(),
+        mutations: Mutations::default(),
+    }
+}
+
+/// One request's chunk bounds: 36,900 pieces of 4 KiB in 32 MiB chunks.
+fn bounds() -> Vec<ChunkBound> {
+    let per_chunk = CHUNK / PIECE;
+    let mut out = Vec::new();
+    let mut first = 0;
+    while first < PIECES {
+        let n = per_chunk.min(PIECES - first);
+        out.push(ChunkBound {
+            index: out.len() as u32,
+            first_desc: first as usize,
+            first_done: 0,
+            packed_bytes: n * PIECE,
+            payload_bytes: n * PIECE,
+            pieces: n,
+        });
+        first += n;
+    }
+    out
+}
+
+/// Something the queue delivers to machine `to_receiver` (false: sender).
+struct Pending {
+    to_receiver: bool,
+    input: Input,
+}
+
+/// Runs `requests` requests at `concurrency` in flight; returns the
+/// wall time of the machine work and the events delivered.
+fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duration, u64) {
+    let mut tx = Machine::new(config("tx", policy)).unwrap();
+    let mut rx = Machine::new(config("rx", policy)).unwrap();
+    rx.handle(
+        0,
+        Input::AllowScatter {
+            addr: 0x1000_0000_0000,
+            len: 1 << 40,
+        },
+    );
+    tx.handle(0, Input::PeerAdded { peer: "rx".into() });
+    let chunks = bounds();
+    let mut queue: VecDeque<Pending> = VecDeque::new();
+    let (mut next_rid, mut resolved, mut events, mut now) = (1u64, 0u64, 0u64, 1u64);
+    let start = Instant::now();
+    for _ in 0..concurrency.min(requests) {
+        tx.handle(
+            now,
+            Input::Submit {
+                rid: next_rid,
+                peer: "rx".into(),
+                scope: 0,
+                chunks: chunks.clone(),
+            },
+        );
+        next_rid += 1;
+    }
+    loop {
+        for (is_rx, m) in [(false, &mut tx), (true, &mut rx)] {
+            while let Some(act) = m.poll_action() {
+                match act {
+                    Action::Send { msg, .. } => queue.push_back(Pending {
+                        to_receiver: !is_rx,
+                        input: Input::Message {
+                            from: if is_rx { "rx" } else { "tx" }.into(),
+                            msg,
+                            route: Route::Usable,
+                        },
+                    }),
+                    Action::StartGather { job, bound, .. } => {
+                        let dsts = (0..bound.pieces)
+                            .map(|i| 0x1000_0000_0000 + (bound.first_desc as u64 + i) * PIECE)
+                            .collect();
+                        queue.push_back(Pending {
+                            to_receiver: is_rx,
+                            input: Input::GatherDone {
+                                job,
+                                result: Ok(ScatterList::Uniform(UniformScatter {
+                                    segment_len: PIECE,
+                                    region_stride: PIECE,
+                                    dsts,
+                                })),
+                            },
+                        })
+                    }
+                    Action::PostWrite { write, .. } => queue.push_back(Pending {
+                        to_receiver: is_rx,
+                        input: Input::WriteDone {
+                            write,
+                            result: Ok(()),
+                        },
+                    }),
+                    Action::StartScatter { job, .. } => queue.push_back(Pending {
+                        to_receiver: is_rx,
+                        input: Input::ScatterDone {
+                            job,
+                            result: Ok(()),
+                        },
+                    }),
+                    Action::Resolve { outcome, .. } => {
+                        assert_eq!(outcome, Outcome::Success);
+                        resolved += 1;
+                        if next_rid <= requests {
+                            m.handle(
+                                now,
+                                Input::Submit {
+                                    rid: next_rid,
+                                    peer: "rx".into(),
+                                    scope: 0,
+                                    chunks: chunks.clone(),
+                                },
+                            );
+                            next_rid += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let Some(p) = queue.pop_front() else { break };
+        now += 1_000;
+        events += 1;
+        if p.to_receiver {
+            rx.handle(now, p.input);
+        } else {
+            tx.handle(now, p.input);
+        }
+    }
+    let took = start.elapsed();
+    assert_eq!(resolved, requests);
+    (took, events)
+}
+
+fn pair(c: &mut Criterion) {
+    let mut g = c.benchmark_group("protocol_pair");
+    g.measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1))
+        .sample_size(10)
+        .throughput(Throughput::Elements(REQUESTS));
+    for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+        for conc in [1u64, 8, 32, 128] {
+            let name = format!("{policy:?}/c{conc}");
+            g.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| closed_loop(conc, REQUESTS, policy).0)
+                        .sum()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, pair);
+criterion_main!(benches);

@@ -1,0 +1,280 @@
+//! When the agent's waiting threads spin (issue 18).
+//!
+//! Copy workers between jobs and callers of
+//! [`TransferHandle::wait`](crate::runtime::transport::TransferHandle::wait)
+//! poll for the busy-poll window (`ioBusyPollUs`, 2 ms on hosts with ≥ 8
+//! CPUs) before they block, because a blocked thread takes 50–200 µs to run
+//! again on the H200 host (docs/benchmarks.md). Under load that spinning
+//! is paid for by the threads with work: on the H200 with 128 requests in
+//! flight both agents' threads kept 11.8 of the host's 16 CPUs busy and
+//! ≈ 16 threads runnable, against 5.4 CPUs without any spinning — and
+//! without spinning the closed loop moved 13 % more requests a second,
+//! at 8 in flight the same (docs/benchmarks.md, "Issue 18, eighth
+//! session"). Two rules:
+//!
+//! * [`SpinHistory`] (on by default): a wait spins only while at least a
+//!   quarter of the recent waits of its kind ended inside the window — a
+//!   waiter whose request takes 50 ms (128 in flight) never catches it by
+//!   spinning 2 ms, an isolated request's waiter (≈ 0.3–1 ms) does. The
+//!   adaptive spin-then-block idea of adaptive mutexes (glibc's
+//!   `PTHREAD_MUTEX_ADAPTIVE_NP` bounds its spin by recent spin lengths).
+//!   Used for the callers of `wait`.
+//! * [`SpinSlots`]: at most `n` copy workers of a transport spin at once
+//!   (`KVFABRIC_SPIN_WORKERS`; no cap by default: a cap of 2 cost 8 in
+//!   flight 10 % and an isolated request 15 % on the H200, because a
+//!   request's gathers and scatters run on several workers at once).
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// Score of a history that has seen only waits inside the window (the
+/// score is the recent share of such waits, in 1/256ths).
+const FULL: u32 = 256;
+/// Spin while the score is at least this: a quarter of recent waits.
+const SPIN_AT: u32 = FULL / 4;
+/// Weight of the newest wait: 1/4 (after five waits past the window in a
+/// row a fully hitting history stops spinning; one wait inside it brings
+/// spinning back).
+const SHIFT: u32 = 2;
+
+/// The next score after one wait (pure): an exponentially weighted share
+/// of waits that ended within the window, weight 1/4 for the newest.
+pub fn next_score(score: u32, within: bool) -> u32 {
+    let s = score.min(FULL);
+    s - (s >> SHIFT) + if within { FULL >> SHIFT } else { 0 }
+}
+
+/// Recent waits of one kind (a transport's callers, a copy pool's
+/// workers): whether they ended within the spin window.
+#[derive(Debug)]
+pub struct SpinHistory {
+    score: AtomicU32,
+}
+
+impl Default for SpinHistory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SpinHistory {
+    /// A history that spins (as if every past wait had ended in time).
+    pub fn new() -> Self {
+        Self {
+            score: AtomicU32::new(FULL),
+        }
+    }
+
+    /// Whether the next wait should spin (at least a quarter of the recent
+    /// waits ended within the window).
+    pub fn should_spin(&self) -> bool {
+        self.score.load(Ordering::Relaxed) >= SPIN_AT
+    }
+
+    /// Records one wait that took `waited` against the window `window`
+    /// (whether it spun or blocked; a wait that timed out counts as past
+    /// the window).
+    pub fn record(&self, waited: Duration, window: Duration) {
+        let within = waited <= window;
+        // Lost updates between racing threads only blur the average.
+        let _ = self
+            .score
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
+                Some(next_score(s, within))
+            });
+    }
+}
+
+/// At most `max` holders at once (spinning threads of a pool).
+#[derive(Debug)]
+pub struct SpinSlots {
+    taken: AtomicUsize,
+    max: usize,
+}
+
+/// A taken [`SpinSlots`] slot, given back on drop.
+#[derive(Debug)]
+pub struct SpinSlot<'a>(&'a SpinSlots);
+
+impl Drop for SpinSlot<'_> {
+    fn drop(&mut self) {
+        self.0.taken.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl SpinSlots {
+    /// Room for `max` spinners (0: none ever spins).
+    pub fn new(max: usize) -> Self {
+        Self {
+            taken: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// A slot if fewer than `max` are taken.
+    pub fn try_take(&self) -> Option<SpinSlot<'_>> {
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| SpinSlot(self))
+    }
+
+    /// Slots taken now.
+    pub fn taken(&self) -> usize {
+        self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// The spin rules' experiment switches (issue 18), read from the
+/// environment when a transport starts: `KVFABRIC_SPIN_ADAPTIVE` (`1` by
+/// default, `0`: every wait spins, the rule before issue 18's eighth
+/// session) and `KVFABRIC_SPIN_WORKERS` (most copy workers of a transport
+/// spinning at once, default
+/// [`DEFAULT_SPINNING_WORKERS`](crate::runtime::transport::DEFAULT_SPINNING_WORKERS);
+/// `all`: no cap). A value that does not parse is warned about and the
+/// default used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpinEnv {
+    /// [`TransportSettings::spin_adaptive`](crate::runtime::transport::TransportSettings::spin_adaptive).
+    pub adaptive: bool,
+    /// [`TransportSettings::spinning_workers`](crate::runtime::transport::TransportSettings::spinning_workers).
+    pub workers: usize,
+}
+
+impl SpinEnv {
+    /// From the process environment.
+    pub fn read() -> Self {
+        Self::parse(
+            std::env::var("KVFABRIC_SPIN_ADAPTIVE").ok().as_deref(),
+            std::env::var("KVFABRIC_SPIN_WORKERS").ok().as_deref(),
+        )
+    }
+
+    /// From the two variables' values (`None`: unset).
+    pub fn parse(adaptive: Option<&str>, workers: Option<&str>) -> Self {
+        let mut out = Self {
+            adaptive: true,
+            workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS,
+        };
+        match adaptive.map(str::trim) {
+            None => {}
+            Some("1" | "true") => out.adaptive = true,
+            Some("0" | "false") => out.adaptive = false,
+            Some(v) => tracing::warn!(
+                value = v,
+                "KVFABRIC_SPIN_ADAPTIVE: expected 0 or 1; using 1"
+            ),
+        }
+        match workers.map(str::trim) {
+            None => {}
+            Some("all") => out.workers = usize::MAX,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) => out.workers = n,
+                Err(_) => tracing::warn!(
+                    value = v,
+                    default = out.workers,
+                    "KVFABRIC_SPIN_WORKERS: expected a count or `all`; using the default"
+                ),
+            },
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn five_waits_past_the_window_stop_spinning_and_one_inside_restarts_it() {
+        let h = SpinHistory::new();
+        let w = Duration::from_millis(2);
+        assert!(h.should_spin());
+        for i in 1..=5 {
+            h.record(Duration::from_millis(50), w);
+            assert_eq!(h.should_spin(), i < 5, "after {i} long waits");
+        }
+        // Many more misses: the score bottoms out at 0, not below.
+        for _ in 0..100 {
+            h.record(Duration::from_millis(50), w);
+        }
+        assert!(!h.should_spin());
+        h.record(Duration::from_micros(300), w);
+        assert!(h.should_spin());
+    }
+
+    #[test]
+    fn a_mix_with_a_quarter_of_waits_in_time_keeps_spinning() {
+        let h = SpinHistory::new();
+        let w = Duration::from_millis(2);
+        // One in three in time: the score settles near a third (> 1/4).
+        for i in 0..300 {
+            let waited = if i % 3 == 0 { 1 } else { 5 };
+            h.record(Duration::from_millis(waited), w);
+        }
+        // Right after a hit the score is highest; check every phase.
+        let mut spins = 0;
+        for i in 0..3 {
+            let waited = if i % 3 == 0 { 1 } else { 5 };
+            h.record(Duration::from_millis(waited), w);
+            spins += h.should_spin() as u32;
+        }
+        assert!(spins >= 1, "a third of waits in time never spun");
+        // One in ten: stops.
+        for i in 0..300 {
+            let waited = if i % 10 == 0 { 1 } else { 5 };
+            h.record(Duration::from_millis(waited), w);
+        }
+        h.record(Duration::from_millis(5), w);
+        assert!(!h.should_spin());
+    }
+
+    #[test]
+    fn scores_stay_in_range() {
+        let mut s = FULL;
+        for i in 0..1000u32 {
+            s = next_score(s, i % 7 == 0);
+            assert!(s <= FULL);
+        }
+        assert_eq!(next_score(FULL, true), FULL);
+        assert_eq!(next_score(0, false), 0);
+        assert_eq!(next_score(u32::MAX, true), FULL);
+    }
+
+    #[test]
+    fn the_environment_switches_parse_and_bad_values_keep_the_defaults() {
+        let d = SpinEnv::parse(None, None);
+        assert_eq!(
+            d,
+            SpinEnv {
+                adaptive: true,
+                workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS
+            }
+        );
+        assert_eq!(
+            SpinEnv::parse(Some("0"), Some("all")),
+            SpinEnv {
+                adaptive: false,
+                workers: usize::MAX
+            }
+        );
+        assert_eq!(SpinEnv::parse(Some(" 1 "), Some("3")).workers, 3);
+        assert_eq!(SpinEnv::parse(Some("yes"), Some("-1")), d);
+    }
+
+    #[test]
+    fn slots_bound_the_holders_and_come_back_on_drop() {
+        let s = SpinSlots::new(2);
+        let a = s.try_take().expect("first");
+        let b = s.try_take().expect("second");
+        assert!(s.try_take().is_none());
+        assert_eq!(s.taken(), 2);
+        drop(a);
+        let c = s.try_take().expect("after a drop");
+        drop((b, c));
+        assert_eq!(s.taken(), 0);
+        assert!(SpinSlots::new(0).try_take().is_none());
+    }
+}
