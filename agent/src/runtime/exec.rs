@@ -793,6 +793,8 @@ pub struct WorkerPrimer {
     tx: Sender<WorkerMsg>,
     lines: Arc<[WakeLine]>,
     spin: Duration,
+    /// The pool's spin slots: a woken worker without one blocks again.
+    slots: Arc<SpinSlots>,
 }
 
 impl WorkerPrimer {
@@ -801,10 +803,12 @@ impl WorkerPrimer {
     /// after this is not woken, and a woken one that finds nothing goes
     /// back to sleep after its window).
     pub fn prime(&self, n: usize) {
-        if self.spin.is_zero() || n == 0 {
+        // No more than can spin: a worker woken without a free spin slot
+        // would only block again.
+        let mut left = n.min(self.slots.free());
+        if self.spin.is_zero() || left == 0 {
             return;
         }
-        let mut left = n;
         for line in self.lines.iter() {
             if left == 0 {
                 break;
@@ -934,7 +938,12 @@ impl CopyWorkers {
             );
         }
         Ok(Self {
-            primer: WorkerPrimer { tx, lines, spin },
+            primer: WorkerPrimer {
+                tx,
+                lines,
+                spin,
+                slots,
+            },
             threads,
         })
     }
@@ -1487,6 +1496,49 @@ mod tests {
         drop(workers);
         assert!(done_rx.try_recv().is_err(), "one completion per chunk");
         assert_eq!(engine.batches.load(Ordering::SeqCst), 1);
+    }
+
+    /// Issue 18: with a cap of one spinning worker, the other two block at
+    /// once instead of spinning their window (here 2 s) after starting;
+    /// jobs still all run.
+    #[test]
+    fn only_the_capped_number_of_workers_spin() {
+        let engine = Arc::new(Counting::default());
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let t0 = Instant::now();
+        let workers = CopyWorkers::start(
+            "cap",
+            3,
+            engine.clone(),
+            done_tx,
+            None,
+            Duration::from_secs(2),
+            1,
+        )
+        .unwrap();
+        let primer = workers.primer();
+        until(|| primer.idle() >= 2, "two workers never blocked");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "uncapped workers spun their window: {:?}",
+            t0.elapsed()
+        );
+        // A prime finds no free slot: wakes nobody.
+        primer.prime(3);
+        assert!(primer.idle() >= 2);
+        for t in 0..6 {
+            workers.submit(CopyJob {
+                token: t,
+                kind: CopyKind::Gather,
+                region_addr: 0,
+                plan: CopyPlan::Runs(Vec::new()),
+            });
+        }
+        let mut tokens: Vec<u64> = (0..6)
+            .map(|_| done_rx.recv_timeout(Duration::from_secs(5)).unwrap().token)
+            .collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, (0..6).collect::<Vec<_>>());
     }
 
     #[test]

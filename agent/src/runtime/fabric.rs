@@ -294,6 +294,9 @@ pub struct FabricAgent {
     /// How long a standard-path handle's wait polls before blocking (the
     /// busy-poll window, as for bounce handles).
     wait_spin: Duration,
+    /// Recent standard-path waits: their callers spin only while those
+    /// paid (`KVFABRIC_SPIN_ADAPTIVE`, [`crate::runtime::spin::SpinHistory`]).
+    std_wait_history: Option<Arc<crate::runtime::spin::SpinHistory>>,
     /// Next standard-path request id.
     std_next_rid: AtomicU64,
     /// Bound on one standard-path transfer: the config's
@@ -426,6 +429,9 @@ impl FabricAgent {
             } else {
                 Duration::ZERO
             },
+            std_wait_history: crate::runtime::spin::SpinEnv::read()
+                .adaptive
+                .then(|| Arc::new(crate::runtime::spin::SpinHistory::new())),
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
         };
@@ -1401,7 +1407,10 @@ impl FabricAgent {
                 return fail(format!("standard path to peer {}: {e}", LogSafe(peer)));
             }
         };
-        let completion = Arc::new(Completion::with_spin(self.wait_spin));
+        let completion = Arc::new(Completion::with_spin_history(
+            self.wait_spin,
+            self.std_wait_history.clone(),
+        ));
         let rid = self.std_next_rid.fetch_add(1, Ordering::Relaxed);
         let mut handle = TransferHandle::from_completion(completion.clone());
         handle.request_id = rid;

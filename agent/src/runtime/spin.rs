@@ -15,11 +15,13 @@
 //! * [`SpinHistory`] (on by default): a wait spins only while at least a
 //!   quarter of the recent waits of its kind ended inside the window — a
 //!   waiter whose request takes 50 ms (128 in flight) never catches it by
-//!   spinning 2 ms, an isolated request's waiter (≈ 0.3–1 ms) does. The
+//!   spinning 2 ms, an isolated request's waiter (≈ 0.3–1 ms) does
+//!   (weight 1/8 for the newest wait, so one wait does not decide). The
 //!   adaptive spin-then-block idea of adaptive mutexes (glibc's
 //!   `PTHREAD_MUTEX_ADAPTIVE_NP` bounds its spin by recent spin lengths).
-//!   Used for the callers of `wait`.
+//!   Used for the callers of `wait` (bounce and standard path).
 //! * [`SpinSlots`]: at most `n` copy workers of a transport spin at once
+//!   (primes wake no more than the free slots)
 //!   (`KVFABRIC_SPIN_WORKERS`; no cap by default: a cap of 2 cost 8 in
 //!   flight 10 % and an isolated request 15 % on the H200, because a
 //!   request's gathers and scatters run on several workers at once).
@@ -32,20 +34,23 @@ use std::time::Duration;
 const FULL: u32 = 256;
 /// Spin while the score is at least this: a quarter of recent waits.
 const SPIN_AT: u32 = FULL / 4;
-/// Weight of the newest wait: 1/4 (after five waits past the window in a
-/// row a fully hitting history stops spinning; one wait inside it brings
-/// spinning back).
-const SHIFT: u32 = 2;
+/// Weight of the newest wait: 1/8, below the threshold, so one wait
+/// cannot decide alone (from a history of waits all inside the window,
+/// eleven past it in a row stop the spinning; from one of waits all past
+/// it, two or three inside it bring spinning back).
+const SHIFT: u32 = 3;
 
 /// The next score after one wait (pure): an exponentially weighted share
-/// of waits that ended within the window, weight 1/4 for the newest.
+/// of waits that ended within the window, weight 1/8 for the newest
+/// (the score stays in 7..=256 once there: `s >> 3` is 0 below 8).
 pub fn next_score(score: u32, within: bool) -> u32 {
     let s = score.min(FULL);
     s - (s >> SHIFT) + if within { FULL >> SHIFT } else { 0 }
 }
 
-/// Recent waits of one kind (a transport's callers, a copy pool's
-/// workers): whether they ended within the spin window.
+/// Recent waits of one kind (the callers of one transport's, or one
+/// agent's standard-path, `wait`): whether they ended within the spin
+/// window.
 #[derive(Debug)]
 pub struct SpinHistory {
     score: AtomicU32,
@@ -85,20 +90,24 @@ impl SpinHistory {
     }
 }
 
-/// At most `max` holders at once (spinning threads of a pool).
+/// At most `max` holders at once (spinning threads of a pool);
+/// `usize::MAX` is no cap and counts nothing.
 #[derive(Debug)]
 pub struct SpinSlots {
     taken: AtomicUsize,
     max: usize,
 }
 
-/// A taken [`SpinSlots`] slot, given back on drop.
+/// A taken [`SpinSlots`] slot, given back on drop (`None` inside: an
+/// uncapped pool's, not counted).
 #[derive(Debug)]
-pub struct SpinSlot<'a>(&'a SpinSlots);
+pub struct SpinSlot<'a>(Option<&'a SpinSlots>);
 
 impl Drop for SpinSlot<'_> {
     fn drop(&mut self) {
-        self.0.taken.fetch_sub(1, Ordering::AcqRel);
+        if let Some(s) = self.0 {
+            s.taken.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -111,19 +120,28 @@ impl SpinSlots {
         }
     }
 
-    /// A slot if fewer than `max` are taken.
+    /// A slot if fewer than `max` are taken (always, uncounted, without
+    /// a cap).
     pub fn try_take(&self) -> Option<SpinSlot<'_>> {
+        if self.max == usize::MAX {
+            return Some(SpinSlot(None));
+        }
         self.taken
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < self.max).then_some(n + 1)
             })
             .ok()
-            .map(|_| SpinSlot(self))
+            .map(|_| SpinSlot(Some(self)))
     }
 
-    /// Slots taken now.
+    /// Slots taken now (0 without a cap).
     pub fn taken(&self) -> usize {
         self.taken.load(Ordering::Acquire)
+    }
+
+    /// Slots free now (`usize::MAX` without a cap).
+    pub fn free(&self) -> usize {
+        self.max.saturating_sub(self.taken())
     }
 }
 
@@ -188,19 +206,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn five_waits_past_the_window_stop_spinning_and_one_inside_restarts_it() {
+    fn eleven_waits_past_the_window_stop_spinning_and_two_inside_restart_it() {
         let h = SpinHistory::new();
         let w = Duration::from_millis(2);
         assert!(h.should_spin());
-        for i in 1..=5 {
+        for i in 1..=11 {
             h.record(Duration::from_millis(50), w);
-            assert_eq!(h.should_spin(), i < 5, "after {i} long waits");
+            assert_eq!(h.should_spin(), i < 11, "after {i} long waits");
         }
-        // Many more misses: the score bottoms out at 0, not below.
+        // Many more misses: the score settles at its floor.
         for _ in 0..100 {
             h.record(Duration::from_millis(50), w);
         }
         assert!(!h.should_spin());
+        // One wait inside the window is not enough, two are.
+        h.record(Duration::from_micros(300), w);
+        assert!(!h.should_spin(), "one short wait decided alone");
         h.record(Duration::from_micros(300), w);
         assert!(h.should_spin());
     }
@@ -214,21 +235,22 @@ mod tests {
             let waited = if i % 3 == 0 { 1 } else { 5 };
             h.record(Duration::from_millis(waited), w);
         }
-        // Right after a hit the score is highest; check every phase.
-        let mut spins = 0;
+        // Every phase of the cycle spins.
         for i in 0..3 {
             let waited = if i % 3 == 0 { 1 } else { 5 };
             h.record(Duration::from_millis(waited), w);
-            spins += h.should_spin() as u32;
+            assert!(h.should_spin(), "a third of waits in time, phase {i}");
         }
-        assert!(spins >= 1, "a third of waits in time never spun");
-        // One in ten: stops.
+        // One in ten: no phase spins, not even right after a hit.
         for i in 0..300 {
             let waited = if i % 10 == 0 { 1 } else { 5 };
             h.record(Duration::from_millis(waited), w);
         }
-        h.record(Duration::from_millis(5), w);
-        assert!(!h.should_spin());
+        for i in 0..10 {
+            let waited = if i % 10 == 0 { 1 } else { 5 };
+            h.record(Duration::from_millis(waited), w);
+            assert!(!h.should_spin(), "a tenth of waits in time, phase {i}");
+        }
     }
 
     #[test]
@@ -276,5 +298,12 @@ mod tests {
         drop((b, c));
         assert_eq!(s.taken(), 0);
         assert!(SpinSlots::new(0).try_take().is_none());
+        assert_eq!(s.free(), 2);
+        // Without a cap: always a slot, nothing counted.
+        let all = SpinSlots::new(usize::MAX);
+        let held: Vec<_> = (0..100).map(|_| all.try_take().unwrap()).collect();
+        assert_eq!((all.taken(), all.free()), (0, usize::MAX));
+        drop(held);
+        assert_eq!(all.taken(), 0);
     }
 }

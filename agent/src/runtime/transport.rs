@@ -101,8 +101,9 @@ pub struct TransportSettings {
     /// Takes a core while active. From the bounce config's `ioBusyPollUs`
     /// ([`kvfabric_core::config::BusyPoll`]).
     pub busy_poll: Duration,
-    /// Callers of [`TransferHandle::wait`] spin only while a quarter of
-    /// the recent waits ended inside the busy-poll window
+    /// Callers of [`TransferHandle::wait`] (bounce and standard path)
+    /// spin only while a quarter of the recent waits ended inside the
+    /// busy-poll window
     /// ([`SpinHistory`]; issue 18). Off: every wait spins (up to
     /// [`MAX_SPINNING_WAITERS`] at once).
     pub spin_adaptive: bool,
@@ -276,9 +277,13 @@ impl Completion {
     /// condition variable (the transport's busy-poll window: a blocked
     /// waiter pays a wake-up, 50–200 µs on the H200 host, after the
     /// transfer is already done). Zero blocks at once.
-    pub(crate) fn with_spin(spin: Duration) -> Self {
+    ///
+    /// With `history`, waiters spin only while it says recent waits paid
+    /// (`None`: always).
+    pub(crate) fn with_spin_history(spin: Duration, history: Option<Arc<SpinHistory>>) -> Self {
         Self {
             spin,
+            history,
             ..Self::default()
         }
     }
@@ -380,14 +385,15 @@ impl TransferHandle {
         };
         let outcome = self.wait_spinning(start, spin, timeout);
         if let Some(h) = history {
-            if !self.completion.spin.is_zero() {
-                // Resolved or not, this wait took this long.
-                let waited = if outcome.is_some() {
-                    start.elapsed()
-                } else {
-                    Duration::MAX
-                };
-                h.record(waited, self.completion.spin);
+            let window = self.completion.spin;
+            match &outcome {
+                _ if window.is_zero() => {}
+                // Resolved: this wait took this long.
+                Some(_) => h.record(start.elapsed(), window),
+                // Timed out after at least a window: past it. A shorter
+                // poll (`wait(0)`, 1 ms polls) says nothing about it.
+                None if timeout >= window => h.record(Duration::MAX, window),
+                None => {}
             }
         }
         outcome
@@ -400,7 +406,8 @@ impl TransferHandle {
         spin: Duration,
         timeout: Duration,
     ) -> Option<TransferOutcome> {
-        let deadline = start + timeout;
+        // A timeout past Instant's range waits without a deadline.
+        let deadline = start.checked_add(timeout);
         // At most MAX_SPINNING_WAITERS callers of the process spin at once
         // (a replay with 128 waiting threads must not take 128 cores); the
         // others block at once.
@@ -426,16 +433,24 @@ impl TransferHandle {
             if let Some(o) = &s.outcome {
                 return Some(o.clone());
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            s = self
-                .completion
-                .cv
-                .wait_timeout(s, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            s = match deadline {
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return None;
+                    }
+                    self.completion
+                        .cv
+                        .wait_timeout(s, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+                None => self
+                    .completion
+                    .cv
+                    .wait(s)
+                    .unwrap_or_else(|p| p.into_inner()),
+            };
         }
     }
 
@@ -1169,8 +1184,8 @@ impl BounceTransport {
         traced: bool,
     ) -> TransferHandle {
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
-        let mut completion = Completion::with_spin(self.busy_poll);
-        completion.history = self.wait_history.clone();
+        let mut completion =
+            Completion::with_spin_history(self.busy_poll, self.wait_history.clone());
         if traced {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
@@ -2369,7 +2384,7 @@ mod tests {
             Duration::from_secs(5),
         ] {
             // Resolved while the waiter spins (or blocks).
-            let c = Arc::new(Completion::with_spin(spin));
+            let c = Arc::new(Completion::with_spin_history(spin, None));
             let h = TransferHandle::from_completion(c.clone());
             let resolver = std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(5));
@@ -2390,7 +2405,9 @@ mod tests {
             resolver.join().unwrap();
             // Never resolved: the wait ends at its timeout even when the
             // spin window is longer.
-            let h = TransferHandle::from_completion(Arc::new(Completion::with_spin(spin)));
+            let h = TransferHandle::from_completion(Arc::new(Completion::with_spin_history(
+                spin, None,
+            )));
             let t0 = Instant::now();
             assert_eq!(h.wait(Duration::from_millis(30)), None);
             let waited = t0.elapsed();
@@ -2402,42 +2419,53 @@ mod tests {
     }
 
     /// Issue 18: with the adaptive rule, waits that end past the spin
-    /// window (here: time out before it) stop the next waits from spinning;
-    /// one wait that ends inside it brings spinning back; outcomes are seen
-    /// either way.
+    /// window (here: time out at it) stop the next waits from spinning;
+    /// waits that end inside it bring spinning back; polls shorter than the
+    /// window count for nothing; outcomes are seen either way.
     #[test]
     fn waits_past_the_window_stop_the_spinning_and_a_short_one_restarts_it() {
         let window = Duration::from_millis(20);
         let history = Arc::new(SpinHistory::new());
         let handle = |resolved: bool| {
-            let mut c = Completion::with_spin(window);
-            c.history = Some(history.clone());
-            let c = Arc::new(c);
+            let c = Arc::new(Completion::with_spin_history(window, Some(history.clone())));
             if resolved {
                 c.resolve(TransferOutcome::Success);
             }
             TransferHandle::from_completion(c)
         };
         assert!(history.should_spin());
-        for i in 1..=5 {
-            // Unresolved, 1 ms timeout: a miss each.
+        // Polls shorter than the window say nothing.
+        for _ in 0..20 {
             assert!(handle(false).wait(Duration::from_millis(1)).is_none());
-            assert_eq!(history.should_spin(), i < 5, "after {i} timed-out waits");
+        }
+        assert!(history.should_spin(), "short polls stopped the spinning");
+        for i in 1..=11 {
+            // Unresolved, timing out at the window: a miss each.
+            assert!(handle(false).wait(window).is_none());
+            assert_eq!(history.should_spin(), i < 11, "after {i} timed-out waits");
         }
         // Not spinning now: a 30 ms wait for an outcome that never comes
         // blocks (no spin window) and still honours its timeout.
         let t0 = Instant::now();
         assert!(handle(false).wait(Duration::from_millis(30)).is_none());
         assert!(t0.elapsed() >= Duration::from_millis(30));
-        // An outcome already there: seen at once, and a hit.
-        assert!(matches!(
-            handle(true).wait(Duration::from_secs(1)),
-            Some(TransferOutcome::Success)
-        ));
+        // Outcomes already there: seen at once, and hits; a few restart
+        // the spinning.
+        for _ in 0..3 {
+            assert!(matches!(
+                handle(true).wait(Duration::from_secs(1)),
+                Some(TransferOutcome::Success)
+            ));
+        }
         assert!(
             history.should_spin(),
-            "a wait inside the window restarts spinning"
+            "waits inside the window did not restart spinning"
         );
+        // A timeout past Instant's range is no deadline (no panic).
+        assert!(matches!(
+            handle(true).wait(Duration::MAX),
+            Some(TransferOutcome::Success)
+        ));
     }
 
     #[test]
