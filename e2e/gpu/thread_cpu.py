@@ -17,6 +17,7 @@ machine during a closed-loop run to see which thread saturates first.
 
 import argparse
 import os
+import re
 import time
 
 
@@ -107,8 +108,9 @@ def main() -> None:
             share = (ticks - before) / hz / (t1 - t0) * 100
             waited = (wait - wait0) / 1e9 / (t1 - t0) * 100
             rows.append((share, waited, key[0], key[1], name))
-            # Run-queue wait summed by thread name less its number (workers).
-            group = name.rstrip("0123456789")
+            # Run-queue wait summed by thread name with numbers masked
+            # (workers, process ids).
+            group = re.sub(r"\d+", "#", name)
             waits[group] = waits.get(group, 0.0) + waited
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)

@@ -839,7 +839,8 @@ pub struct CopyWorkers {
 impl CopyWorkers {
     /// Starts `count` workers (at least 1) over `engine`, reporting to
     /// `done` and then signalling `waker` (when given) so a waiting IO
-    /// thread wakes at once. Threads are named `{name}-copy-{i}`.
+    /// thread wakes at once. Threads are named `cp{i}:{name}` (the role
+    /// first: Linux keeps 15 bytes of a thread's name).
     ///
     /// `spin`: after each job a worker keeps polling the job queue for up
     /// to this long before it blocks (the transport's busy-poll window;
@@ -883,7 +884,7 @@ impl CopyWorkers {
             let slots = slots.clone();
             threads.push(
                 std::thread::Builder::new()
-                    .name(format!("{name}-copy-{i}"))
+                    .name(format!("cp{i}:{name}"))
                     .spawn(move || {
                         while let Some(msg) = next_msg(&rx, spin, &lines[i], &prime, &slots) {
                             let job = match msg {

@@ -896,7 +896,8 @@ impl BounceTransport {
             tx_buf: Vec::new(),
         };
         let handle = std::thread::Builder::new()
-            .name(format!("{name}-io"))
+            // The role first: Linux keeps 15 bytes of a thread's name.
+            .name(format!("io:{name}"))
             .spawn(move || {
                 io.run();
                 io.channel
