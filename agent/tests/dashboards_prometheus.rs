@@ -339,6 +339,38 @@ impl Kube {
     /// Runs kubectl with `args` (stdin `input`); panics naming the command
     /// on failure.
     fn kubectl(&self, args: &[&str], input: Option<&str>) -> String {
+        self.try_kubectl(args, input)
+            .unwrap_or_else(|e| panic!("kubectl {args:?}: {e}"))
+    }
+
+    /// Waits (≤ 30 s) for the KvFabric CRD to be Established. `kubectl
+    /// wait` right after the apply can fail at once with ".status.conditions
+    /// accessor error: <nil>" (the CRD has no status yet): retried, as in
+    /// the chaos suite.
+    fn wait_crd_established(&self) {
+        let t0 = Instant::now();
+        let args = [
+            "wait",
+            "--for=condition=Established",
+            "crd/kvfabrics.kvfabric.io",
+            "--timeout=30s",
+        ];
+        loop {
+            match self.try_kubectl(&args, None) {
+                Ok(_) => return,
+                Err(e)
+                    if e.contains("accessor error") && t0.elapsed() < Duration::from_secs(30) =>
+                {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => panic!("kubectl {args:?}: {e}"),
+            }
+        }
+    }
+
+    /// Runs kubectl with `args` (stdin `input`): its stdout, or its stderr
+    /// when it failed.
+    fn try_kubectl(&self, args: &[&str], input: Option<&str>) -> Result<String, String> {
         let bin = self
             .var("KVFABRIC_KUBE_PATH")
             .split(':')
@@ -359,12 +391,10 @@ impl Kube {
         }
         drop(child.stdin.take());
         let out = child.wait_with_output().expect("kubectl");
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 }
 
@@ -581,10 +611,7 @@ fn every_panel_returns_data_under_faults() {
         let bin = operator_bin()?;
         let crd = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/kvfabric.io_kvfabrics.yaml");
         k.kubectl(&["apply", "-f", crd.to_str().unwrap()], None);
-        k.kubectl(
-            &["wait", "--for=condition=Established", "crd/kvfabrics.kvfabric.io", "--timeout=30s"],
-            None,
-        );
+        k.wait_crd_established();
         k.kubectl(
             &["apply", "-f", "-"],
             Some(&format!(
