@@ -82,9 +82,22 @@ struct Pending {
     input: Input,
 }
 
+/// Submits request `rid` of `chunks` from `tx` to "rx".
+fn submit(tx: &mut Machine, now: u64, rid: u64, chunks: &[ChunkBound]) {
+    tx.handle(
+        now,
+        Input::Submit {
+            rid,
+            peer: "rx".into(),
+            scope: 0,
+            chunks: chunks.to_vec(),
+        },
+    );
+}
+
 /// Runs `requests` requests at `concurrency` in flight; returns the
-/// wall time of the machine work and the events delivered.
-fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duration, u64) {
+/// wall time of the machine work.
+fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> Duration {
     let mut tx = Machine::new(config("tx", policy)).unwrap();
     let mut rx = Machine::new(config("rx", policy)).unwrap();
     rx.handle(
@@ -106,18 +119,10 @@ fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duratio
         })
         .collect();
     let mut queue: VecDeque<Pending> = VecDeque::new();
-    let (mut next_rid, mut resolved, mut events, mut now) = (1u64, 0u64, 0u64, 1u64);
+    let (mut next_rid, mut resolved, mut now) = (1u64, 0u64, 1u64);
     let start = Instant::now();
     for _ in 0..concurrency.min(requests) {
-        tx.handle(
-            now,
-            Input::Submit {
-                rid: next_rid,
-                peer: "rx".into(),
-                scope: 0,
-                chunks: chunks.clone(),
-            },
-        );
+        submit(&mut tx, now, next_rid, &chunks);
         next_rid += 1;
     }
     loop {
@@ -164,15 +169,7 @@ fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duratio
                         assert_eq!(outcome, Outcome::Success);
                         resolved += 1;
                         if next_rid <= requests {
-                            m.handle(
-                                now,
-                                Input::Submit {
-                                    rid: next_rid,
-                                    peer: "rx".into(),
-                                    scope: 0,
-                                    chunks: chunks.clone(),
-                                },
-                            );
+                            submit(m, now, next_rid, &chunks);
                             next_rid += 1;
                         }
                     }
@@ -182,7 +179,6 @@ fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duratio
         }
         let Some(p) = queue.pop_front() else { break };
         now += 1_000;
-        events += 1;
         if p.to_receiver {
             rx.handle(now, p.input);
         } else {
@@ -191,7 +187,7 @@ fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> (Duratio
     }
     let took = start.elapsed();
     assert_eq!(resolved, requests);
-    (took, events)
+    took
 }
 
 fn pair(c: &mut Criterion) {
@@ -206,7 +202,7 @@ fn pair(c: &mut Criterion) {
             g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
                     (0..iters)
-                        .map(|_| closed_loop(conc, REQUESTS, policy).0)
+                        .map(|_| closed_loop(conc, REQUESTS, policy))
                         .sum()
                 })
             });

@@ -2809,6 +2809,20 @@ mod tests {
             .collect()
     }
 
+    /// Submits request `rid` of chunks of `sizes` bytes from `m` to "b"
+    /// (scope 0).
+    fn submit_to_b(m: &mut Machine, now: Nanos, rid: u64, sizes: &[u64]) {
+        m.handle(
+            now,
+            Input::Submit {
+                rid,
+                peer: "b".into(),
+                scope: 0,
+                chunks: chunks(sizes),
+            },
+        );
+    }
+
     fn drain(m: &mut Machine) -> Vec<Action> {
         std::iter::from_fn(|| m.poll_action()).collect()
     }
@@ -2907,15 +2921,7 @@ mod tests {
     fn a_submit_starts_its_eager_gathers_before_its_want() {
         let mut a = machine("a");
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[1024, 512]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[1024, 512]);
         let mut order = Vec::new();
         while let Some(step) = a.poll() {
             match step {
@@ -2998,15 +3004,7 @@ mod tests {
             }
         };
         for rid in 1..=requests {
-            a.handle(
-                0,
-                Input::Submit {
-                    rid,
-                    peer: "b".into(),
-                    scope: 0,
-                    chunks: chunks(&vec![1024; chunks_each]),
-                },
-            );
+            submit_to_b(&mut a, 0, rid, &vec![1024; chunks_each]);
         }
         settle_a(&mut a, &mut staged, 0);
         let mut hits = 0;
@@ -3060,15 +3058,7 @@ mod tests {
     fn an_ack_that_opens_the_window_stages_the_next_chunk_eagerly() {
         let mut a = machine_with("a", |c| c.arena_bytes = 8192);
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[1024; 4]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[1024; 4]);
         let mut gathered = Vec::new();
         let mut write = None;
         let pump = |a: &mut Machine, gathered: &mut Vec<u32>, write: &mut Option<u64>| {
@@ -3115,15 +3105,7 @@ mod tests {
         let mut a = machine_with("a", |c| c.arena_bytes = 8192);
         a.handle(0, Input::PeerAdded { peer: "b".into() });
         for _ in 0..2 {
-            a.handle(
-                0,
-                Input::Submit {
-                    rid: 1,
-                    peer: "b".into(),
-                    scope: 0,
-                    chunks: chunks(&[1024; 2]),
-                },
-            );
+            submit_to_b(&mut a, 0, 1, &[1024; 2]);
         }
         let s = a.snapshot();
         assert_eq!((s.requests, s.grant_order), (1, 1), "{s:?}");
@@ -3151,15 +3133,7 @@ mod tests {
             let (mut a, mut b) = (machine("a"), machine("b"));
             a.cfg.release_staging_on_write = on_write;
             a.handle(0, Input::PeerAdded { peer: "b".into() });
-            a.handle(
-                0,
-                Input::Submit {
-                    rid: 1,
-                    peer: "b".into(),
-                    scope: 0,
-                    chunks: chunks(&[1024]),
-                },
-            );
+            submit_to_b(&mut a, 0, 1, &[1024]);
             // Gather, WANT → b, GRANT → a, write posted.
             let mut write = None;
             for _ in 0..4 {
@@ -3226,15 +3200,7 @@ mod tests {
                     .with_policy(policy);
                 a.handle(0, Input::PeerAdded { peer: "b".into() });
                 for rid in 1..=12 {
-                    a.handle(
-                        0,
-                        Input::Submit {
-                            rid,
-                            peer: "b".into(),
-                            scope: 0,
-                            chunks: chunks(&[1024, 1024, 512][..(rid as usize % 3) + 1]),
-                        },
-                    );
+                    submit_to_b(&mut a, 0, rid, &[1024, 1024, 512][..(rid as usize % 3) + 1]);
                 }
                 let mut out = settle(&mut a, &mut b, 1);
                 out.sort_by_key(|(rid, _)| *rid);
@@ -3513,15 +3479,7 @@ mod tests {
     fn a_request_completes_and_everything_is_freed() {
         let (mut a, mut b) = (machine("a"), machine("b"));
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[1024, 512, 100]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[1024, 512, 100]);
         assert_eq!(settle(&mut a, &mut b, 1), vec![(1, Outcome::Success)]);
         for m in [&a, &b] {
             let s = m.snapshot();
@@ -3542,15 +3500,7 @@ mod tests {
     fn a_failed_request_cancels_only_once_its_write_is_terminal() {
         let mut a = machine("a");
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[512]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[512]);
         let gather = drain(&mut a)
             .into_iter()
             .find_map(|x| match x {
@@ -3761,15 +3711,7 @@ mod tests {
             a.handle(0, Input::PeerAdded { peer: "b".into() });
             // Two chunks; one copy context: chunk 1 stages only after
             // chunk 0's gather, which takes (almost) a timeout each.
-            a.handle(
-                0,
-                Input::Submit {
-                    rid: 1,
-                    peer: "b".into(),
-                    scope: 0,
-                    chunks: chunks(&[512, 512]),
-                },
-            );
+            submit_to_b(&mut a, 0, 1, &[512, 512]);
             let credits: Vec<Credit> = (0..2)
                 .map(|i| Credit {
                     chunk_index: i,
@@ -3862,15 +3804,7 @@ mod tests {
     fn a_request_without_progress_times_out_at_its_deadline() {
         let mut a = machine("a");
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            5,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[256]),
-            },
-        );
+        submit_to_b(&mut a, 5, 1, &[256]);
         let d = a.next_deadline().unwrap();
         assert_eq!(d, 5 + T + 1);
         drain(&mut a);
@@ -4056,15 +3990,7 @@ mod tests {
     fn a_uniform_data_that_did_not_leave_fails_its_request() {
         let (mut a, mut b) = (machine("a"), machine("b"));
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[512]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[512]);
         let list = UniformScatter {
             segment_len: 256,
             region_stride: 256,
@@ -4181,15 +4107,7 @@ mod tests {
     fn a_post_failure_fails_the_request_with_its_reason() {
         let (mut a, mut b) = (machine("a"), machine("b"));
         a.handle(0, Input::PeerAdded { peer: "b".into() });
-        a.handle(
-            0,
-            Input::Submit {
-                rid: 1,
-                peer: "b".into(),
-                scope: 0,
-                chunks: chunks(&[512]),
-            },
-        );
+        submit_to_b(&mut a, 0, 1, &[512]);
         let mut acts = drain(&mut a);
         let mut resolved = Vec::new();
         let mut cancels = 0;
@@ -4286,15 +4204,7 @@ mod tests {
         for traced in [false, true] {
             let (mut a, mut b) = (machine("a"), machine("b"));
             a.handle(0, Input::PeerAdded { peer: "b".into() });
-            a.handle(
-                0,
-                Input::Submit {
-                    rid: 1,
-                    peer: "b".into(),
-                    scope: 0,
-                    chunks: chunks(&[512, 512]),
-                },
-            );
+            submit_to_b(&mut a, 0, 1, &[512, 512]);
             if traced {
                 a.set_traced(1);
             }

@@ -1499,6 +1499,24 @@ mod tests {
         assert_eq!(engine.batches.load(Ordering::SeqCst), 1);
     }
 
+    /// Submits `n` empty gathers (tokens 0..n) to `workers` and checks
+    /// that each completes once (≤ 5 s each).
+    fn run_empty_gathers(workers: &CopyWorkers, done_rx: &Receiver<CopyDone>, n: u64) {
+        for t in 0..n {
+            workers.submit(CopyJob {
+                token: t,
+                kind: CopyKind::Gather,
+                region_addr: 0,
+                plan: CopyPlan::Runs(Vec::new()),
+            });
+        }
+        let mut tokens: Vec<u64> = (0..n)
+            .map(|_| done_rx.recv_timeout(Duration::from_secs(5)).unwrap().token)
+            .collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, (0..n).collect::<Vec<_>>());
+    }
+
     /// Issue 18: with a cap of one spinning worker, the other two block at
     /// once instead of spinning their window (here 2 s) after starting;
     /// jobs still all run.
@@ -1527,19 +1545,7 @@ mod tests {
         // A prime finds no free slot: wakes nobody.
         primer.prime(3);
         assert!(primer.idle() >= 2);
-        for t in 0..6 {
-            workers.submit(CopyJob {
-                token: t,
-                kind: CopyKind::Gather,
-                region_addr: 0,
-                plan: CopyPlan::Runs(Vec::new()),
-            });
-        }
-        let mut tokens: Vec<u64> = (0..6)
-            .map(|_| done_rx.recv_timeout(Duration::from_secs(5)).unwrap().token)
-            .collect();
-        tokens.sort_unstable();
-        assert_eq!(tokens, (0..6).collect::<Vec<_>>());
+        run_empty_gathers(&workers, &done_rx, 6);
     }
 
     #[test]
@@ -1575,19 +1581,7 @@ mod tests {
         primer.prime(3);
         // Primed: all three spin again.
         until(|| primer.idle() == 0, "prime woke no worker");
-        for t in 0..10 {
-            workers.submit(CopyJob {
-                token: t,
-                kind: CopyKind::Gather,
-                region_addr: 0,
-                plan: CopyPlan::Runs(Vec::new()),
-            });
-        }
-        let mut tokens: Vec<u64> = (0..10)
-            .map(|_| done_rx.recv_timeout(Duration::from_secs(5)).unwrap().token)
-            .collect();
-        tokens.sort_unstable();
-        assert_eq!(tokens, (0..10).collect::<Vec<_>>());
+        run_empty_gathers(&workers, &done_rx, 10);
         // Dropping joins the workers although `primer` keeps the queue open
         // (on another thread, so a hang fails the test instead of stalling it).
         let (joined_tx, joined_rx) = crossbeam_channel::bounded(1);

@@ -226,31 +226,29 @@ mod tests {
         assert!(h.should_spin());
     }
 
+    /// Records `cycles` cycles of one wait inside the 2 ms window (1 ms)
+    /// then `period - 1` past it (5 ms); with `check: Some(spins)`, asserts
+    /// after each wait that `should_spin` is `spins`.
+    fn cycle(h: &SpinHistory, period: u32, cycles: u32, check: Option<bool>) {
+        for i in 0..period * cycles {
+            let waited = if i % period == 0 { 1 } else { 5 };
+            h.record(Duration::from_millis(waited), Duration::from_millis(2));
+            if let Some(spins) = check {
+                assert_eq!(h.should_spin(), spins, "1 in {period} in time, phase {i}");
+            }
+        }
+    }
+
     #[test]
     fn a_mix_with_a_quarter_of_waits_in_time_keeps_spinning() {
         let h = SpinHistory::new();
-        let w = Duration::from_millis(2);
-        // One in three in time: the score settles near a third (> 1/4).
-        for i in 0..300 {
-            let waited = if i % 3 == 0 { 1 } else { 5 };
-            h.record(Duration::from_millis(waited), w);
-        }
-        // Every phase of the cycle spins.
-        for i in 0..3 {
-            let waited = if i % 3 == 0 { 1 } else { 5 };
-            h.record(Duration::from_millis(waited), w);
-            assert!(h.should_spin(), "a third of waits in time, phase {i}");
-        }
+        // One in three in time: the score settles near a third (> 1/4);
+        // then every phase of the cycle spins.
+        cycle(&h, 3, 100, None);
+        cycle(&h, 3, 1, Some(true));
         // One in ten: no phase spins, not even right after a hit.
-        for i in 0..300 {
-            let waited = if i % 10 == 0 { 1 } else { 5 };
-            h.record(Duration::from_millis(waited), w);
-        }
-        for i in 0..10 {
-            let waited = if i % 10 == 0 { 1 } else { 5 };
-            h.record(Duration::from_millis(waited), w);
-            assert!(!h.should_spin(), "a tenth of waits in time, phase {i}");
-        }
+        cycle(&h, 10, 30, None);
+        cycle(&h, 10, 1, Some(false));
     }
 
     #[test]
