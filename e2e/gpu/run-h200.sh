@@ -125,9 +125,10 @@ for step in ${KVF_STEPS:-engines model vram}; do
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" ${KVF_BENCH_ARGS:-} \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
+          grep -E '^(all \(|slowest )' "$out/load_$tag.log" | cut -c1-400
         done
       done
       mps_off ;;
@@ -135,6 +136,8 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # Issue 18: Poisson arrivals at each KVF_RATES (req/s), >= 500
       # requests, at most 128 in flight, MPS on, TCP control; KVF_CONFIGS
       # as in load, plus "before" (the build in .gpu/before.xz).
+      # KVF_BENCH_ARGS (load and openloop): more bench flags, e.g.
+      # --timeline (a "before" build must know them).
       mps_on
       for r in ${KVF_RATES:-13}; do
         for cfg in ${KVF_CONFIGS:--}; do
@@ -145,9 +148,10 @@ for step in ${KVF_STEPS:-engines model vram}; do
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" ${KVF_BENCH_ARGS:-} \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
+          grep -E '^(all \(|slowest )' "$out/open_$tag.log" | cut -c1-400
         done
       done
       mps_off ;;

@@ -13,7 +13,7 @@
 //! the child's `CHECK` command), outside the timed window.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -27,12 +27,14 @@ use super::trace::{
     check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
     HandOffResult, ReplayOptions, ReplayReport, RequestBlocks,
 };
+use super::vram::BounceTimeline;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
 use crate::runtime::engine::MemKind;
 use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PeerMemory};
 use crate::runtime::transport::TransferOutcome;
+use serde::Serialize;
 
 /// Bound on one transfer.
 const XFER_TIMEOUT: Duration = Duration::from_secs(120);
@@ -66,6 +68,101 @@ pub struct GpuReplayOptions {
     /// Fill and verify the requests whose index is a multiple of this (1 =
     /// every request; at least 1).
     pub verify_every: u64,
+    /// Trace every bounce request's stages and report where the time of
+    /// the median and of the slowest requests went ([`TimelineSummary`]).
+    pub timeline: bool,
+}
+
+/// One traced bounce request of `--timeline`.
+#[derive(Clone, Debug, Serialize)]
+pub struct TracedRequest {
+    /// Submit → SUCCESS seen by the caller, ms.
+    pub ms: f64,
+    /// Bounce requests of this process in flight when it was submitted
+    /// (itself included).
+    pub in_flight: usize,
+    /// Its stages, µs after submit.
+    pub stages: BounceTimeline,
+}
+
+/// Where the time of traced bounce requests went (`kvfabric-gpu bench
+/// --timeline`): stage medians over all of them and over the slowest 1 %
+/// (by submit → SUCCESS; at least one request), and the slowest few
+/// requests one by one.
+#[derive(Clone, Debug, Serialize)]
+pub struct TimelineSummary {
+    /// Traced requests.
+    pub requests: usize,
+    /// Stage medians over all of them, µs after submit.
+    pub all: Option<BounceTimeline>,
+    /// Median requests in flight at submit, over all.
+    pub all_in_flight: f64,
+    /// Requests in the slowest 1 %.
+    pub slowest_requests: usize,
+    /// Stage medians over the slowest 1 %, µs after submit.
+    pub slowest: Option<BounceTimeline>,
+    /// Median requests in flight at submit, over the slowest 1 %.
+    pub slowest_in_flight: f64,
+    /// The [`TimelineSummary::WORST`] slowest requests, slowest first.
+    pub worst: Vec<TracedRequest>,
+}
+
+impl TimelineSummary {
+    /// Requests listed one by one.
+    pub const WORST: usize = 5;
+
+    /// The summary of `all` (any order).
+    pub fn of(mut all: Vec<TracedRequest>) -> Self {
+        all.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        let slow = all.len().div_ceil(100).min(all.len());
+        let med_in_flight = |r: &[TracedRequest]| {
+            let mut v: Vec<usize> = r.iter().map(|t| t.in_flight).collect();
+            v.sort_unstable();
+            v.get(v.len() / 2).map_or(f64::NAN, |&x| x as f64)
+        };
+        let stages = |r: &[TracedRequest]| {
+            BounceTimeline::median_of(&r.iter().map(|t| t.stages.clone()).collect::<Vec<_>>())
+        };
+        Self {
+            requests: all.len(),
+            all: stages(&all),
+            all_in_flight: med_in_flight(&all),
+            slowest_requests: slow,
+            slowest: stages(&all[..slow]),
+            slowest_in_flight: med_in_flight(&all[..slow]),
+            worst: all.iter().take(Self::WORST).cloned().collect(),
+        }
+    }
+
+    /// Text lines for the console.
+    pub fn lines(&self) -> String {
+        let mut s = format!("traced bounce requests: {}\n", self.requests);
+        if let Some(t) = &self.all {
+            s += &format!(
+                "all ({:.0} in flight at submit, median): {}\n",
+                self.all_in_flight,
+                t.line()
+            );
+        }
+        if let Some(t) = &self.slowest {
+            s += &format!(
+                "slowest {} ({:.0} in flight at submit, median): {}\n",
+                self.slowest_requests,
+                self.slowest_in_flight,
+                t.line()
+            );
+        }
+        for (k, r) in self.worst.iter().enumerate() {
+            s += &format!(
+                "slowest #{} {:.2} ms ({} in flight at submit): {}\n",
+                k + 1,
+                r.ms,
+                r.in_flight,
+                r.stages.line_of("one request")
+            );
+        }
+        s
+    }
 }
 
 /// [`HandOff`] from a prefill agent on a GPU to a decode agent in a child
@@ -85,6 +182,10 @@ pub struct GpuHandOff<'a> {
     pub verify_every: u64,
     /// Requests filled and verified byte for byte so far.
     pub verified: AtomicU64,
+    /// `Some`: trace every bounce request and keep its stages here.
+    pub timelines: Option<Mutex<Vec<TracedRequest>>>,
+    /// Bounce requests submitted and not yet resolved.
+    pub in_flight: AtomicUsize,
 }
 
 impl HandOff for GpuHandOff<'_> {
@@ -140,13 +241,22 @@ impl GpuHandOff<'_> {
                 .fill(&table, seed)
                 .map_err(|e| format!("filling the source blocks: {e}"))?;
         }
+        let traced = self.timelines.is_some() && path == BenchPath::Bounce;
+        let in_flight = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         let t0 = Instant::now();
         let handle = match path {
-            BenchPath::Bounce => self
-                .prefill
-                .transport()
-                .ok_or("bounce is not running on the prefill agent")?
-                .submit(&self.decode_name, descs.clone()),
+            BenchPath::Bounce => {
+                let transport = self.prefill.transport();
+                let Some(transport) = transport else {
+                    self.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    return Err("bounce is not running on the prefill agent".into());
+                };
+                if traced {
+                    transport.submit_traced(&self.decode_name, descs.clone())
+                } else {
+                    transport.submit(&self.decode_name, descs.clone())
+                }
+            }
             BenchPath::Standard => self
                 .prefill
                 .submit_standard(&self.decode_name, descs.clone()),
@@ -159,8 +269,21 @@ impl GpuHandOff<'_> {
         *request_id = logged_request_id(&handle);
         let outcome = handle.wait(XFER_TIMEOUT);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
         match outcome {
-            Some(TransferOutcome::Success) => {}
+            Some(TransferOutcome::Success) => {
+                if let (true, Some(t)) = (traced, &self.timelines) {
+                    let (events, _) = handle.take_timeline();
+                    let stages = BounceTimeline::of(&events, t0, ms * 1e3);
+                    t.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(TracedRequest {
+                            ms,
+                            in_flight,
+                            stages,
+                        });
+                }
+            }
             None => {
                 return Err(format!(
                     "transfer not resolved within {} s",
@@ -188,7 +311,9 @@ impl GpuHandOff<'_> {
 
 /// Replays `trace` prefill (this process, GPU `device`) → decode (a
 /// `vram-peer` child of `exe`, GPU `peer_device`), once per path, every
-/// byte checked on the decode GPU.
+/// byte checked on the decode GPU (a sample with `verify_every` > 1),
+/// with the [`TimelineSummary`] of its bounce requests when
+/// `opts.timeline` is set.
 ///
 /// # Errors
 /// Setup failures (no GPU, pools that do not fit, an agent or the child
@@ -198,7 +323,7 @@ pub fn run(
     exe: &Path,
     trace: &[TraceRecord],
     opts: &GpuReplayOptions,
-) -> Result<ReplayReport, String> {
+) -> Result<(ReplayReport, Option<TimelineSummary>), String> {
     let dir = std::env::temp_dir().join(format!("kvfabric-gpu-trace-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let out = run_in(exe, &dir, trace, opts);
@@ -211,7 +336,7 @@ fn run_in(
     dir: &Path,
     trace: &[TraceRecord],
     opts: &GpuReplayOptions,
-) -> Result<ReplayReport, String> {
+) -> Result<(ReplayReport, Option<TimelineSummary>), String> {
     let layout = &opts.layout;
     let gpu = CudaGpu::open(opts.device).map_err(|e| format!("GPU {}: {e}", opts.device))?;
     let pool_blocks = (opts.pool_bytes / layout.bytes_per_block()).min(u64::from(u32::MAX)) as u32;
@@ -285,6 +410,8 @@ fn run_in(
         dir: dir.to_path_buf(),
         verify_every: opts.verify_every.max(1),
         verified: AtomicU64::new(0),
+        timelines: opts.timeline.then(|| Mutex::new(Vec::new())),
+        in_flight: AtomicUsize::new(0),
     };
     let report = replay_with(
         &hand_off,
@@ -322,9 +449,14 @@ fn run_in(
             }
         );
     }
+    let timeline = hand_off.timelines.as_ref().map(|t| {
+        TimelineSummary::of(std::mem::take(
+            &mut *t.lock().unwrap_or_else(|p| p.into_inner()),
+        ))
+    });
     drop(prefill);
     drop(decode);
-    report
+    report.map(|r| (r, timeline))
 }
 
 /// The flags of `kvfabric-gpu bench`.
@@ -364,6 +496,9 @@ pub struct GpuBenchArgs {
     pub verify_every: u64,
     /// Write the JSON report here.
     pub json: Option<PathBuf>,
+    /// Trace every bounce request (`--timeline`): print and report where
+    /// the time of the median and the slowest requests went.
+    pub timeline: bool,
 }
 
 /// `kvfabric-gpu bench`: reads the trace slice (or builds the
@@ -385,7 +520,7 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
         eprintln!("warning: {w}");
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut report = run(
+    let (mut report, timeline) = run(
         &exe,
         &trace,
         &GpuReplayOptions {
@@ -400,12 +535,23 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
             paths: a.paths.clone(),
             progress: false,
             verify_every: a.verify_every,
+            timeline: a.timeline,
         },
     )?;
     report.fixed_prompt_tokens = a.fixed_prompt;
     print!("{}", report.table());
+    if let Some(t) = &timeline {
+        print!("{}", t.lines());
+    }
     if let Some(p) = &a.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        let mut json = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+        if let (Some(t), Some(obj)) = (&timeline, json.as_object_mut()) {
+            obj.insert(
+                "timeline".into(),
+                serde_json::to_value(t).map_err(|e| e.to_string())?,
+            );
+        }
+        let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
         std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()))?;
     }
     if report.failures() > 0 {
@@ -438,4 +584,51 @@ fn bench_trace(a: &GpuBenchArgs) -> Result<Vec<TraceRecord>, String> {
         ));
     }
     Ok(trace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn traced(ms: f64, in_flight: usize) -> TracedRequest {
+        TracedRequest {
+            ms,
+            in_flight,
+            stages: BounceTimeline {
+                want_us: ms * 10.0,
+                resolved_us: ms * 1e3,
+                ..BounceTimeline::default()
+            },
+        }
+    }
+
+    #[test]
+    fn summary_takes_the_slowest_percent_and_lists_the_worst_first() {
+        // 250 requests: 1 ms .. 250 ms; the slowest 1 % is 3 requests.
+        let all: Vec<TracedRequest> = (1..=250)
+            .rev()
+            .map(|k| traced(k as f64, if k > 247 { 100 } else { 2 }))
+            .collect();
+        let s = TimelineSummary::of(all);
+        assert_eq!(s.requests, 250);
+        assert_eq!(s.slowest_requests, 3);
+        assert_eq!(s.slowest_in_flight, 100.0);
+        assert_eq!(s.all_in_flight, 2.0);
+        let slow = s.slowest.as_ref().expect("slowest medians");
+        assert_eq!(slow.resolved_us, 249_000.0);
+        assert_eq!(slow.want_us, 2_490.0);
+        let worst: Vec<f64> = s.worst.iter().map(|r| r.ms).collect();
+        assert_eq!(worst, vec![250.0, 249.0, 248.0, 247.0, 246.0]);
+        assert!(s.lines().contains("slowest #1 250.00 ms (100 in flight"));
+    }
+
+    #[test]
+    fn summary_of_nothing_and_of_one_request() {
+        let s = TimelineSummary::of(Vec::new());
+        assert_eq!((s.requests, s.slowest_requests), (0, 0));
+        assert!(s.all.is_none() && s.slowest.is_none() && s.worst.is_empty());
+        let s = TimelineSummary::of(vec![traced(3.0, 1)]);
+        assert_eq!(s.slowest_requests, 1);
+        assert_eq!(s.worst.len(), 1);
+    }
 }

@@ -167,7 +167,7 @@ pub struct BounceTimeline {
 
 impl BounceTimeline {
     /// Medians, field by field, of per-request timelines.
-    fn median_of(all: &[BounceTimeline]) -> Option<BounceTimeline> {
+    pub(crate) fn median_of(all: &[BounceTimeline]) -> Option<BounceTimeline> {
         if all.is_empty() {
             return None;
         }
@@ -199,7 +199,7 @@ impl BounceTimeline {
     }
 
     /// One request's timeline from its stage events (`t0` = submit).
-    fn of(events: &[StageEvent], t0: Instant, resolved_us: f64) -> BounceTimeline {
+    pub(crate) fn of(events: &[StageEvent], t0: Instant, resolved_us: f64) -> BounceTimeline {
         let at = |stage: Stage, last: bool| {
             let it = events
                 .iter()
@@ -229,10 +229,16 @@ impl BounceTimeline {
         }
     }
 
-    /// One line: each stage's first/last offset, µs.
+    /// One line: each stage's first/last offset, µs (medians).
     pub fn line(&self) -> String {
+        self.line_of("medians")
+    }
+
+    /// [`line`](Self::line) saying what the numbers are (`what`: e.g.
+    /// "medians", "one request").
+    pub fn line_of(&self, what: &str) -> String {
         format!(
-            "timeline (µs after submit, medians): submit entered {:.0} | sized {:.0} | queued {:.0} | IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
+            "timeline (µs after submit, {what}): submit entered {:.0} | sized {:.0} | queued {:.0} | IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
             self.entered_us,
             self.sized_us,
             self.queued_us,

@@ -195,6 +195,11 @@ enum Cmd {
         /// Write the JSON report here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Trace every bounce request's stages (gathered, write posted,
+        /// DATA, ACK) and print where the time of the median and of the
+        /// slowest 1 % went (also under "timeline" in the JSON report).
+        #[arg(long)]
+        timeline: bool,
     },
     /// The receiver process of `vram-bench` (internal).
     #[command(hide = true)]
@@ -353,6 +358,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
             paths,
             verify_every,
             json,
+            timeline,
         } => {
             // The replay opens its GPUs itself.
             drop(gpu);
@@ -372,6 +378,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 paths,
                 verify_every,
                 json,
+                timeline,
             })
         }
         Cmd::VramPeer { dir, pool_bytes } => {
