@@ -347,19 +347,40 @@ pub struct ArrivalLatency {
     pub queue_p99_ms: f64,
     /// Largest queueing delay (ms).
     pub queue_max_ms: f64,
+    /// Median lateness of the worker, scheduled arrival → a worker took
+    /// the request, before its blocks and descriptors were prepared (ms;
+    /// the rest of the queueing delay is that preparation).
+    pub late_p50_ms: f64,
+    /// 99th percentile lateness of the worker (ms).
+    pub late_p99_ms: f64,
+}
+
+/// One completed open-loop request's times, ms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ArrivalSample {
+    /// Scheduled arrival → a worker took it (before preparing it).
+    pub late_ms: f64,
+    /// Scheduled arrival → submit (`late_ms` plus the preparation).
+    pub queue_ms: f64,
+    /// Submit → transfer resolution.
+    pub service_ms: f64,
 }
 
 impl ArrivalLatency {
-    /// The statistics of `(queue_ms, service_ms)` pairs, one per completed
-    /// request; `None` when there are none.
-    pub fn of(samples: &[(f64, f64)]) -> Option<Self> {
+    /// The statistics of `samples`, one per completed request; `None`
+    /// when there are none.
+    pub fn of(samples: &[ArrivalSample]) -> Option<Self> {
         if samples.is_empty() {
             return None;
         }
-        let mut lat: Vec<f64> = samples.iter().map(|(q, s)| q + s).collect();
-        let mut queue: Vec<f64> = samples.iter().map(|&(q, _)| q).collect();
-        lat.sort_by(|a, b| a.total_cmp(b));
-        queue.sort_by(|a, b| a.total_cmp(b));
+        let sorted = |f: fn(&ArrivalSample) -> f64| {
+            let mut v: Vec<f64> = samples.iter().map(f).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            v
+        };
+        let lat = sorted(|s| s.queue_ms + s.service_ms);
+        let queue = sorted(|s| s.queue_ms);
+        let late = sorted(|s| s.late_ms);
         Some(Self {
             p50_ms: percentile(&lat, 50.0),
             p90_ms: percentile(&lat, 90.0),
@@ -369,6 +390,8 @@ impl ArrivalLatency {
             queue_p50_ms: percentile(&queue, 50.0),
             queue_p99_ms: percentile(&queue, 99.0),
             queue_max_ms: queue.last().copied().unwrap_or(0.0),
+            late_p50_ms: percentile(&late, 50.0),
+            late_p99_ms: percentile(&late, 99.0),
         })
     }
 }
@@ -870,7 +893,7 @@ fn run_phase(
     let bytes = AtomicU64::new(0);
     let descs_total = AtomicU64::new(0);
     let latencies = Mutex::new(Vec::with_capacity(trace.len()));
-    // Open loop: (queue ms, service ms) of each completed request.
+    // Open loop: the times of each completed request.
     let open_loop = Mutex::new(Vec::new());
     let failed = Mutex::new(Vec::new());
     let fail = |index: usize, request_id: Option<u64>, error: String| {
@@ -944,6 +967,7 @@ fn run_phase(
                     std::thread::sleep(due - now);
                 }
             }
+            let late_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
             let nblocks = u32::try_from(layout.blocks_for(rec.input_length)).unwrap_or(u32::MAX);
             let (pb, db) = match (ppool.allocate(nblocks), dpool.allocate(nblocks)) {
                 (Ok(p), Ok(d)) => (p, d),
@@ -985,11 +1009,15 @@ fn run_phase(
             match result.outcome {
                 Ok(ms) => {
                     latencies.lock().unwrap_or_else(|p| p.into_inner()).push(ms);
-                    if let Some(q) = queue_ms {
+                    if let (Some(q), Some(l)) = (queue_ms, late_ms) {
                         open_loop
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
-                            .push((q, ms));
+                            .push(ArrivalSample {
+                                late_ms: l,
+                                queue_ms: q,
+                                service_ms: ms,
+                            });
                     }
                     bytes.fetch_add(n * desc_bytes, Ordering::Relaxed);
                     descs_total.fetch_add(n, Ordering::Relaxed);
@@ -1107,22 +1135,31 @@ impl ReplayReport {
         if open {
             s += "(p50..max above: service time, submit -> done; below: from the scheduled arrival, queueing included)\n";
             s += &format!(
-                "{:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n",
-                "path", "p50 ms", "p90 ms", "p99 ms", "max ms", "queue p50", "queue p99"
+                "{:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>12}\n",
+                "path",
+                "p50 ms",
+                "p90 ms",
+                "p99 ms",
+                "max ms",
+                "queue p50",
+                "queue p99",
+                "late p50/99"
             );
             for p in &self.paths {
                 let name = format!("{:?}", p.path).to_lowercase();
                 match &p.from_arrival {
                     Some(a) => {
                         s += &format!(
-                            "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1}\n",
+                            "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1} {:>5.2}/{:<6.2}\n",
                             name,
                             a.p50_ms,
                             a.p90_ms,
                             a.p99_ms,
                             a.max_ms,
                             a.queue_p50_ms,
-                            a.queue_p99_ms
+                            a.queue_p99_ms,
+                            a.late_p50_ms,
+                            a.late_p99_ms
                         );
                     }
                     None => s += &format!("{name:>9} (no completed request)\n"),
@@ -1474,6 +1511,13 @@ mod tests {
         );
         assert!(a.p99_ms >= a.p50_ms && a.max_ms >= a.p99_ms);
         assert!(a.p50_ms >= a.queue_p50_ms);
+        // The queueing is the busy worker's lateness plus a preparation
+        // of a few descriptors.
+        assert!(
+            a.late_p99_ms <= a.queue_p99_ms && a.late_p50_ms <= a.queue_p50_ms,
+            "{a:?}"
+        );
+        assert!(a.late_p99_ms >= a.queue_p99_ms - 5.0, "{a:?}");
         let t = r.table();
         assert!(
             t.contains("Poisson 1000 req/s (seed 5), at most 1 in flight"),
