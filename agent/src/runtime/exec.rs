@@ -766,7 +766,7 @@ fn next_msg(
                 Ok(m) => return Some(m),
                 Err(TryRecvError::Disconnected) => return None,
                 Err(TryRecvError::Empty) if start.elapsed() >= spin => break,
-                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                Err(TryRecvError::Empty) => slots.relax().pause(),
             }
         }
     }
@@ -847,8 +847,8 @@ impl CopyWorkers {
     /// zero blocks at once). A blocked worker pays a wake-up per job —
     /// 50–200 µs measured on the H200 host between the IO thread queuing a
     /// gather and a worker starting it (docs/benchmarks.md) — which is
-    /// longer than the GPU copy itself. At most `spinners` workers spin at
-    /// once ([`SpinSlots`]; 0: none).
+    /// longer than the GPU copy itself. At most `spinners`' cap of workers
+    /// spin at once, pausing between polls as it says ([`SpinSlots`]).
     pub fn start(
         name: &str,
         count: usize,
@@ -856,9 +856,9 @@ impl CopyWorkers {
         done: Sender<CopyDone>,
         waker: Option<Arc<Waker>>,
         spin: Duration,
-        spinners: usize,
+        spinners: SpinSlots,
     ) -> std::io::Result<Self> {
-        let slots = Arc::new(SpinSlots::new(spinners));
+        let slots = Arc::new(spinners);
         let (tx, rx): (Sender<WorkerMsg>, Receiver<WorkerMsg>) = crossbeam_channel::unbounded();
         let count = count.max(1);
         let (lines, primes): (Vec<WakeLine>, Vec<Receiver<()>>) = (0..count)
@@ -1448,9 +1448,16 @@ mod tests {
     fn a_batch_job_reports_every_chunk_under_its_own_token() {
         let engine = Arc::new(OneSubmission::default());
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let workers =
-            CopyWorkers::start("batch", 2, engine.clone(), done_tx, None, Duration::ZERO, 0)
-                .unwrap();
+        let workers = CopyWorkers::start(
+            "batch",
+            2,
+            engine.clone(),
+            done_tx,
+            None,
+            Duration::ZERO,
+            SpinSlots::new(0),
+        )
+        .unwrap();
         let len = 4096usize;
         let src: Vec<u8> = (0..48 * len).map(|i| (i % 251) as u8).collect();
         let ds = Arc::new(
@@ -1532,7 +1539,7 @@ mod tests {
             done_tx,
             None,
             Duration::from_secs(2),
-            1,
+            SpinSlots::new(1),
         )
         .unwrap();
         let primer = workers.primer();
@@ -1561,7 +1568,7 @@ mod tests {
             // Long enough that all three are seen spinning at once after
             // the prime, even on a 2-core host.
             Duration::from_millis(300),
-            3,
+            SpinSlots::new(3),
         )
         .unwrap();
         let primer = workers.primer();

@@ -297,6 +297,9 @@ pub struct FabricAgent {
     /// Recent standard-path waits: their callers spin only while those
     /// paid (`KVFABRIC_SPIN_ADAPTIVE`, [`crate::runtime::spin::SpinHistory`]).
     std_wait_history: Option<Arc<crate::runtime::spin::SpinHistory>>,
+    /// What standard-path waiters do between two polls
+    /// (`KVFABRIC_SPIN_YIELD`).
+    std_relax: crate::runtime::spin::Relax,
     /// Next standard-path request id.
     std_next_rid: AtomicU64,
     /// Bound on one standard-path transfer: the config's
@@ -396,6 +399,7 @@ impl FabricAgent {
             engine.register_region(*kind, *desc)?;
         }
         let stats = Arc::new(FabricStats::default());
+        let spin_env = crate::runtime::spin::SpinEnv::read();
         let mut agent = Self {
             name: opts.name.clone(),
             engine: engine.clone(),
@@ -429,9 +433,10 @@ impl FabricAgent {
             } else {
                 Duration::ZERO
             },
-            std_wait_history: crate::runtime::spin::SpinEnv::read()
+            std_wait_history: spin_env
                 .adaptive
                 .then(|| Arc::new(crate::runtime::spin::SpinHistory::new())),
+            std_relax: spin_env.relax,
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
         };
@@ -631,6 +636,7 @@ impl FabricAgent {
             busy_poll: cfg.busy_poll(host_cpus()),
             spin_adaptive: spin_env.adaptive,
             spinning_workers: spin_env.workers,
+            spin_relax: spin_env.relax,
             allowed_scatter_ranges: init.allowed,
             scoped_ranges: init.scoped,
             notice_sink: init.notice_sink,
@@ -1410,6 +1416,7 @@ impl FabricAgent {
         let completion = Arc::new(Completion::with_spin_history(
             self.wait_spin,
             self.std_wait_history.clone(),
+            self.std_relax,
         ));
         let rid = self.std_next_rid.fetch_add(1, Ordering::Relaxed);
         let mut handle = TransferHandle::from_completion(completion.clone());

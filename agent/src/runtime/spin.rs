@@ -25,6 +25,16 @@
 //!   (`KVFABRIC_SPIN_WORKERS`; no cap by default: a cap of 2 cost 8 in
 //!   flight 10 % and an isolated request 15 % on the H200, because a
 //!   request's gathers and scatters run on several workers at once).
+//! * [`Relax`]: between two polls a spinning thread yields its CPU
+//!   (`sched_yield`, default) instead of only hinting the core
+//!   (`KVFABRIC_SPIN_YIELD=0`). With more runnable threads than CPUs a
+//!   pure spin keeps its CPU for a whole scheduler slice: on the H200
+//!   host, with 8 in flight, the slowest 1 % of requests were resolved
+//!   ≈ 4 ms before their caller ran again (16 ms for the slowest), and a
+//!   submitting thread took up to 13 ms to reach the transport
+//!   (`kvfabric-gpu bench --timeline`, docs/benchmarks.md, "Issue 18,
+//!   ninth session"). A yield returns at once when nothing else wants
+//!   the CPU, so an idle host keeps the spin's latency.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -90,12 +100,37 @@ impl SpinHistory {
     }
 }
 
+/// What a spinning thread does between two polls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Relax {
+    /// Give the CPU to another runnable thread, if any
+    /// (`std::thread::yield_now`, `sched_yield(2)`; the default).
+    #[default]
+    Yield,
+    /// Keep the CPU (`std::hint::spin_loop`; the rule before issue 18's
+    /// ninth session).
+    Spin,
+}
+
+impl Relax {
+    /// One pause between two polls.
+    #[inline]
+    pub fn pause(self) {
+        match self {
+            Relax::Yield => std::thread::yield_now(),
+            Relax::Spin => std::hint::spin_loop(),
+        }
+    }
+}
+
 /// At most `max` holders at once (spinning threads of a pool);
-/// `usize::MAX` is no cap and counts nothing.
+/// `usize::MAX` is no cap and counts nothing. Holders pause between
+/// polls as [`SpinSlots::relax`] says.
 #[derive(Debug)]
 pub struct SpinSlots {
     taken: AtomicUsize,
     max: usize,
+    relax: Relax,
 }
 
 /// A taken [`SpinSlots`] slot, given back on drop (`None` inside: an
@@ -112,12 +147,24 @@ impl Drop for SpinSlot<'_> {
 }
 
 impl SpinSlots {
-    /// Room for `max` spinners (0: none ever spins).
+    /// Room for `max` spinners (0: none ever spins), pausing with
+    /// [`Relax::Yield`].
     pub fn new(max: usize) -> Self {
+        Self::with_relax(max, Relax::Yield)
+    }
+
+    /// Room for `max` spinners that pause between polls with `relax`.
+    pub fn with_relax(max: usize, relax: Relax) -> Self {
         Self {
             taken: AtomicUsize::new(0),
             max,
+            relax,
         }
+    }
+
+    /// How holders pause between two polls.
+    pub fn relax(&self) -> Relax {
+        self.relax
     }
 
     /// A slot if fewer than `max` are taken (always, uncounted, without
@@ -159,6 +206,9 @@ pub struct SpinEnv {
     pub adaptive: bool,
     /// [`TransportSettings::spinning_workers`](crate::runtime::transport::TransportSettings::spinning_workers).
     pub workers: usize,
+    /// [`TransportSettings::spin_relax`](crate::runtime::transport::TransportSettings::spin_relax)
+    /// (`KVFABRIC_SPIN_YIELD`: 1 yield, the default; 0 spin).
+    pub relax: Relax,
 }
 
 impl SpinEnv {
@@ -168,13 +218,16 @@ impl SpinEnv {
             std::env::var("KVFABRIC_SPIN_ADAPTIVE").ok().as_deref(),
             std::env::var("KVFABRIC_SPIN_WORKERS").ok().as_deref(),
         )
+        .with_yield(std::env::var("KVFABRIC_SPIN_YIELD").ok().as_deref())
     }
 
-    /// From the two variables' values (`None`: unset).
+    /// From the first two variables' values (`None`: unset; pausing with
+    /// [`Relax::Yield`]).
     pub fn parse(adaptive: Option<&str>, workers: Option<&str>) -> Self {
         let mut out = Self {
             adaptive: true,
             workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS,
+            relax: Relax::Yield,
         };
         match adaptive.map(str::trim) {
             None => {}
@@ -198,6 +251,20 @@ impl SpinEnv {
             },
         }
         out
+    }
+
+    /// `self` with `KVFABRIC_SPIN_YIELD`'s value (`None`: unset, yield;
+    /// anything but 0/1/true/false is warned about and yields).
+    pub fn with_yield(mut self, value: Option<&str>) -> Self {
+        self.relax = match value.map(str::trim) {
+            None | Some("1" | "true") => Relax::Yield,
+            Some("0" | "false") => Relax::Spin,
+            Some(v) => {
+                tracing::warn!(value = v, "KVFABRIC_SPIN_YIELD: expected 0 or 1; using 1");
+                Relax::Yield
+            }
+        };
+        self
     }
 }
 
@@ -270,18 +337,25 @@ mod tests {
             d,
             SpinEnv {
                 adaptive: true,
-                workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS
+                workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS,
+                relax: Relax::Yield,
             }
         );
         assert_eq!(
             SpinEnv::parse(Some("0"), Some("all")),
             SpinEnv {
                 adaptive: false,
-                workers: usize::MAX
+                workers: usize::MAX,
+                relax: Relax::Yield,
             }
         );
         assert_eq!(SpinEnv::parse(Some(" 1 "), Some("3")).workers, 3);
         assert_eq!(SpinEnv::parse(Some("yes"), Some("-1")), d);
+        assert_eq!(d.with_yield(Some("0")).relax, Relax::Spin);
+        assert_eq!(d.with_yield(Some(" false ")).relax, Relax::Spin);
+        assert_eq!(d.with_yield(Some("1")).relax, Relax::Yield);
+        assert_eq!(d.with_yield(Some("maybe")).relax, Relax::Yield);
+        assert_eq!(d.with_yield(None), d);
     }
 
     #[test]

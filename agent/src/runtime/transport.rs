@@ -49,7 +49,7 @@ use super::exec::{
     BatchedChunk, ChunkGather, CopyDone, CopyEngine, CopyJob, CopyKind, CopyPlan, CopyWorkers,
     WorkerPrimer,
 };
-use super::spin::SpinHistory;
+use super::spin::{Relax, SpinHistory, SpinSlots};
 use super::waker::Waker;
 
 /// Settings of one transport (the subset of `BounceConfig` the reactor
@@ -110,6 +110,10 @@ pub struct TransportSettings {
     /// Most copy workers that spin between jobs at once
     /// ([`crate::runtime::spin::SpinSlots`]; issue 18).
     pub spinning_workers: usize,
+    /// What spinning threads (copy workers, callers of `wait`, the IO
+    /// thread in its busy-poll window) do between two polls
+    /// ([`Relax`]; yield by default).
+    pub spin_relax: Relax,
     /// Scatter destinations allowed from the start, `(addr, len)` bytes
     /// (more with [`BounceTransport::allow_scatter_range`]).
     pub allowed_scatter_ranges: Vec<(u64, u64)>,
@@ -150,6 +154,7 @@ impl Default for TransportSettings {
             busy_poll: Duration::ZERO,
             spin_adaptive: true,
             spinning_workers: DEFAULT_SPINNING_WORKERS,
+            spin_relax: Relax::Yield,
             allowed_scatter_ranges: Vec::new(),
             scoped_ranges: Vec::new(),
             notice_sink: None,
@@ -267,6 +272,8 @@ pub struct Completion {
     /// Recent waits of the transport's callers: spin only while they pay
     /// (`None`: always spin).
     history: Option<Arc<SpinHistory>>,
+    /// What a spinning waiter does between two polls.
+    relax: Relax,
     /// Stage events, for a traced request only (`None`: one branch on the
     /// IO thread, nothing recorded).
     timeline: Option<Mutex<Timeline>>,
@@ -279,11 +286,16 @@ impl Completion {
     /// transfer is already done). Zero blocks at once.
     ///
     /// With `history`, waiters spin only while it says recent waits paid
-    /// (`None`: always).
-    pub(crate) fn with_spin_history(spin: Duration, history: Option<Arc<SpinHistory>>) -> Self {
+    /// (`None`: always); between two polls they pause with `relax`.
+    pub(crate) fn with_spin_history(
+        spin: Duration,
+        history: Option<Arc<SpinHistory>>,
+        relax: Relax,
+    ) -> Self {
         Self {
             spin,
             history,
+            relax,
             ..Self::default()
         }
     }
@@ -420,7 +432,7 @@ impl TransferHandle {
                 .is_ok()
         {
             while !self.completion.resolved.load(Ordering::Acquire) && start.elapsed() < spin {
-                std::hint::spin_loop();
+                self.completion.relax.pause();
             }
             SPINNING_WAITERS.fetch_sub(1, Ordering::AcqRel);
         }
@@ -720,6 +732,8 @@ pub struct BounceTransport {
     /// Recent waits of this transport's callers
     /// ([`TransportSettings::spin_adaptive`]; `None`: always spin).
     wait_history: Option<Arc<SpinHistory>>,
+    /// What the handles' waiters do between two polls.
+    spin_relax: Relax,
     /// The plan's chunk cap, bytes (for the sizing pass in `submit`).
     max_chunk_size_bytes: u64,
     /// Wakes idle copy workers when a request is submitted.
@@ -846,9 +860,10 @@ impl BounceTransport {
             done_tx,
             Some(waker.clone()),
             settings.busy_poll,
-            settings.spinning_workers,
+            SpinSlots::with_relax(settings.spinning_workers, settings.spin_relax),
         )
         .map_err(|e| format!("spawning copy workers: {e}"))?;
+        let spin_relax = settings.spin_relax;
         let wait_history = settings.spin_adaptive.then(|| Arc::new(SpinHistory::new()));
         let primer = workers.primer();
         let stats = match &settings.stats {
@@ -913,6 +928,7 @@ impl BounceTransport {
             stats,
             busy_poll,
             wait_history,
+            spin_relax,
             max_chunk_size_bytes,
             primer,
             max_inflight,
@@ -1185,8 +1201,11 @@ impl BounceTransport {
         traced: bool,
     ) -> TransferHandle {
         let rid = self.next_rid.fetch_add(1, Ordering::Relaxed);
-        let mut completion =
-            Completion::with_spin_history(self.busy_poll, self.wait_history.clone());
+        let mut completion = Completion::with_spin_history(
+            self.busy_poll,
+            self.wait_history.clone(),
+            self.spin_relax,
+        );
         if traced {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
@@ -1506,6 +1525,11 @@ impl Io {
                 // blocks in the channel's receive until an event.
                 idle_spins = idle_spins.saturating_add(1);
                 if must_poll && idle_spins > SPIN_BEFORE_BACKOFF {
+                    std::thread::yield_now();
+                } else if busy && self.settings.spin_relax == Relax::Yield {
+                    // Busy-poll window: keep polling, but let a runnable
+                    // thread of the host (a caller, a copy worker) have
+                    // this CPU first.
                     std::thread::yield_now();
                 }
             } else {
@@ -2379,13 +2403,15 @@ mod tests {
 
     #[test]
     fn a_spinning_wait_sees_the_outcome_and_honours_its_timeout() {
-        for spin in [
-            Duration::ZERO,
-            Duration::from_millis(20),
-            Duration::from_secs(5),
+        for (spin, relax) in [
+            (Duration::ZERO, Relax::Yield),
+            (Duration::from_millis(20), Relax::Yield),
+            (Duration::from_millis(20), Relax::Spin),
+            (Duration::from_secs(5), Relax::Yield),
+            (Duration::from_secs(5), Relax::Spin),
         ] {
             // Resolved while the waiter spins (or blocks).
-            let c = Arc::new(Completion::with_spin_history(spin, None));
+            let c = Arc::new(Completion::with_spin_history(spin, None, relax));
             let h = TransferHandle::from_completion(c.clone());
             let resolver = std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(5));
@@ -2407,7 +2433,7 @@ mod tests {
             // Never resolved: the wait ends at its timeout even when the
             // spin window is longer.
             let h = TransferHandle::from_completion(Arc::new(Completion::with_spin_history(
-                spin, None,
+                spin, None, relax,
             )));
             let t0 = Instant::now();
             assert_eq!(h.wait(Duration::from_millis(30)), None);
@@ -2428,7 +2454,11 @@ mod tests {
         let window = Duration::from_millis(20);
         let history = Arc::new(SpinHistory::new());
         let handle = |resolved: bool| {
-            let c = Arc::new(Completion::with_spin_history(window, Some(history.clone())));
+            let c = Arc::new(Completion::with_spin_history(
+                window,
+                Some(history.clone()),
+                Relax::Yield,
+            ));
             if resolved {
                 c.resolve(TransferOutcome::Success);
             }
