@@ -326,9 +326,12 @@ pub struct PathStats {
 /// Open-loop latency of one path's completed requests (ms), counted from
 /// each request's scheduled arrival: the wait for a free worker (all
 /// `concurrency` busy) and for free KV blocks, plus the service time
-/// (submit → transfer resolution). The bench's own fill of the source
-/// blocks (standing in for prefill) and the verification after the
-/// transfer are in neither, as in closed loop.
+/// (submit → transfer resolution). A worker free before the arrival
+/// prepares the request's blocks and descriptors before it (a prefill
+/// engine's block table exists before it asks for the hand-off); a late
+/// worker's preparation counts in the queueing. The bench's own fill of
+/// the source blocks (standing in for prefill) and the verification after
+/// the transfer are in neither, as in closed loop.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ArrivalLatency {
     /// Median latency from the scheduled arrival (ms).
@@ -348,8 +351,9 @@ pub struct ArrivalLatency {
     /// Largest queueing delay (ms).
     pub queue_max_ms: f64,
     /// Median lateness of the worker, scheduled arrival → a worker took
-    /// the request, before its blocks and descriptors were prepared (ms;
-    /// the rest of the queueing delay is that preparation).
+    /// the request (ms; 0 when one was free before the arrival). The rest
+    /// of the queueing delay is a late request's preparation and the
+    /// wake-up of a worker that slept until the arrival.
     pub late_p50_ms: f64,
     /// 99th percentile lateness of the worker (ms).
     pub late_p99_ms: f64,
@@ -358,7 +362,7 @@ pub struct ArrivalLatency {
 /// One completed open-loop request's times, ms.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ArrivalSample {
-    /// Scheduled arrival → a worker took it (before preparing it).
+    /// Scheduled arrival → a worker took it (0 if before the arrival).
     pub late_ms: f64,
     /// Scheduled arrival → submit (`late_ms` plus the preparation).
     pub queue_ms: f64,
@@ -955,18 +959,8 @@ fn run_phase(
             else {
                 break;
             };
-            // Open loop: wait for the request's scheduled arrival; a
-            // request due while every worker was busy starts late (the
-            // lateness is its queueing).
-            if let Some(at) = arrival {
-                // A due time past Duration's range is "never": the wait is
-                // as long as the user asked for.
-                let due = Duration::try_from_secs_f64(at).unwrap_or(Duration::MAX);
-                let now = start.elapsed();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-            }
+            // Open loop: the worker took the request this late (0 when it
+            // was idle before the arrival).
             let late_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
             let nblocks = u32::try_from(layout.blocks_for(rec.input_length)).unwrap_or(u32::MAX);
             let (pb, db) = match (ppool.allocate(nblocks), dpool.allocate(nblocks)) {
@@ -1000,6 +994,21 @@ fn run_phase(
             }
             let n = descs.len() as u64;
             let blocks = RequestBlocks { src: &pb, dst: &db };
+            // Open loop: the request's blocks and descriptors are ready
+            // before its scheduled arrival when a worker was free (as a
+            // prefill engine's block table is before it asks for the
+            // hand-off); then it waits for the arrival. A request due while
+            // every worker was busy starts late, its preparation included
+            // (the lateness is its queueing).
+            if let Some(at) = arrival {
+                // A due time past Duration's range is "never": the wait is
+                // as long as the user asked for.
+                let due = Duration::try_from_secs_f64(at).unwrap_or(Duration::MAX);
+                let now = start.elapsed();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+            }
             // Scheduled arrival → hand-off (waits for a worker and for
             // blocks), open loop only: closed loop stays as it was.
             let queue_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
