@@ -173,10 +173,14 @@ fn bidirectional_eight_threads_each_way_share_one_arena() {
 #[test]
 fn many_senders_into_one_receiver_complete_fairly() {
     const SENDERS: usize = 4;
-    const BLOCKS: usize = 2048; // 8 MiB per sender
-                                // The receiver's arena holds 8 regions of 128 KiB while the senders
-                                // want 4 × W = 16: grants are contended and handed out round-robin.
-    let cfg = test_config("1MiB", "128KiB", 4);
+    // 8 MiB per sender.
+    const BLOCKS: usize = 2048;
+    // The receiver's arena holds 8 regions of 128 KiB while the senders
+    // want 4 × W = 16: grants are contended and handed out round-robin
+    // (the seed's policy, set here: the default grants the oldest request
+    // first).
+    let mut cfg = test_config("1MiB", "128KiB", 4);
+    cfg.grant_policy = kvfabric_agent::core::scheduler::GrantPolicy::RoundRobin;
     let dst = Pool::new(SENDERS * BLOCKS * BLOCK);
     let mut srcs: Vec<Pool> = (0..SENDERS).map(|_| Pool::new(BLOCKS * BLOCK)).collect();
     let Some(rx) = agent("fan-rx", &cfg, &[&dst]) else {

@@ -767,9 +767,10 @@ pub struct BounceConfig {
     pub io_busy_poll_us: BusyPoll,
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
-    /// region to next, `roundRobin` (the seed's, §5; default) or
-    /// `oldestFirst` (requests served in arrival order, W each; see
-    /// [`GrantPolicy`]). Receiver-local: peers need not agree.
+    /// region to next, `roundRobin` (the seed's, §5) or `oldestFirst`
+    /// (default since issue 18's ninth session: requests served in
+    /// arrival order, W each; see [`GrantPolicy`]). Receiver-local: peers
+    /// need not agree.
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
@@ -842,7 +843,7 @@ impl Default for BounceConfig {
             disable_scatter_run_merging: false,
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
-            grant_policy: GrantPolicy::RoundRobin,
+            grant_policy: GrantPolicy::OldestFirst,
             uniform_data: true,
             batch_gathers: true,
             eager_grant_order: true,
@@ -1786,7 +1787,7 @@ mod tests {
     fn grant_policy_parses_from_yaml_and_env_and_rejects_bad_values() {
         assert_eq!(
             BounceConfig::default().grant_policy,
-            GrantPolicy::RoundRobin
+            GrantPolicy::OldestFirst
         );
         let c = BounceConfig::from_yaml_str("grantPolicy: oldestFirst").unwrap();
         assert_eq!(c.grant_policy, GrantPolicy::OldestFirst);
