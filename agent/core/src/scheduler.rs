@@ -121,7 +121,7 @@ pub enum GrantPolicy {
     /// The default (`grantPolicy`) since issue 18's ninth session: on the
     /// H200 (151 MB requests, Poisson arrivals) its p99 from arrival was
     /// lower than round-robin's in 9 of 10 paired runs, and at 128 in
-    /// flight it moved 7–18 % more requests a second (docs/benchmarks.md,
+    /// flight it moved 5–18 % more requests a second (docs/benchmarks.md,
     /// "Issue 18, ninth session").
     #[default]
     OldestFirst,
