@@ -723,7 +723,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
         .spec
         .bounce
         .as_ref()
-        .is_some_and(|b| *b == kvfabric_core::config::BounceConfig::default());
+        .is_some_and(crate::crd::is_stored_default);
     let managed = fabric.spec.bounce.is_some() && !stored_default;
     if stored_default {
         publish_event(

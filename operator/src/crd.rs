@@ -208,6 +208,20 @@ impl KvFabric {
     }
 }
 
+/// Whether `bounce` is what an earlier CRD stored for an unset
+/// `spec.bounce`: the agents' defaults of that time, bounce disabled. Such
+/// a value is not a request to manage the fleet's config (rolling it out
+/// would switch bounce off fleet-wide on upgrade). Fields whose default
+/// changed since are ignored: `grantPolicy` (`roundRobin` until issue 18's
+/// ninth session, `oldestFirst` since). Pure.
+pub fn is_stored_default(bounce: &BounceConfig) -> bool {
+    let defaults = BounceConfig {
+        grant_policy: bounce.grant_policy,
+        ..BounceConfig::default()
+    };
+    *bounce == defaults
+}
+
 /// Powers of two from [`REGION_ALIGNMENT_BYTES`] to 2^62, as a CEL list
 /// literal (Kubernetes CEL has no bit operations).
 fn cel_powers_of_two() -> String {
@@ -302,6 +316,24 @@ mod tests {
         let l = cel_powers_of_two();
         assert!(l.starts_with("[32, 64, "), "{l}");
         assert!(l.ends_with(&format!("{}]", 1u64 << 62)), "{l}");
+    }
+
+    #[test]
+    fn stored_defaults_of_this_and_the_earlier_grant_policy_are_not_managed() {
+        use kvfabric_core::scheduler::GrantPolicy;
+        let mut b = BounceConfig::default();
+        assert!(is_stored_default(&b));
+        // What the CRD defaulted before oldestFirst became the default.
+        b.grant_policy = GrantPolicy::RoundRobin;
+        assert!(is_stored_default(&b));
+        // Anything else set is a request to manage.
+        b.enabled = true;
+        assert!(!is_stored_default(&b));
+        let b = BounceConfig {
+            arena_size_bytes: kvfabric_core::config::ByteSize(32 << 20),
+            ..BounceConfig::default()
+        };
+        assert!(!is_stored_default(&b));
     }
 
     #[test]

@@ -1722,7 +1722,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING", "yes"),
             ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
-            ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
+            ("KVFABRIC_BOUNCE_GRANT_POLICY", "round-robin"),
             ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
             ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
             ("KVFABRIC_BOUNCE_EAGER_GRANT_ORDER", "false"),
@@ -1750,7 +1750,7 @@ mod tests {
             disable_scatter_run_merging: true,
             control_transport: ControlTransport::Tcp,
             io_busy_poll_us: BusyPoll::Micros(500),
-            grant_policy: GrantPolicy::OldestFirst,
+            grant_policy: GrantPolicy::RoundRobin,
             uniform_data: false,
             batch_gathers: false,
             eager_grant_order: false,
@@ -1789,10 +1789,11 @@ mod tests {
             BounceConfig::default().grant_policy,
             GrantPolicy::OldestFirst
         );
-        let c = BounceConfig::from_yaml_str("grantPolicy: oldestFirst").unwrap();
-        assert_eq!(c.grant_policy, GrantPolicy::OldestFirst);
+        // The non-default value, so the field is really read.
+        let c = BounceConfig::from_yaml_str("grantPolicy: roundRobin").unwrap();
+        assert_eq!(c.grant_policy, GrantPolicy::RoundRobin);
         let y = serde_yaml::to_string(&c).unwrap();
-        assert!(y.contains("grantPolicy: oldestFirst"), "{y}");
+        assert!(y.contains("grantPolicy: roundRobin"), "{y}");
         let e = BounceConfig::from_yaml_str("grantPolicy: fifo")
             .unwrap_err()
             .to_string();
@@ -1816,12 +1817,12 @@ mod tests {
             assert_eq!(c.grant_policy, want, "{raw}");
         }
         let v = BounceConfig {
-            grant_policy: GrantPolicy::OldestFirst,
+            grant_policy: GrantPolicy::RoundRobin,
             ..BounceConfig::default()
         }
         .validate()
         .unwrap();
-        assert_eq!(v.grant_policy(), GrantPolicy::OldestFirst);
+        assert_eq!(v.grant_policy(), GrantPolicy::RoundRobin);
     }
 
     #[test]

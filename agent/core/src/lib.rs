@@ -12,7 +12,7 @@
 //! | [`plan`] | §4, §6 | `TransferPlan`: bin-pack descriptors into chunks, scatter runs |
 //! | [`wire`] | §5 | control-plane codec: WANT / GRANT / DATA / ACK / handshake |
 //! | [`buddy`] | §4 | `BuddyAllocator` over arena byte offsets |
-//! | [`scheduler`] | §5 | `CreditScheduler`: round-robin credits, W cap, drain mode |
+//! | [`scheduler`] | §5 | `CreditScheduler`: credits round-robin (the seed's) or oldest first, W cap, drain mode |
 //! | [`types`] | §3 | shared vocabulary: flow keys, scatter runs, descriptors |
 //! | [`layout`] | — | engine KV layouts: validation, fingerprint, TP head split, block → descriptors |
 //! | [`text`] | — | peer-controlled strings escaped and bounded for logs |

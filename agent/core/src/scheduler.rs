@@ -101,7 +101,10 @@ pub const BYPASS_ROUNDS: u64 = 2;
 /// Both keep the per-flow cap W, arena backpressure and drain mode, so a
 /// flow whose head chunk does not fit is bypassed for at most
 /// [`BYPASS_ROUNDS`] rounds of grants under either (seed §5 R3).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+///
+/// No `Default`: a new [`CreditScheduler`] starts with the seed's
+/// round-robin, the agents' config (`grantPolicy`) with oldest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GrantPolicy {
     /// The seed's round-robin (§5): each sweep starts after the flow
     /// granted last, so grants alternate across the active flows
@@ -118,12 +121,11 @@ pub enum GrantPolicy {
     /// front; every flow with finitely many chunks reaches the front, and a
     /// head that does not fit there is drained as under round-robin.
     ///
-    /// The default (`grantPolicy`) since issue 18's ninth session: on the
+    /// The agents' default (`grantPolicy`) since issue 18's ninth session: on the
     /// H200 (151 MB requests, Poisson arrivals) its p99 from arrival was
     /// lower than round-robin's in 9 of 10 paired runs, and at 128 in
     /// flight it moved 5–18 % more requests a second (docs/benchmarks.md,
     /// "Issue 18, ninth session").
-    #[default]
     OldestFirst,
 }
 

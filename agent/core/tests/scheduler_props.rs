@@ -657,7 +657,14 @@ proptest! {
 /// table tracks only live flows (finished ones are erased at once).
 #[test]
 fn finished_flows_do_not_accumulate() {
-    let mut s = CreditScheduler::new(256 * G, G, 4).unwrap();
+    finished_flows_do_not_accumulate_under(GrantPolicy::RoundRobin);
+    finished_flows_do_not_accumulate_under(GrantPolicy::OldestFirst);
+}
+
+fn finished_flows_do_not_accumulate_under(policy: GrantPolicy) {
+    let mut s = CreditScheduler::new(256 * G, G, 4)
+        .unwrap()
+        .with_policy(policy);
     let mut rng = Rng(7);
     let mut inflight: Vec<Grant> = Vec::new();
     let mut live: HashSet<FlowKey> = HashSet::new();

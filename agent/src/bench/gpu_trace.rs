@@ -23,18 +23,17 @@ use kvfabric_core::Descriptor;
 
 use super::arrivals::{fixed_prompt_trace, Arrivals};
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
+use super::timeline::{BounceTimeline, TimelineSummary, TracedRequest};
 use super::trace::{
     check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
     HandOffResult, ReplayOptions, ReplayReport, RequestBlocks,
 };
-use super::vram::BounceTimeline;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
 use crate::runtime::engine::MemKind;
 use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PeerMemory};
 use crate::runtime::transport::TransferOutcome;
-use serde::Serialize;
 
 /// Bound on one transfer.
 const XFER_TIMEOUT: Duration = Duration::from_secs(120);
@@ -71,98 +70,6 @@ pub struct GpuReplayOptions {
     /// Trace every bounce request's stages and report where the time of
     /// the median and of the slowest requests went ([`TimelineSummary`]).
     pub timeline: bool,
-}
-
-/// One traced bounce request of `--timeline`.
-#[derive(Clone, Debug, Serialize)]
-pub struct TracedRequest {
-    /// Submit → SUCCESS seen by the caller, ms.
-    pub ms: f64,
-    /// Bounce requests of this process in flight when it was submitted
-    /// (itself included).
-    pub in_flight: usize,
-    /// Its stages, µs after submit.
-    pub stages: BounceTimeline,
-}
-
-/// Where the time of traced bounce requests went (`kvfabric-gpu bench
-/// --timeline`): stage medians over all of them and over the slowest 1 %
-/// (by submit → SUCCESS; at least one request), and the slowest few
-/// requests one by one.
-#[derive(Clone, Debug, Serialize)]
-pub struct TimelineSummary {
-    /// Traced requests.
-    pub requests: usize,
-    /// Stage medians over all of them, µs after submit.
-    pub all: Option<BounceTimeline>,
-    /// Median requests in flight at submit, over all.
-    pub all_in_flight: f64,
-    /// Requests in the slowest 1 %.
-    pub slowest_requests: usize,
-    /// Stage medians over the slowest 1 %, µs after submit.
-    pub slowest: Option<BounceTimeline>,
-    /// Median requests in flight at submit, over the slowest 1 %.
-    pub slowest_in_flight: f64,
-    /// The [`TimelineSummary::WORST`] slowest requests, slowest first.
-    pub worst: Vec<TracedRequest>,
-}
-
-impl TimelineSummary {
-    /// Requests listed one by one.
-    pub const WORST: usize = 5;
-
-    /// The summary of `all` (any order).
-    pub fn of(mut all: Vec<TracedRequest>) -> Self {
-        all.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        let slow = all.len().div_ceil(100).min(all.len());
-        let med_in_flight = |r: &[TracedRequest]| {
-            let mut v: Vec<usize> = r.iter().map(|t| t.in_flight).collect();
-            v.sort_unstable();
-            v.get(v.len() / 2).map_or(f64::NAN, |&x| x as f64)
-        };
-        let stages = |r: &[TracedRequest]| {
-            BounceTimeline::median_of(&r.iter().map(|t| t.stages.clone()).collect::<Vec<_>>())
-        };
-        Self {
-            requests: all.len(),
-            all: stages(&all),
-            all_in_flight: med_in_flight(&all),
-            slowest_requests: slow,
-            slowest: stages(&all[..slow]),
-            slowest_in_flight: med_in_flight(&all[..slow]),
-            worst: all.iter().take(Self::WORST).cloned().collect(),
-        }
-    }
-
-    /// Text lines for the console.
-    pub fn lines(&self) -> String {
-        let mut s = format!("traced bounce requests: {}\n", self.requests);
-        if let Some(t) = &self.all {
-            s += &format!(
-                "all ({:.0} in flight at submit, median): {}\n",
-                self.all_in_flight,
-                t.line()
-            );
-        }
-        if let Some(t) = &self.slowest {
-            s += &format!(
-                "slowest {} ({:.0} in flight at submit, median): {}\n",
-                self.slowest_requests,
-                self.slowest_in_flight,
-                t.line()
-            );
-        }
-        for (k, r) in self.worst.iter().enumerate() {
-            s += &format!(
-                "slowest #{} {:.2} ms ({} in flight at submit): {}\n",
-                k + 1,
-                r.ms,
-                r.in_flight,
-                r.stages.line_of("one request")
-            );
-        }
-        s
-    }
 }
 
 /// [`HandOff`] from a prefill agent on a GPU to a decode agent in a child
@@ -241,13 +148,15 @@ impl GpuHandOff<'_> {
                 .fill(&table, seed)
                 .map_err(|e| format!("filling the source blocks: {e}"))?;
         }
+        // The service time starts here: a verified request's copy below
+        // counts in it, as it did for every request before.
+        let t0 = Instant::now();
         // Only a verified request keeps a copy of its descriptors for the
         // check (36,900 of them, 885 KB, for the seed's shape: copying
         // them cost ≈ 0.1 ms of each request's service time).
         let kept = verify.then(|| descs.clone());
         let traced = self.timelines.is_some() && path == BenchPath::Bounce;
         let in_flight = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        let t0 = Instant::now();
         let handle = match path {
             BenchPath::Bounce => {
                 let transport = self.prefill.transport();
@@ -271,7 +180,7 @@ impl GpuHandOff<'_> {
         match outcome {
             Some(TransferOutcome::Success) => {
                 if let (true, Some(t)) = (traced, &self.timelines) {
-                    let (events, _) = handle.take_timeline();
+                    let (events, dropped_events) = handle.take_timeline();
                     let stages = BounceTimeline::of(&events, t0, ms * 1e3);
                     t.lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -279,6 +188,7 @@ impl GpuHandOff<'_> {
                             ms,
                             in_flight,
                             stages,
+                            dropped_events,
                         });
                 }
             }
@@ -582,51 +492,4 @@ fn bench_trace(a: &GpuBenchArgs) -> Result<Vec<TraceRecord>, String> {
         ));
     }
     Ok(trace)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn traced(ms: f64, in_flight: usize) -> TracedRequest {
-        TracedRequest {
-            ms,
-            in_flight,
-            stages: BounceTimeline {
-                want_us: ms * 10.0,
-                resolved_us: ms * 1e3,
-                ..BounceTimeline::default()
-            },
-        }
-    }
-
-    #[test]
-    fn summary_takes_the_slowest_percent_and_lists_the_worst_first() {
-        // 250 requests: 1 ms .. 250 ms; the slowest 1 % is 3 requests.
-        let all: Vec<TracedRequest> = (1..=250)
-            .rev()
-            .map(|k| traced(k as f64, if k > 247 { 100 } else { 2 }))
-            .collect();
-        let s = TimelineSummary::of(all);
-        assert_eq!(s.requests, 250);
-        assert_eq!(s.slowest_requests, 3);
-        assert_eq!(s.slowest_in_flight, 100.0);
-        assert_eq!(s.all_in_flight, 2.0);
-        let slow = s.slowest.as_ref().expect("slowest medians");
-        assert_eq!(slow.resolved_us, 249_000.0);
-        assert_eq!(slow.want_us, 2_490.0);
-        let worst: Vec<f64> = s.worst.iter().map(|r| r.ms).collect();
-        assert_eq!(worst, vec![250.0, 249.0, 248.0, 247.0, 246.0]);
-        assert!(s.lines().contains("slowest #1 250.00 ms (100 in flight"));
-    }
-
-    #[test]
-    fn summary_of_nothing_and_of_one_request() {
-        let s = TimelineSummary::of(Vec::new());
-        assert_eq!((s.requests, s.slowest_requests), (0, 0));
-        assert!(s.all.is_none() && s.slowest.is_none() && s.worst.is_empty());
-        let s = TimelineSummary::of(vec![traced(3.0, 1)]);
-        assert_eq!(s.slowest_requests, 1);
-        assert_eq!(s.worst.len(), 1);
-    }
 }

@@ -20,6 +20,7 @@ pub mod gpu_trace;
 /// endpoints use them without depending on the bench layer).
 pub use crate::pattern;
 pub mod remote;
+pub mod timeline;
 pub mod trace;
 pub mod ucx_tap;
 #[cfg(feature = "cuda")]

@@ -196,6 +196,18 @@ impl BlockPool {
         Ok(blocks)
     }
 
+    /// Takes `n` blocks at once if they are free and nobody is waiting
+    /// for blocks (the FIFO order holds); `None` otherwise, without
+    /// waiting.
+    pub fn try_allocate(&self, n: u32) -> Option<Vec<u32>> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.serving != s.next_ticket || (s.free.len() as u32) < n {
+            return None;
+        }
+        let at = s.free.len() - n as usize;
+        Some(s.free.split_off(at))
+    }
+
     /// Returns blocks to the free list.
     pub fn release(&self, blocks: Vec<u32>) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -352,8 +364,9 @@ pub struct ArrivalLatency {
     pub queue_max_ms: f64,
     /// Median lateness of the worker, scheduled arrival → a worker took
     /// the request (ms; 0 when one was free before the arrival). The rest
-    /// of the queueing delay is a late request's preparation and the
-    /// wake-up of a worker that slept until the arrival.
+    /// of the queueing delay is the wait for free KV blocks, a
+    /// preparation that ran past the arrival, and the wake-up of a worker
+    /// that slept until it.
     pub late_p50_ms: f64,
     /// 99th percentile lateness of the worker (ms).
     pub late_p99_ms: f64,
@@ -963,7 +976,44 @@ fn run_phase(
             // was idle before the arrival).
             let late_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
             let nblocks = u32::try_from(layout.blocks_for(rec.input_length)).unwrap_or(u32::MAX);
-            let (pb, db) = match (ppool.allocate(nblocks), dpool.allocate(nblocks)) {
+            // Open loop: the request's blocks and descriptors are ready
+            // before its scheduled arrival when a worker is free and the
+            // blocks are free now (as a prefill engine's block table is
+            // before it asks for the hand-off); then it waits for the
+            // arrival. Blocks that are not free now are waited for after
+            // the arrival, in the pools' FIFO order, as before. A request
+            // due while every worker was busy starts late, its preparation
+            // included (the lateness is its queueing).
+            // A due time past Duration's range is "never": the wait is as
+            // long as the user asked for.
+            let due = arrival.map(|at| Duration::try_from_secs_f64(at).unwrap_or(Duration::MAX));
+            let wait_for_arrival = || {
+                if let Some(due) = due {
+                    let now = start.elapsed();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                }
+            };
+            let early = due.is_some_and(|d| d > start.elapsed());
+            let ready = if early {
+                match (ppool.try_allocate(nblocks), dpool.try_allocate(nblocks)) {
+                    (Some(p), Some(d)) => Some((p, d)),
+                    (p, d) => {
+                        p.into_iter().for_each(|b| ppool.release(b));
+                        d.into_iter().for_each(|b| dpool.release(b));
+                        wait_for_arrival();
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let allocated = match ready {
+                Some((p, d)) => (Ok(p), Ok(d)),
+                None => (ppool.allocate(nblocks), dpool.allocate(nblocks)),
+            };
+            let (pb, db) = match allocated {
                 (Ok(p), Ok(d)) => (p, d),
                 (p, d) => {
                     let why = [&p, &d]
@@ -994,21 +1044,7 @@ fn run_phase(
             }
             let n = descs.len() as u64;
             let blocks = RequestBlocks { src: &pb, dst: &db };
-            // Open loop: the request's blocks and descriptors are ready
-            // before its scheduled arrival when a worker was free (as a
-            // prefill engine's block table is before it asks for the
-            // hand-off); then it waits for the arrival. A request due while
-            // every worker was busy starts late, its preparation included
-            // (the lateness is its queueing).
-            if let Some(at) = arrival {
-                // A due time past Duration's range is "never": the wait is
-                // as long as the user asked for.
-                let due = Duration::try_from_secs_f64(at).unwrap_or(Duration::MAX);
-                let now = start.elapsed();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-            }
+            wait_for_arrival();
             // Scheduled arrival → hand-off (waits for a worker and for
             // blocks), open loop only: closed loop stays as it was.
             let queue_ms = arrival.map(|at| (start.elapsed().as_secs_f64() - at).max(0.0) * 1e3);
@@ -1479,6 +1515,58 @@ mod tests {
     }
 
     #[test]
+    fn a_free_worker_prepares_the_request_before_its_arrival() {
+        // 12 requests at 40/s into 8 workers that take 1 ms each: every
+        // worker is free before its request arrives, so the median one is
+        // not late at all and its blocks are taken before the arrival.
+        let layout = llama8b();
+        let trace: Vec<TraceRecord> = (0..12).map(|_| rec(16)).collect();
+        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
+        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let o = ReplayOptions {
+            concurrency: 8,
+            arrivals: Arrivals::Poisson {
+                rate_per_s: 40.0,
+                seed: 9,
+            },
+            paths: vec![BenchPath::Bounce],
+            ..opts(&layout, 64)
+        };
+        let r = replay_with(&SlowHandOff { ms: 1 }, &p, &d, &trace, &o).unwrap();
+        let ps = &r.paths[0];
+        assert_eq!((ps.requests, ps.failures), (12, 0));
+        let a = ps.from_arrival.as_ref().unwrap();
+        // (The first arrivals may come before the workers start.)
+        assert_eq!(a.late_p50_ms, 0.0, "{a:?}");
+        // Every block is back in both pools.
+        assert_eq!(p.try_allocate(64).map(|b| b.len()), Some(64));
+        assert_eq!(d.try_allocate(64).map(|b| b.len()), Some(64));
+    }
+
+    #[test]
+    fn try_allocate_takes_free_blocks_and_never_jumps_the_queue() {
+        let layout = llama8b();
+        let p = BlockPool::new(&layout, 8, 1 << 30, 1);
+        let a = p.try_allocate(6).expect("6 of 8 free");
+        assert!(p.try_allocate(3).is_none(), "only 2 left");
+        assert!(p.try_allocate(9).is_none(), "more than the pool");
+        std::thread::scope(|s| {
+            // A waiter for 4 blocks holds the head of the line: a request
+            // for the 2 free ones must not take them first.
+            let waiter = s.spawn(|| p.allocate(4));
+            let t0 = Instant::now();
+            while p.state.lock().unwrap().next_ticket == 0 {
+                assert!(t0.elapsed() < Duration::from_secs(5));
+                std::thread::yield_now();
+            }
+            assert!(p.try_allocate(2).is_none(), "jumped the FIFO line");
+            p.release(a);
+            assert_eq!(waiter.join().unwrap().unwrap().len(), 4);
+        });
+        assert_eq!(p.try_allocate(4).map(|b| b.len()), Some(4));
+    }
+
+    #[test]
     fn open_loop_latency_counts_the_queueing_from_the_scheduled_arrival() {
         // 20 requests arriving at 1000/s (all within ≈ 20 ms) into one
         // worker that takes ≥ 20 ms each: request k cannot finish before
@@ -1520,13 +1608,9 @@ mod tests {
         );
         assert!(a.p99_ms >= a.p50_ms && a.max_ms >= a.p99_ms);
         assert!(a.p50_ms >= a.queue_p50_ms);
-        // The queueing is the busy worker's lateness plus a preparation
-        // of a few descriptors.
-        assert!(
-            a.late_p99_ms <= a.queue_p99_ms && a.late_p50_ms <= a.queue_p50_ms,
-            "{a:?}"
-        );
-        assert!(a.late_p99_ms >= a.queue_p99_ms - 5.0, "{a:?}");
+        // The queueing here is the busy worker's lateness (plus a
+        // preparation of a few descriptors).
+        assert!(a.late_p99_ms >= 0.9 * a.queue_p99_ms, "{a:?}");
         let t = r.table();
         assert!(
             t.contains("Poisson 1000 req/s (seed 5), at most 1 in flight"),

@@ -41,12 +41,13 @@ use serde::Serialize;
 
 use super::dataplane::{read_descriptor, read_descs, write_descriptor, write_descs, PeerProcess};
 use super::pattern::{check_fast, fill_fast, random_slots};
+pub use super::timeline::BounceTimeline;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
 use crate::runtime::cuda::{CudaArena, CudaCopyConfig, CudaGpu};
 use crate::runtime::engine::MemKind;
 use crate::runtime::fabric::{ArenaChoice, FabricAgent, FabricOptions, PathKind, PeerMemory};
-use crate::runtime::transport::{Stage, StageEvent, TransferOutcome};
+use crate::runtime::transport::TransferOutcome;
 
 /// Bound on one transfer.
 const XFER_TIMEOUT: Duration = Duration::from_secs(120);
@@ -126,135 +127,6 @@ pub struct VramRow {
     /// stage events (medians over the timed iterations).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<BounceTimeline>,
-}
-
-/// The sender's view of one bounce request, µs after submit (medians over
-/// the timed iterations, each a traced request): sizing and WANT, the
-/// gathers, the writes (posted after their GRANT and gather), the DATA
-/// (write landed), the ACKs (receiver scattered) and the caller's wake-up.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct BounceTimeline {
-    /// The transport's submit began (after the fabric's routing gate), µs.
-    pub entered_us: f64,
-    /// The caller's sizing pass ended, µs.
-    pub sized_us: f64,
-    /// The request was on the IO thread's queue (and the IO thread woken), µs.
-    pub queued_us: f64,
-    /// The IO thread took the request off its queue (the caller's sizing
-    /// and the IO thread's wake-up before it), µs.
-    pub received_us: f64,
-    /// WANT sent (the request sized and planned), µs.
-    pub want_us: f64,
-    /// First chunk gathered into staging, µs.
-    pub first_gathered_us: f64,
-    /// Last chunk gathered, µs.
-    pub last_gathered_us: f64,
-    /// First chunk's write posted (its GRANT had arrived), µs.
-    pub first_write_posted_us: f64,
-    /// Last chunk's write posted, µs.
-    pub last_write_posted_us: f64,
-    /// First chunk's write landed and its DATA sent, µs.
-    pub first_data_sent_us: f64,
-    /// Last chunk's DATA sent, µs.
-    pub last_data_sent_us: f64,
-    /// First chunk ACKed (scattered on the receiver), µs.
-    pub first_acked_us: f64,
-    /// Last chunk ACKed: the request resolves, µs.
-    pub last_acked_us: f64,
-    /// The caller saw SUCCESS, µs.
-    pub resolved_us: f64,
-}
-
-impl BounceTimeline {
-    /// Medians, field by field, of per-request timelines.
-    pub(crate) fn median_of(all: &[BounceTimeline]) -> Option<BounceTimeline> {
-        if all.is_empty() {
-            return None;
-        }
-        // A stage missing from a request (NaN) is left out of its median.
-        let m = |f: fn(&BounceTimeline) -> f64| {
-            let mut v: Vec<f64> = all.iter().map(f).filter(|x| !x.is_nan()).collect();
-            if v.is_empty() {
-                f64::NAN
-            } else {
-                median(&mut v)
-            }
-        };
-        Some(BounceTimeline {
-            entered_us: m(|t| t.entered_us),
-            sized_us: m(|t| t.sized_us),
-            queued_us: m(|t| t.queued_us),
-            received_us: m(|t| t.received_us),
-            want_us: m(|t| t.want_us),
-            first_gathered_us: m(|t| t.first_gathered_us),
-            last_gathered_us: m(|t| t.last_gathered_us),
-            first_write_posted_us: m(|t| t.first_write_posted_us),
-            last_write_posted_us: m(|t| t.last_write_posted_us),
-            first_data_sent_us: m(|t| t.first_data_sent_us),
-            last_data_sent_us: m(|t| t.last_data_sent_us),
-            first_acked_us: m(|t| t.first_acked_us),
-            last_acked_us: m(|t| t.last_acked_us),
-            resolved_us: m(|t| t.resolved_us),
-        })
-    }
-
-    /// One request's timeline from its stage events (`t0` = submit).
-    pub(crate) fn of(events: &[StageEvent], t0: Instant, resolved_us: f64) -> BounceTimeline {
-        let at = |stage: Stage, last: bool| {
-            let it = events
-                .iter()
-                .filter(|e| e.stage == stage)
-                .map(|e| e.at.saturating_duration_since(t0).as_secs_f64() * 1e6);
-            if last {
-                it.fold(f64::NAN, f64::max)
-            } else {
-                it.fold(f64::NAN, f64::min)
-            }
-        };
-        BounceTimeline {
-            entered_us: at(Stage::Entered, false),
-            sized_us: at(Stage::Sized, false),
-            queued_us: at(Stage::Queued, false),
-            received_us: at(Stage::Received, false),
-            want_us: at(Stage::Want, false),
-            first_gathered_us: at(Stage::Gathered, false),
-            last_gathered_us: at(Stage::Gathered, true),
-            first_write_posted_us: at(Stage::WritePosted, false),
-            last_write_posted_us: at(Stage::WritePosted, true),
-            first_data_sent_us: at(Stage::DataSent, false),
-            last_data_sent_us: at(Stage::DataSent, true),
-            first_acked_us: at(Stage::Acked, false),
-            last_acked_us: at(Stage::Acked, true),
-            resolved_us,
-        }
-    }
-
-    /// One line: each stage's first/last offset, µs (medians).
-    pub fn line(&self) -> String {
-        self.line_of("medians")
-    }
-
-    /// [`line`](Self::line) saying what the numbers are (`what`: e.g.
-    /// "medians", "one request").
-    pub fn line_of(&self, what: &str) -> String {
-        format!(
-            "timeline (µs after submit, {what}): submit entered {:.0} | sized {:.0} | queued {:.0} | IO thread took it {:.0} | WANT {:.0} | gathered {:.0}-{:.0} | write posted {:.0}-{:.0} | DATA sent {:.0}-{:.0} | ACKed {:.0}-{:.0} | caller woke {:.0}",
-            self.entered_us,
-            self.sized_us,
-            self.queued_us,
-            self.received_us,
-            self.want_us,
-            self.first_gathered_us,
-            self.last_gathered_us,
-            self.first_write_posted_us,
-            self.last_write_posted_us,
-            self.first_data_sent_us,
-            self.last_data_sent_us,
-            self.first_acked_us,
-            self.last_acked_us,
-            self.resolved_us
-        )
-    }
 }
 
 /// The report of one run.
@@ -859,54 +731,4 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
             .map_err(|e| format!("writing {}: {e}", p.display()))?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timeline_takes_first_and_last_of_each_stage_and_medians() {
-        let t0 = Instant::now();
-        let ev = |stage, chunk, us| StageEvent {
-            stage,
-            chunk,
-            at: t0 + Duration::from_micros(us),
-        };
-        let events = [
-            ev(Stage::Entered, 0, 1),
-            ev(Stage::Sized, 0, 2),
-            ev(Stage::Queued, 0, 3),
-            ev(Stage::Received, 0, 4),
-            ev(Stage::Want, 0, 10),
-            ev(Stage::Gathered, 0, 50),
-            ev(Stage::Gathered, 1, 70),
-            ev(Stage::WritePosted, 0, 80),
-            ev(Stage::WritePosted, 1, 90),
-            ev(Stage::DataSent, 1, 200),
-            ev(Stage::DataSent, 0, 150),
-            ev(Stage::Acked, 0, 300),
-            ev(Stage::Acked, 1, 400),
-        ];
-        let t = BounceTimeline::of(&events, t0, 420.0);
-        assert_eq!(
-            (t.entered_us, t.sized_us, t.queued_us, t.received_us),
-            (1.0, 2.0, 3.0, 4.0)
-        );
-        assert_eq!(
-            (t.want_us, t.first_gathered_us, t.last_gathered_us),
-            (10.0, 50.0, 70.0)
-        );
-        assert_eq!((t.first_data_sent_us, t.last_data_sent_us), (150.0, 200.0));
-        assert_eq!(
-            (t.first_acked_us, t.last_acked_us, t.resolved_us),
-            (300.0, 400.0, 420.0)
-        );
-        let mut slow = t.clone();
-        slow.last_acked_us = 900.0;
-        let m = BounceTimeline::median_of(&[t.clone(), slow, t]).unwrap();
-        assert_eq!(m.last_acked_us, 400.0);
-        assert!(BounceTimeline::median_of(&[]).is_none());
-        assert!(m.line().contains("ACKed 300-400"), "{}", m.line());
-    }
 }

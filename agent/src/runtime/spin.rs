@@ -195,7 +195,8 @@ impl SpinSlots {
 /// The spin rules' experiment switches (issue 18), read from the
 /// environment when a transport starts: `KVFABRIC_SPIN_ADAPTIVE` (`1` by
 /// default, `0`: every wait spins, the rule before issue 18's eighth
-/// session) and `KVFABRIC_SPIN_WORKERS` (most copy workers of a transport
+/// session), `KVFABRIC_SPIN_YIELD` ([`Relax`]: `1` yield, the default;
+/// `0` spin) and `KVFABRIC_SPIN_WORKERS` (most copy workers of a transport
 /// spinning at once, default
 /// [`DEFAULT_SPINNING_WORKERS`](crate::runtime::transport::DEFAULT_SPINNING_WORKERS);
 /// `all`: no cap). A value that does not parse is warned about and the

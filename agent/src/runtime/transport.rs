@@ -1521,8 +1521,10 @@ impl Io {
             if idle {
                 // Adaptive poll (seed §7): with writes in flight spin
                 // briefly for latency, then yield (the engine needs progress
-                // calls for them to complete); otherwise the next tick
-                // blocks in the channel's receive until an event.
+                // calls for them to complete); inside the busy-poll window
+                // yield from the first idle tick (`Relax::Yield`);
+                // otherwise the next tick blocks in the channel's receive
+                // until an event.
                 idle_spins = idle_spins.saturating_add(1);
                 if must_poll && idle_spins > SPIN_BEFORE_BACKOFF {
                     std::thread::yield_now();
