@@ -37,6 +37,9 @@ mps_off() {
 # split (4 KiB descriptors), 8,192-token prompts (151 MB per transfer).
 seed_args=(bench --fixed-prompt 8192 --model gpt-oss-120b --tp 4 --pool 48GiB)
 # The build to compare against, carried as .gpu/before.xz (ab17, loadab).
+# Builds before 94f0c56 measure the open loop differently (descriptors
+# built after the arrival, copied before each transfer: +0.1-0.3 ms per
+# request): compare open-loop numbers only between builds that share it.
 # before_exe NAME: another build carried as .gpu/NAME.xz (default "before").
 before_exe() {
   local n=${1:-before}

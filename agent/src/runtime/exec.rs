@@ -983,6 +983,7 @@ impl Drop for CopyWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::spin::Relax;
 
     /// Guard bytes after a chunk's packed bytes in the test regions.
     const GUARD: usize = 64;
@@ -1381,7 +1382,12 @@ mod tests {
 
     #[test]
     fn next_msg_takes_a_job_queued_during_the_spin_or_after_it() {
-        for spin in [Duration::ZERO, Duration::from_millis(50)] {
+        for (spin, relax) in [
+            (Duration::ZERO, Relax::Yield),
+            (Duration::from_millis(50), Relax::Yield),
+            (Duration::from_millis(50), Relax::Spin),
+        ] {
+            let slots = SpinSlots::with_relax(1, relax);
             let (ptx, prx) = crossbeam_channel::bounded(1);
             let line = WakeLine {
                 blocked: AtomicBool::new(false),
@@ -1397,18 +1403,18 @@ mod tests {
                 // Dropping `tx` closes the queue.
             });
             assert_eq!(
-                token(next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1))),
+                token(next_msg(&rx, spin, &line, &prx, &slots)),
                 Some(1),
                 "spin {spin:?}"
             );
             assert_eq!(
-                token(next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1))),
+                token(next_msg(&rx, spin, &line, &prx, &slots)),
                 Some(2),
                 "spin {spin:?}"
             );
             sender.join().unwrap();
             assert!(
-                next_msg(&rx, spin, &line, &prx, &SpinSlots::new(1)).is_none(),
+                next_msg(&rx, spin, &line, &prx, &slots).is_none(),
                 "a closed queue ends the worker"
             );
             assert!(!line.blocked.load(Ordering::Acquire));
