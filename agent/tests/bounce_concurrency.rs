@@ -177,8 +177,8 @@ fn many_senders_into_one_receiver_complete_fairly() {
     const BLOCKS: usize = 2048;
     // The receiver's arena holds 8 regions of 128 KiB while the senders
     // want 4 × W = 16: grants are contended and handed out round-robin
-    // (the seed's policy, set here: the default grants the oldest request
-    // first).
+    // (the seed's policy and the default, set here so the test keeps
+    // testing it).
     let mut cfg = test_config("1MiB", "128KiB", 4);
     cfg.grant_policy = kvfabric_agent::core::scheduler::GrantPolicy::RoundRobin;
     let dst = Pool::new(SENDERS * BLOCKS * BLOCK);

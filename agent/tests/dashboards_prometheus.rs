@@ -529,9 +529,9 @@ fn every_panel_returns_data_under_faults() {
         "decode",
         "decode",
         &dsock,
-        // Round-robin (the seed's policy; the default grants the oldest
-        // first): step 4's mixed sizes bypass a large head under it within
-        // a few rounds, so drain mode shows on the dashboard quickly.
+        // Round-robin (the seed's policy and the default, set here: step
+        // 4's mixed sizes bypass a large head under it within a few
+        // rounds, so drain mode shows on the dashboard quickly).
         &[
             ("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "2MiB"),
             ("KVFABRIC_BOUNCE_GRANT_POLICY", "roundRobin"),

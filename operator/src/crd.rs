@@ -211,9 +211,9 @@ impl KvFabric {
 /// Whether `bounce` is what an earlier CRD stored for an unset
 /// `spec.bounce`: the agents' defaults of that time, bounce disabled. Such
 /// a value is not a request to manage the fleet's config (rolling it out
-/// would switch bounce off fleet-wide on upgrade). Fields whose default
-/// changed since are ignored: `grantPolicy` (`roundRobin` until issue 18's
-/// ninth session, `oldestFirst` since). Pure.
+/// would switch bounce off fleet-wide on upgrade). `grantPolicy` is
+/// ignored: its default was `oldestFirst` for a few commits of issue 18's
+/// ninth session, so either value may be stored. Pure.
 pub fn is_stored_default(bounce: &BounceConfig) -> bool {
     let defaults = BounceConfig {
         grant_policy: bounce.grant_policy,
@@ -319,12 +319,12 @@ mod tests {
     }
 
     #[test]
-    fn stored_defaults_of_this_and_the_earlier_grant_policy_are_not_managed() {
+    fn stored_defaults_with_either_grant_policy_are_not_managed() {
         use kvfabric_core::scheduler::GrantPolicy;
         let mut b = BounceConfig::default();
         assert!(is_stored_default(&b));
-        // What the CRD defaulted before oldestFirst became the default.
-        b.grant_policy = GrantPolicy::RoundRobin;
+        // What the CRD defaulted while oldestFirst was the default.
+        b.grant_policy = GrantPolicy::OldestFirst;
         assert!(is_stored_default(&b));
         // Anything else set is a request to manage.
         b.enabled = true;

@@ -767,10 +767,11 @@ pub struct BounceConfig {
     pub io_busy_poll_us: BusyPoll,
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
-    /// region to next, `roundRobin` (the seed's, §5) or `oldestFirst`
-    /// (default since issue 18's ninth session: requests served in
-    /// arrival order, W each; see [`GrantPolicy`]). Receiver-local: peers
-    /// need not agree.
+    /// region to next, `roundRobin` (the seed's, §5; default) or
+    /// `oldestFirst` (requests served in arrival order, W each; see
+    /// [`GrantPolicy`]: lower tails for equal-size requests, longer waits
+    /// for small requests behind large ones). Receiver-local: peers need
+    /// not agree.
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
@@ -843,7 +844,7 @@ impl Default for BounceConfig {
             disable_scatter_run_merging: false,
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
-            grant_policy: GrantPolicy::OldestFirst,
+            grant_policy: GrantPolicy::RoundRobin,
             uniform_data: true,
             batch_gathers: true,
             eager_grant_order: true,
@@ -1722,7 +1723,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_DISABLE_SCATTER_RUN_MERGING", "yes"),
             ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", " TCP "),
             ("KVFABRIC_BOUNCE_IO_BUSY_POLL_US", "500"),
-            ("KVFABRIC_BOUNCE_GRANT_POLICY", "round-robin"),
+            ("KVFABRIC_BOUNCE_GRANT_POLICY", "oldest-first"),
             ("KVFABRIC_BOUNCE_UNIFORM_DATA", "no"),
             ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
             ("KVFABRIC_BOUNCE_EAGER_GRANT_ORDER", "false"),
@@ -1750,7 +1751,7 @@ mod tests {
             disable_scatter_run_merging: true,
             control_transport: ControlTransport::Tcp,
             io_busy_poll_us: BusyPoll::Micros(500),
-            grant_policy: GrantPolicy::RoundRobin,
+            grant_policy: GrantPolicy::OldestFirst,
             uniform_data: false,
             batch_gathers: false,
             eager_grant_order: false,
@@ -1787,13 +1788,13 @@ mod tests {
     fn grant_policy_parses_from_yaml_and_env_and_rejects_bad_values() {
         assert_eq!(
             BounceConfig::default().grant_policy,
-            GrantPolicy::OldestFirst
+            GrantPolicy::RoundRobin
         );
         // The non-default value, so the field is really read.
-        let c = BounceConfig::from_yaml_str("grantPolicy: roundRobin").unwrap();
-        assert_eq!(c.grant_policy, GrantPolicy::RoundRobin);
+        let c = BounceConfig::from_yaml_str("grantPolicy: oldestFirst").unwrap();
+        assert_eq!(c.grant_policy, GrantPolicy::OldestFirst);
         let y = serde_yaml::to_string(&c).unwrap();
-        assert!(y.contains("grantPolicy: roundRobin"), "{y}");
+        assert!(y.contains("grantPolicy: oldestFirst"), "{y}");
         let e = BounceConfig::from_yaml_str("grantPolicy: fifo")
             .unwrap_err()
             .to_string();
@@ -1817,12 +1818,12 @@ mod tests {
             assert_eq!(c.grant_policy, want, "{raw}");
         }
         let v = BounceConfig {
-            grant_policy: GrantPolicy::RoundRobin,
+            grant_policy: GrantPolicy::OldestFirst,
             ..BounceConfig::default()
         }
         .validate()
         .unwrap();
-        assert_eq!(v.grant_policy(), GrantPolicy::RoundRobin);
+        assert_eq!(v.grant_policy(), GrantPolicy::OldestFirst);
     }
 
     #[test]

@@ -30,9 +30,8 @@
 //! nothing. Grants therefore alternate across flows (A, B, A, B, …) instead
 //! of filling one flow's window first.
 //!
-//! That is [`GrantPolicy::RoundRobin`], the seed's and a new
-//! [`CreditScheduler`]'s. Under [`GrantPolicy::OldestFirst`] (a kvfabric
-//! policy, not the seed's; the agents' `grantPolicy` default) the
+//! That is [`GrantPolicy::RoundRobin`], the seed's and the default. Under
+//! [`GrantPolicy::OldestFirst`] (a kvfabric policy, not the seed's) the
 //! cursor stays on the oldest flow — new flows join at the back of the
 //! ring, so the ring is in arrival order — and every sweep starts there:
 //! the oldest eligible flow whose head fits gets the region. Drain mode
@@ -102,8 +101,8 @@ pub const BYPASS_ROUNDS: u64 = 2;
 /// flow whose head chunk does not fit is bypassed for at most
 /// [`BYPASS_ROUNDS`] rounds of grants under either (seed §5 R3).
 ///
-/// No `Default`: a new [`CreditScheduler`] starts with the seed's
-/// round-robin, the agents' config (`grantPolicy`) with oldest first.
+/// A new [`CreditScheduler`] and the agents' config (`grantPolicy`)
+/// start with the seed's round-robin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GrantPolicy {
     /// The seed's round-robin (§5): each sweep starts after the flow
@@ -121,11 +120,15 @@ pub enum GrantPolicy {
     /// front; every flow with finitely many chunks reaches the front, and a
     /// head that does not fit there is drained as under round-robin.
     ///
-    /// The agents' default (`grantPolicy`) since issue 18's ninth session: on the
-    /// H200 (151 MB requests, Poisson arrivals) its p99 from arrival was
-    /// lower than round-robin's in 9 of 10 paired runs, and at 128 in
-    /// flight it moved 5–18 % more requests a second (docs/benchmarks.md,
-    /// "Issue 18, ninth session").
+    /// For equal-size requests the better choice: on the H200 (151 MB
+    /// requests, Poisson arrivals) its p99 from arrival was lower than
+    /// round-robin's in 9 of 10 paired runs, and at 128 in flight it moved
+    /// 5–18 % more requests a second. On the Mooncake conversation trace
+    /// (prompts of 891 to 126,195 tokens) a model of one GPU
+    /// (`cargo bench -p kvfabric-core --bench policy_model`) gave the
+    /// smallest quarter of requests a p99 of 14–22 ms against round-robin's
+    /// 3–4 ms: they wait behind large ones (docs/benchmarks.md, "Issue 18,
+    /// ninth session"). Not the default for that reason.
     OldestFirst,
 }
 

@@ -1,0 +1,335 @@
+//! Grant policies on a real trace, in a model (issue 18, ninth session:
+//! does `oldestFirst`, the new default, queue small requests behind large
+//! ones?). Not a criterion benchmark: a report.
+//!
+//! A sender and a receiver protocol [`Machine`] (the real ones, pure) move
+//! the requests of the Mooncake conversation trace (one hour of a chat
+//! service; prompts of 891 to 126,195 tokens) in a discrete-event model
+//! with virtual time:
+//!
+//! * one GPU: every gather, write and scatter is served first come first
+//!   served by one copy server taking `COPY_FIXED_NS` plus the bytes at
+//!   `COPY_BYTES_PER_NS` (a bounce request of the seed's 151 MB shape
+//!   then takes ≈ 0.3 ms of copying, ≈ 3,300 requests a second at
+//!   saturation, near the H200's measured 3,150–3,800);
+//! * control messages arrive `CONTROL_NS` after they are sent;
+//! * KV geometry of the GPU bench's seed-shaped load: gpt-oss-120b, TP 4,
+//!   16-token blocks, K/V split: 72 descriptors of 4 KiB per block.
+//!
+//! Arrivals keep the trace's order and spacing, sped up so that the
+//! offered copy load is a given share of the copy server's capacity.
+//! Latency counts from the arrival to the sender's resolution; the report
+//! gives p50 / p99 of all requests and of the smallest quarter (by
+//! prompt) under each policy.
+//!
+//! Run: `cargo bench -p kvfabric-core --bench policy_model` (the trace:
+//! `KVFABRIC_TRACE`, default `../shared/data/traces/
+//! mooncake_conversation_trace.jsonl` beside the repository;
+//! `KVFABRIC_MODEL_REQUESTS` caps the requests, default 4,000).
+
+use kvfabric_core::model::{parse_trace, TraceRecord};
+use kvfabric_core::plan::ChunkBound;
+use kvfabric_core::protocol::{Action, Config, Input, Machine, Mutations, Outcome, Route};
+use kvfabric_core::scheduler::GrantPolicy;
+use kvfabric_core::{ScatterList, UniformScatter};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+const MIB: u64 = 1024 * 1024;
+/// Descriptor (piece) size, bytes.
+const PIECE: u64 = 4096;
+/// Descriptors per 16-token block (gpt-oss-120b, TP 4, K/V split).
+const PIECES_PER_BLOCK: u64 = 72;
+/// Tokens per block.
+const BLOCK_TOKENS: u64 = 16;
+/// Chunk cap, bytes.
+const CHUNK: u64 = 32 * MIB;
+/// Fixed cost of one copy (launch, completion), ns.
+const COPY_FIXED_NS: u64 = 10_000;
+/// Copy bandwidth of the one GPU, bytes per ns (1.6 TB/s).
+const COPY_BYTES_PER_NS: u64 = 1_600;
+/// One control message's delay, ns.
+const CONTROL_NS: u64 = 25_000;
+
+fn config(name: &str, policy: GrantPolicy) -> Config {
+    Config {
+        arena_bytes: 256 * MIB,
+        granularity_bytes: MIB,
+        max_chunk_size_bytes: CHUNK,
+        max_inflight_chunks: 8,
+        copy_contexts: 8,
+        request_timeout: 600_000_000_000,
+        eager_gather: true,
+        eager_grant_order: true,
+        release_staging_on_write: true,
+        grant_policy: policy,
+        uniform_data: true,
+        arena_base: 0x7000_0000_0000,
+        device_id: 0,
+        endpoint: name.as_bytes().to_vec(),
+        mutations: Mutations::default(),
+    }
+}
+
+/// A request's chunk bounds: `pieces` pieces of 4 KiB in 32 MiB chunks.
+fn bounds(pieces: u64) -> Vec<ChunkBound> {
+    let per_chunk = CHUNK / PIECE;
+    let mut out = Vec::new();
+    let mut first = 0;
+    while first < pieces {
+        let n = per_chunk.min(pieces - first);
+        out.push(ChunkBound {
+            index: out.len() as u32,
+            first_desc: first as usize,
+            first_done: 0,
+            packed_bytes: n * PIECE,
+            payload_bytes: n * PIECE,
+            pieces: n,
+        });
+        first += n;
+    }
+    out
+}
+
+/// Pieces of a prompt of `tokens` tokens.
+fn pieces(tokens: u64) -> u64 {
+    tokens.div_ceil(BLOCK_TOKENS) * PIECES_PER_BLOCK
+}
+
+/// What the event queue delivers.
+enum Event {
+    /// Request `k` of the run arrives at the sender.
+    Arrive(usize),
+    /// An input for the receiver (`true`) or the sender.
+    Deliver(bool, Input),
+}
+
+/// Events by time (ties in the order pushed).
+#[derive(Default)]
+struct Queue {
+    order: BinaryHeap<Reverse<(u64, u64)>>,
+    events: HashMap<u64, Event>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at: u64, e: Event) {
+        self.seq += 1;
+        self.events.insert(self.seq, e);
+        self.order.push(Reverse((at, self.seq)));
+    }
+
+    fn pop(&mut self) -> Option<(u64, Event)> {
+        let Reverse((at, id)) = self.order.pop()?;
+        self.events.remove(&id).map(|e| (at, e))
+    }
+}
+
+/// Latencies from arrival (ms) of one run, by request.
+fn run(trace: &[TraceRecord], speed: f64, policy: GrantPolicy) -> Vec<f64> {
+    let mut tx = Machine::new(config("tx", policy)).expect("sender config");
+    let mut rx = Machine::new(config("rx", policy)).expect("receiver config");
+    rx.handle(
+        0,
+        Input::AllowScatter {
+            addr: 0x1000_0000_0000,
+            len: 1 << 46,
+        },
+    );
+    tx.handle(0, Input::PeerAdded { peer: "rx".into() });
+    let t0 = trace.first().map_or(0, |r| r.timestamp);
+    let mut events = Queue::default();
+    let mut arrival_ns = vec![0u64; trace.len()];
+    for (k, r) in trace.iter().enumerate() {
+        arrival_ns[k] = ((r.timestamp - t0) as f64 * 1e6 / speed) as u64;
+        events.push(arrival_ns[k], Event::Arrive(k));
+    }
+    let mut copy_free_at = 0u64;
+    let mut latency = vec![f64::NAN; trace.len()];
+    let mut resolved = 0usize;
+    while let Some((now, e)) = events.pop() {
+        match e {
+            Event::Arrive(k) => {
+                let chunks = bounds(pieces(trace[k].input_length));
+                tx.handle(
+                    now,
+                    Input::Submit {
+                        rid: k as u64 + 1,
+                        peer: "rx".into(),
+                        scope: 0,
+                        chunks,
+                    },
+                );
+            }
+            Event::Deliver(true, input) => rx.handle(now, input),
+            Event::Deliver(false, input) => tx.handle(now, input),
+        }
+        for (is_rx, m) in [(false, &mut tx), (true, &mut rx)] {
+            while let Some(act) = m.poll_action() {
+                // One copy server, first come first served.
+                let mut copy = |bytes: u64| {
+                    let start = copy_free_at.max(now);
+                    copy_free_at = start + COPY_FIXED_NS + bytes / COPY_BYTES_PER_NS;
+                    copy_free_at
+                };
+                match act {
+                    Action::Send { msg, .. } => {
+                        let from = if is_rx { "rx" } else { "tx" };
+                        events.push(
+                            now + CONTROL_NS,
+                            Event::Deliver(
+                                !is_rx,
+                                Input::Message {
+                                    from: from.into(),
+                                    msg,
+                                    route: Route::Usable,
+                                },
+                            ),
+                        );
+                    }
+                    Action::StartGather { job, bound, .. } => {
+                        let at = copy(bound.packed_bytes);
+                        let dsts = (0..bound.pieces)
+                            .map(|i| 0x1000_0000_0000 + (bound.first_desc as u64 + i) * PIECE)
+                            .collect();
+                        let result = Ok(ScatterList::Uniform(UniformScatter {
+                            segment_len: PIECE,
+                            region_stride: PIECE,
+                            dsts,
+                        }));
+                        events.push(at, Event::Deliver(is_rx, Input::GatherDone { job, result }));
+                    }
+                    Action::PostWrite { write, bytes, .. } => {
+                        let at = copy(bytes);
+                        let input = Input::WriteDone {
+                            write,
+                            result: Ok(()),
+                        };
+                        events.push(at, Event::Deliver(is_rx, input));
+                    }
+                    Action::StartScatter { job, runs, .. } => {
+                        let bytes = match &runs {
+                            ScatterList::Uniform(u) => u.dsts.len() as u64 * u.segment_len,
+                            ScatterList::Runs(r) => {
+                                r.iter().map(|x| x.segment_len * u64::from(x.count)).sum()
+                            }
+                        };
+                        let at = copy(bytes);
+                        let input = Input::ScatterDone {
+                            job,
+                            result: Ok(()),
+                        };
+                        events.push(at, Event::Deliver(is_rx, input));
+                    }
+                    Action::Resolve { rid, outcome, .. } => {
+                        assert_eq!(outcome, Outcome::Success, "request {rid}");
+                        let k = (rid - 1) as usize;
+                        latency[k] = (now - arrival_ns[k]) as f64 / 1e6;
+                        resolved += 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert_eq!(resolved, trace.len(), "every request resolves");
+    latency
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut s: Vec<f64> = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let i = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
+    s[i]
+}
+
+fn main() {
+    let path = std::env::var("KVFABRIC_TRACE").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/data/traces/mooncake_conversation_trace.jsonl"
+        )
+        .to_string()
+    });
+    let limit: usize = std::env::var("KVFABRIC_MODEL_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4_000);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("policy_model: skipped: trace {path}: {e} (set KVFABRIC_TRACE)");
+            return;
+        }
+    };
+    let trace = parse_trace(&text, 0, limit).expect("trace parses");
+    if trace.len() < 2 {
+        eprintln!("policy_model: skipped: fewer than 2 requests in {path}");
+        return;
+    }
+    report("the trace's prompts", &trace);
+    // The GPU bench's seed shape: every prompt 8,192 tokens (151 MB), the
+    // trace's arrival times.
+    let fixed: Vec<TraceRecord> = trace
+        .iter()
+        .map(|r| TraceRecord {
+            input_length: 8192,
+            ..r.clone()
+        })
+        .collect();
+    report("every prompt 8,192 tokens", &fixed);
+}
+
+/// Runs `trace` at three loads under both policies and prints a table.
+fn report(what: &str, trace: &[TraceRecord]) {
+    // Offered copy work (three passes of every byte) per ns of trace time.
+    let span_ns = (trace.last().map_or(0, |r| r.timestamp) - trace[0].timestamp) as f64 * 1e6;
+    let copy_ns: f64 = trace
+        .iter()
+        .map(|r| {
+            let b = bounds(pieces(r.input_length));
+            b.iter()
+                .map(|c| 3.0 * (COPY_FIXED_NS + c.packed_bytes / COPY_BYTES_PER_NS) as f64)
+                .sum::<f64>()
+        })
+        .sum();
+    let mut sizes: Vec<u64> = trace.iter().map(|r| r.input_length).collect();
+    sizes.sort_unstable();
+    let small_cut = sizes[sizes.len() / 4];
+    println!(
+        "{what}: {} requests (prompts {}..{} tokens, smallest quarter <= {small_cut}); \
+         one GPU copying at {} GB/s + {} us a copy, control {} us",
+        trace.len(),
+        sizes[0],
+        sizes[sizes.len() - 1],
+        COPY_BYTES_PER_NS,
+        COPY_FIXED_NS / 1000,
+        CONTROL_NS / 1000
+    );
+    println!(
+        "{:>6} {:>12} {:>10} {:>10} {:>12} {:>12}",
+        "load", "policy", "p50 ms", "p99 ms", "small p50", "small p99"
+    );
+    for load in [0.5, 0.7, 0.85] {
+        // Speed-up so that the copy work offered is `load` of capacity.
+        let speed = load * span_ns / copy_ns;
+        for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+            let lat = run(trace, speed, policy);
+            let small: Vec<f64> = trace
+                .iter()
+                .zip(&lat)
+                .filter(|(r, _)| r.input_length <= small_cut)
+                .map(|(_, &l)| l)
+                .collect();
+            println!(
+                "{:>6.2} {:>12} {:>10.2} {:>10.2} {:>12.2} {:>12.2}",
+                load,
+                format!("{policy:?}"),
+                percentile(&lat, 50.0),
+                percentile(&lat, 99.0),
+                percentile(&small, 50.0),
+                percentile(&small, 99.0)
+            );
+        }
+    }
+}
