@@ -1,31 +1,35 @@
-//! Grant policies on a real trace, in a model (issue 18, ninth session:
-//! does `oldestFirst`, the new default, queue small requests behind large
-//! ones?). Not a criterion benchmark: a report.
+//! Grant policies on real traces, in a model (issue 18, ninth session:
+//! does `oldestFirst` queue small requests behind large ones?). Not a
+//! criterion benchmark: a report.
 //!
 //! A sender and a receiver protocol [`Machine`] (the real ones, pure) move
-//! the requests of the Mooncake conversation trace (one hour of a chat
-//! service; prompts of 891 to 126,195 tokens) in a discrete-event model
-//! with virtual time:
+//! the requests of a Mooncake trace in a discrete-event model with
+//! virtual time:
 //!
 //! * one GPU: every gather, write and scatter is served first come first
 //!   served by one copy server taking `COPY_FIXED_NS` plus the bytes at
-//!   `COPY_BYTES_PER_NS` (a bounce request of the seed's 151 MB shape
-//!   then takes ≈ 0.3 ms of copying, ≈ 3,300 requests a second at
-//!   saturation, near the H200's measured 3,150–3,800);
+//!   `COPY_BYTES_PER_NS` (a request of the seed's 151 MB shape, five
+//!   chunks, takes 0.30 ms of copying: ≈ 3,370 requests a second at
+//!   saturation, near the H200's measured 3,150–3,800). An assumption:
+//!   the real GPU runs copies on several streams at once, sharing the
+//!   bandwidth, where this server runs one at a time (a scatter can wait
+//!   behind another request's eager gathers);
 //! * control messages arrive `CONTROL_NS` after they are sent;
 //! * KV geometry of the GPU bench's seed-shaped load: gpt-oss-120b, TP 4,
 //!   16-token blocks, K/V split: 72 descriptors of 4 KiB per block.
 //!
-//! Arrivals keep the trace's order and spacing, sped up so that the
+//! Arrivals keep the trace's order and spacing (sorted by timestamp;
+//! requests sharing a timestamp, which the conversation trace rounds to
+//! 3 s, are spread evenly up to the next one), sped up so that the
 //! offered copy load is a given share of the copy server's capacity.
 //! Latency counts from the arrival to the sender's resolution; the report
-//! gives p50 / p99 of all requests and of the smallest quarter (by
-//! prompt) under each policy.
+//! gives p50 / p99 of all requests and of the smallest quarter by prompt
+//! (by rank) under each policy.
 //!
-//! Run: `cargo bench -p kvfabric-core --bench policy_model` (the trace:
-//! `KVFABRIC_TRACE`, default `../shared/data/traces/
-//! mooncake_conversation_trace.jsonl` beside the repository;
-//! `KVFABRIC_MODEL_REQUESTS` caps the requests, default 4,000).
+//! Run: `cargo bench -p kvfabric-core --bench policy_model` (traces:
+//! `KVFABRIC_TRACE`, default the conversation and synthetic traces of
+//! `../shared/data/traces/` beside the repository;
+//! `KVFABRIC_MODEL_REQUESTS` caps the requests of each, default 4,000).
 
 use kvfabric_core::model::{parse_trace, TraceRecord};
 use kvfabric_core::plan::ChunkBound;
@@ -45,9 +49,9 @@ const BLOCK_TOKENS: u64 = 16;
 /// Chunk cap, bytes.
 const CHUNK: u64 = 32 * MIB;
 /// Fixed cost of one copy (launch, completion), ns.
-const COPY_FIXED_NS: u64 = 10_000;
-/// Copy bandwidth of the one GPU, bytes per ns (1.6 TB/s).
-const COPY_BYTES_PER_NS: u64 = 1_600;
+const COPY_FIXED_NS: u64 = 3_000;
+/// Copy bandwidth of the one GPU, bytes per ns (1.8 TB/s).
+const COPY_BYTES_PER_NS: u64 = 1_800;
 /// One control message's delay, ns.
 const CONTROL_NS: u64 = 25_000;
 
@@ -125,8 +129,65 @@ impl Queue {
     }
 }
 
+/// Requests to model: prompt tokens and arrival offsets (ms, from the
+/// first, not decreasing).
+struct Workload {
+    tokens: Vec<u64>,
+    arrival_ms: Vec<f64>,
+}
+
+impl Workload {
+    /// From a trace: sorted by timestamp (stable); requests sharing a
+    /// timestamp spread evenly up to the next distinct one (the last
+    /// group over the mean gap between distinct timestamps).
+    fn of(trace: &[TraceRecord]) -> Self {
+        let mut recs: Vec<&TraceRecord> = trace.iter().collect();
+        recs.sort_by_key(|r| r.timestamp);
+        let t0 = recs.first().map_or(0, |r| r.timestamp);
+        let distinct: Vec<u64> = {
+            let mut d: Vec<u64> = recs.iter().map(|r| r.timestamp).collect();
+            d.dedup();
+            d
+        };
+        let mean_gap = if distinct.len() > 1 {
+            (distinct[distinct.len() - 1] - distinct[0]) as f64 / (distinct.len() - 1) as f64
+        } else {
+            0.0
+        };
+        let mut arrival_ms = Vec::with_capacity(recs.len());
+        let mut i = 0;
+        while i < recs.len() {
+            let ts = recs[i].timestamp;
+            let n = recs[i..].iter().take_while(|r| r.timestamp == ts).count();
+            let gap = recs
+                .get(i + n)
+                .map_or(mean_gap, |r| (r.timestamp - ts) as f64);
+            for k in 0..n {
+                arrival_ms.push((ts - t0) as f64 + gap * k as f64 / n as f64);
+            }
+            i += n;
+        }
+        Self {
+            tokens: recs.iter().map(|r| r.input_length).collect(),
+            arrival_ms,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The same arrivals, every prompt `tokens` long.
+    fn with_prompts(&self, tokens: u64) -> Self {
+        Self {
+            tokens: vec![tokens; self.len()],
+            arrival_ms: self.arrival_ms.clone(),
+        }
+    }
+}
+
 /// Latencies from arrival (ms) of one run, by request.
-fn run(trace: &[TraceRecord], speed: f64, policy: GrantPolicy) -> Vec<f64> {
+fn run(w: &Workload, speed: f64, policy: GrantPolicy) -> Vec<f64> {
     let mut tx = Machine::new(config("tx", policy)).expect("sender config");
     let mut rx = Machine::new(config("rx", policy)).expect("receiver config");
     rx.handle(
@@ -137,20 +198,19 @@ fn run(trace: &[TraceRecord], speed: f64, policy: GrantPolicy) -> Vec<f64> {
         },
     );
     tx.handle(0, Input::PeerAdded { peer: "rx".into() });
-    let t0 = trace.first().map_or(0, |r| r.timestamp);
     let mut events = Queue::default();
-    let mut arrival_ns = vec![0u64; trace.len()];
-    for (k, r) in trace.iter().enumerate() {
-        arrival_ns[k] = ((r.timestamp - t0) as f64 * 1e6 / speed) as u64;
+    let mut arrival_ns = vec![0u64; w.len()];
+    for (k, &at) in w.arrival_ms.iter().enumerate() {
+        arrival_ns[k] = (at * 1e6 / speed) as u64;
         events.push(arrival_ns[k], Event::Arrive(k));
     }
     let mut copy_free_at = 0u64;
-    let mut latency = vec![f64::NAN; trace.len()];
+    let mut latency = vec![f64::NAN; w.len()];
     let mut resolved = 0usize;
     while let Some((now, e)) = events.pop() {
         match e {
             Event::Arrive(k) => {
-                let chunks = bounds(pieces(trace[k].input_length));
+                let chunks = bounds(pieces(w.tokens[k]));
                 tx.handle(
                     now,
                     Input::Submit {
@@ -232,7 +292,7 @@ fn run(trace: &[TraceRecord], speed: f64, policy: GrantPolicy) -> Vec<f64> {
             }
         }
     }
-    assert_eq!(resolved, trace.len(), "every request resolves");
+    assert_eq!(resolved, w.len(), "every request resolves");
     latency
 }
 
@@ -244,64 +304,79 @@ fn percentile(v: &[f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let path = std::env::var("KVFABRIC_TRACE").unwrap_or_else(|_| {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/data/traces/mooncake_conversation_trace.jsonl"
-        )
-        .to_string()
-    });
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/");
+    let paths: Vec<String> = match std::env::var("KVFABRIC_TRACE") {
+        Ok(p) => vec![p],
+        Err(_) => [
+            "mooncake_conversation_trace.jsonl",
+            "mooncake_synthetic_trace.jsonl",
+        ]
+        .iter()
+        .map(|f| format!("{dir}{f}"))
+        .collect(),
+    };
     let limit: usize = std::env::var("KVFABRIC_MODEL_REQUESTS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4_000);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("policy_model: skipped: trace {path}: {e} (set KVFABRIC_TRACE)");
-            return;
+    for (i, path) in paths.iter().enumerate() {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("policy_model: skipped: trace {path}: {e} (set KVFABRIC_TRACE)");
+                continue;
+            }
+        };
+        let trace = match parse_trace(&text, 0, limit) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("policy_model: skipped: trace {path}: {e}");
+                continue;
+            }
+        };
+        let w = Workload::of(&trace);
+        if w.len() < 2 || w.arrival_ms.last().copied().unwrap_or(0.0) <= 0.0 {
+            eprintln!("policy_model: skipped: {path}: fewer than 2 requests or no time span");
+            continue;
         }
-    };
-    let trace = parse_trace(&text, 0, limit).expect("trace parses");
-    if trace.len() < 2 {
-        eprintln!("policy_model: skipped: fewer than 2 requests in {path}");
-        return;
+        let name = path.rsplit('/').next().unwrap_or(path);
+        report(&format!("{name}, its prompts"), &w);
+        if i == 0 {
+            // The GPU bench's seed shape: every prompt 8,192 tokens (151
+            // MB), the same arrivals.
+            report(
+                &format!("{name}, every prompt 8,192 tokens"),
+                &w.with_prompts(8192),
+            );
+        }
     }
-    report("the trace's prompts", &trace);
-    // The GPU bench's seed shape: every prompt 8,192 tokens (151 MB), the
-    // trace's arrival times.
-    let fixed: Vec<TraceRecord> = trace
-        .iter()
-        .map(|r| TraceRecord {
-            input_length: 8192,
-            ..r.clone()
-        })
-        .collect();
-    report("every prompt 8,192 tokens", &fixed);
 }
 
-/// Runs `trace` at three loads under both policies and prints a table.
-fn report(what: &str, trace: &[TraceRecord]) {
-    // Offered copy work (three passes of every byte) per ns of trace time.
-    let span_ns = (trace.last().map_or(0, |r| r.timestamp) - trace[0].timestamp) as f64 * 1e6;
-    let copy_ns: f64 = trace
+/// Runs `w` at three loads under both policies and prints a table.
+fn report(what: &str, w: &Workload) {
+    // Offered copy work (three passes of every chunk) per ns of trace time.
+    let span_ns = w.arrival_ms.last().copied().unwrap_or(0.0) * 1e6;
+    let copy_ns: f64 = w
+        .tokens
         .iter()
-        .map(|r| {
-            let b = bounds(pieces(r.input_length));
+        .map(|&t| {
+            let b = bounds(pieces(t));
             b.iter()
                 .map(|c| 3.0 * (COPY_FIXED_NS + c.packed_bytes / COPY_BYTES_PER_NS) as f64)
                 .sum::<f64>()
         })
         .sum();
-    let mut sizes: Vec<u64> = trace.iter().map(|r| r.input_length).collect();
-    sizes.sort_unstable();
-    let small_cut = sizes[sizes.len() / 4];
+    // The smallest quarter by rank (ties by position).
+    let mut order: Vec<usize> = (0..w.len()).collect();
+    order.sort_by_key(|&k| w.tokens[k]);
+    let small: Vec<usize> = order[..(w.len() / 4).max(1)].to_vec();
+    let (lo, hi) = (w.tokens[order[0]], w.tokens[order[w.len() - 1]]);
     println!(
-        "{what}: {} requests (prompts {}..{} tokens, smallest quarter <= {small_cut}); \
-         one GPU copying at {} GB/s + {} us a copy, control {} us",
-        trace.len(),
-        sizes[0],
-        sizes[sizes.len() - 1],
+        "{what}: {} requests (prompts {lo}..{hi} tokens; the smallest quarter: {} requests of \
+         <= {} tokens); one GPU copying at {} GB/s + {} us a copy, control {} us",
+        w.len(),
+        small.len(),
+        w.tokens[*small.last().unwrap_or(&0)],
         COPY_BYTES_PER_NS,
         COPY_FIXED_NS / 1000,
         CONTROL_NS / 1000
@@ -314,21 +389,16 @@ fn report(what: &str, trace: &[TraceRecord]) {
         // Speed-up so that the copy work offered is `load` of capacity.
         let speed = load * span_ns / copy_ns;
         for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
-            let lat = run(trace, speed, policy);
-            let small: Vec<f64> = trace
-                .iter()
-                .zip(&lat)
-                .filter(|(r, _)| r.input_length <= small_cut)
-                .map(|(_, &l)| l)
-                .collect();
+            let lat = run(w, speed, policy);
+            let small_lat: Vec<f64> = small.iter().map(|&k| lat[k]).collect();
             println!(
                 "{:>6.2} {:>12} {:>10.2} {:>10.2} {:>12.2} {:>12.2}",
                 load,
                 format!("{policy:?}"),
                 percentile(&lat, 50.0),
                 percentile(&lat, 99.0),
-                percentile(&small, 50.0),
-                percentile(&small, 99.0)
+                percentile(&small_lat, 50.0),
+                percentile(&small_lat, 99.0)
             );
         }
     }

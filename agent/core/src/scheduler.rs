@@ -123,11 +123,11 @@ pub enum GrantPolicy {
     /// For equal-size requests the better choice: on the H200 (151 MB
     /// requests, Poisson arrivals) its p99 from arrival was lower than
     /// round-robin's in 9 of 10 paired runs, and at 128 in flight it moved
-    /// 5–18 % more requests a second. On the Mooncake conversation trace
-    /// (prompts of 891 to 126,195 tokens) a model of one GPU
-    /// (`cargo bench -p kvfabric-core --bench policy_model`) gave the
-    /// smallest quarter of requests a p99 of 14–22 ms against round-robin's
-    /// 3–4 ms: they wait behind large ones (docs/benchmarks.md, "Issue 18,
+    /// 5–18 % more requests a second. On the Mooncake traces (mixed
+    /// prompt lengths) a model of one GPU (`cargo bench -p kvfabric-core
+    /// --bench policy_model`) gave the smallest quarter of requests a p99
+    /// 2–5.5× round-robin's: they wait behind large ones, while the p99 of
+    /// all requests was 18–38 % lower (docs/benchmarks.md, "Issue 18,
     /// ninth session"). Not the default for that reason.
     OldestFirst,
 }
