@@ -32,68 +32,26 @@
 //! `KVFABRIC_MODEL_REQUESTS` caps the requests of each, default 4,000).
 
 use kvfabric_core::model::{parse_trace, TraceRecord};
-use kvfabric_core::plan::ChunkBound;
-use kvfabric_core::protocol::{Action, Config, Input, Machine, Mutations, Outcome, Route};
+use kvfabric_core::protocol::{Action, Input, Machine, Outcome, Route};
 use kvfabric_core::scheduler::GrantPolicy;
+
+#[path = "common/pair.rs"]
+mod pair;
 use kvfabric_core::{ScatterList, UniformScatter};
+use pair::{bounds, config, PIECE};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-const MIB: u64 = 1024 * 1024;
-/// Descriptor (piece) size, bytes.
-const PIECE: u64 = 4096;
 /// Descriptors per 16-token block (gpt-oss-120b, TP 4, K/V split).
 const PIECES_PER_BLOCK: u64 = 72;
 /// Tokens per block.
 const BLOCK_TOKENS: u64 = 16;
-/// Chunk cap, bytes.
-const CHUNK: u64 = 32 * MIB;
 /// Fixed cost of one copy (launch, completion), ns.
 const COPY_FIXED_NS: u64 = 3_000;
 /// Copy bandwidth of the one GPU, bytes per ns (1.8 TB/s).
 const COPY_BYTES_PER_NS: u64 = 1_800;
 /// One control message's delay, ns.
 const CONTROL_NS: u64 = 25_000;
-
-fn config(name: &str, policy: GrantPolicy) -> Config {
-    Config {
-        arena_bytes: 256 * MIB,
-        granularity_bytes: MIB,
-        max_chunk_size_bytes: CHUNK,
-        max_inflight_chunks: 8,
-        copy_contexts: 8,
-        request_timeout: 600_000_000_000,
-        eager_gather: true,
-        eager_grant_order: true,
-        release_staging_on_write: true,
-        grant_policy: policy,
-        uniform_data: true,
-        arena_base: 0x7000_0000_0000,
-        device_id: 0,
-        endpoint: name.as_bytes().to_vec(),
-        mutations: Mutations::default(),
-    }
-}
-
-/// A request's chunk bounds: `pieces` pieces of 4 KiB in 32 MiB chunks.
-fn bounds(pieces: u64) -> Vec<ChunkBound> {
-    let per_chunk = CHUNK / PIECE;
-    let mut out = Vec::new();
-    let mut first = 0;
-    while first < pieces {
-        let n = per_chunk.min(pieces - first);
-        out.push(ChunkBound {
-            index: out.len() as u32,
-            first_desc: first as usize,
-            first_done: 0,
-            packed_bytes: n * PIECE,
-            payload_bytes: n * PIECE,
-            pieces: n,
-        });
-        first += n;
-    }
-    out
-}
 
 /// Pieces of a prompt of `tokens` tokens.
 fn pieces(tokens: u64) -> u64 {
@@ -188,8 +146,8 @@ impl Workload {
 
 /// Latencies from arrival (ms) of one run, by request.
 fn run(w: &Workload, speed: f64, policy: GrantPolicy) -> Vec<f64> {
-    let mut tx = Machine::new(config("tx", policy)).expect("sender config");
-    let mut rx = Machine::new(config("rx", policy)).expect("receiver config");
+    let mut tx = Machine::new(config("tx", policy, 600_000_000_000)).expect("sender config");
+    let mut rx = Machine::new(config("rx", policy, 600_000_000_000)).expect("receiver config");
     rx.handle(
         0,
         Input::AllowScatter {

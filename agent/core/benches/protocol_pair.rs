@@ -20,61 +20,20 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvfabric_core::plan::ChunkBound;
-use kvfabric_core::protocol::{Action, Config, Input, Machine, Mutations, Outcome, Route};
+use kvfabric_core::protocol::{Action, Input, Machine, Outcome, Route};
 use kvfabric_core::scheduler::GrantPolicy;
+
+#[path = "common/pair.rs"]
+mod pair;
 use kvfabric_core::{ScatterList, UniformScatter};
+use pair::{bounds, config, PIECE};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1024 * 1024;
 /// Requests resolved per measured iteration.
 const REQUESTS: u64 = 1024;
-/// Descriptor (piece) size, bytes.
-const PIECE: u64 = 4096;
 /// Descriptors per request (gpt-oss-120b, TP 4, 8,192 tokens: 151 MB).
 const PIECES: u64 = 36_900;
-/// Chunk cap, bytes.
-const CHUNK: u64 = 32 * MIB;
-
-fn config(name: &str, policy: GrantPolicy) -> Config {
-    Config {
-        arena_bytes: 256 * MIB,
-        granularity_bytes: MIB,
-        max_chunk_size_bytes: CHUNK,
-        max_inflight_chunks: 8,
-        copy_contexts: 8,
-        request_timeout: 10_000_000_000,
-        eager_gather: true,
-        eager_grant_order: true,
-        release_staging_on_write: true,
-        grant_policy: policy,
-        uniform_data: true,
-        arena_base: 0x7000_0000_0000,
-        device_id: 0,
-        endpoint: name.as_bytes().to_vec(),
-        mutations: Mutations::default(),
-    }
-}
-
-/// One request's chunk bounds: 36,900 pieces of 4 KiB in 32 MiB chunks.
-fn bounds() -> Vec<ChunkBound> {
-    let per_chunk = CHUNK / PIECE;
-    let mut out = Vec::new();
-    let mut first = 0;
-    while first < PIECES {
-        let n = per_chunk.min(PIECES - first);
-        out.push(ChunkBound {
-            index: out.len() as u32,
-            first_desc: first as usize,
-            first_done: 0,
-            packed_bytes: n * PIECE,
-            payload_bytes: n * PIECE,
-            pieces: n,
-        });
-        first += n;
-    }
-    out
-}
 
 /// Something the queue delivers to machine `to_receiver` (false: sender).
 struct Pending {
@@ -98,8 +57,8 @@ fn submit(tx: &mut Machine, now: u64, rid: u64, chunks: &[ChunkBound]) {
 /// Runs `requests` requests at `concurrency` in flight; returns the
 /// wall time of the machine work.
 fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> Duration {
-    let mut tx = Machine::new(config("tx", policy)).unwrap();
-    let mut rx = Machine::new(config("rx", policy)).unwrap();
+    let mut tx = Machine::new(config("tx", policy, 10_000_000_000)).unwrap();
+    let mut rx = Machine::new(config("rx", policy, 10_000_000_000)).unwrap();
     rx.handle(
         0,
         Input::AllowScatter {
@@ -108,7 +67,7 @@ fn closed_loop(concurrency: u64, requests: u64, policy: GrantPolicy) -> Duration
         },
     );
     tx.handle(0, Input::PeerAdded { peer: "rx".into() });
-    let chunks = bounds();
+    let chunks = bounds(PIECES);
     // Each chunk's destinations, made once (a gather's output is a copy).
     let dsts_by_chunk: Vec<Vec<u64>> = chunks
         .iter()
