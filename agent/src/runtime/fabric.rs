@@ -297,9 +297,9 @@ pub struct FabricAgent {
     /// Recent standard-path waits: their callers spin only while those
     /// paid (`KVFABRIC_SPIN_ADAPTIVE`, [`crate::runtime::spin::SpinHistory`]).
     std_wait_history: Option<Arc<crate::runtime::spin::SpinHistory>>,
-    /// What standard-path waiters do between two polls
-    /// (`KVFABRIC_SPIN_YIELD`).
-    std_relax: crate::runtime::spin::Relax,
+    /// The spin switches (`KVFABRIC_SPIN_*`), read once at start-up: the
+    /// standard path's waiters and every bounce transport built use them.
+    spin_env: crate::runtime::spin::SpinEnv,
     /// Next standard-path request id.
     std_next_rid: AtomicU64,
     /// Bound on one standard-path transfer: the config's
@@ -436,7 +436,7 @@ impl FabricAgent {
             std_wait_history: spin_env
                 .adaptive
                 .then(|| Arc::new(crate::runtime::spin::SpinHistory::new())),
-            std_relax: spin_env.relax,
+            spin_env,
             std_timeout: Duration::from_millis(opts.config.request_timeout_ms()),
             std_next_rid: AtomicU64::new(STD_RID_BASE),
         };
@@ -618,7 +618,7 @@ impl FabricAgent {
                 Box::new(NixlNotifControlChannel::new(engine.clone()))
             }
         };
-        let spin_env = crate::runtime::spin::SpinEnv::read();
+        let spin_env = self.spin_env;
         let settings = TransportSettings {
             granularity_bytes: cfg.granularity_bytes(),
             max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
@@ -1416,7 +1416,7 @@ impl FabricAgent {
         let completion = Arc::new(Completion::with_spin_history(
             self.wait_spin,
             self.std_wait_history.clone(),
-            self.std_relax,
+            self.spin_env.relax,
         ));
         let rid = self.std_next_rid.fetch_add(1, Ordering::Relaxed);
         let mut handle = TransferHandle::from_completion(completion.clone());

@@ -193,7 +193,7 @@ impl SpinSlots {
 }
 
 /// The spin rules' experiment switches (issue 18), read from the
-/// environment when a transport starts: `KVFABRIC_SPIN_ADAPTIVE` (`1` by
+/// environment once when an agent starts: `KVFABRIC_SPIN_ADAPTIVE` (`1` by
 /// default, `0`: every wait spins, the rule before issue 18's eighth
 /// session), `KVFABRIC_SPIN_YIELD` ([`Relax`]: `1` yield, the default;
 /// `0` spin) and `KVFABRIC_SPIN_WORKERS` (most copy workers of a transport
