@@ -377,7 +377,8 @@ pub struct ArrivalLatency {
 pub struct ArrivalSample {
     /// Scheduled arrival → a worker took it (0 if before the arrival).
     pub late_ms: f64,
-    /// Scheduled arrival → submit (`late_ms` plus the preparation).
+    /// Scheduled arrival → submit (`late_ms`, plus a late request's
+    /// preparation and any wait for free blocks).
     pub queue_ms: f64,
     /// Submit → transfer resolution.
     pub service_ms: f64,
