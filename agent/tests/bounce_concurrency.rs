@@ -189,12 +189,14 @@ fn many_senders_into_one_receiver_complete_fairly() {
     );
 }
 
-/// The receiver's `oldestFirst` grant policy through the agents: every
-/// sender's bytes land exactly, every region and credit comes back
-/// (completion order is the policy's business, not asserted).
+/// The receiver's `oldestFirst` and `shortestFirst` grant policies
+/// through the agents: every sender's bytes land exactly, every region and
+/// credit comes back (completion order is the policy's business, not
+/// asserted).
 #[test]
-fn many_senders_into_one_receiver_under_oldest_first() {
+fn many_senders_into_one_receiver_under_oldest_and_shortest_first() {
     let _ = fan_in(GrantPolicy::OldestFirst);
+    let _ = fan_in(GrantPolicy::ShortestFirst);
 }
 
 /// Four senders of 8 MiB each into one receiver whose arena holds half

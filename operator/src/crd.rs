@@ -272,8 +272,8 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
                              "x-kubernetes-validations": [{
                                  "rule": "type(self) == int ? (self >= 0 && self <= 100000) : self == 'auto'",
                                  "message": "ioBusyPollUs must be \"auto\" or 0..100000 microseconds"}]},
-            "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst"], "default": def("grantPolicy"),
-                            "description": "Which flow the receiver grants a free region to next: the seed's roundRobin or oldestFirst (requests in arrival order, W each)."},
+            "grantPolicy": {"type": "string", "enum": ["roundRobin", "oldestFirst", "shortestFirst"], "default": def("grantPolicy"),
+                            "description": "Which flow the receiver grants a free region to next: the seed's roundRobin, oldestFirst (requests in arrival order, W each) or shortestFirst (smaller requests first, aged: arrival order for equal sizes)."},
             "uniformData": flag("uniformData", "Uniform chunks described by their blocks' destinations (DATA_UNIFORM; advertised in the handshake, used only when both agents advertise it, else the seed's DATA)."),
             "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local)."),
             "eagerGrantOrder": flag("eagerGrantOrder", "Eager gathers staged in the order the receiver (grantPolicy) is expected to grant them, none while a granted chunk waits for staging; false: the seed's submit order (sender-local)."),

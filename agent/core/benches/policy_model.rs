@@ -346,7 +346,11 @@ fn report(what: &str, w: &Workload) {
     for load in [0.5, 0.7, 0.85] {
         // Speed-up so that the copy work offered is `load` of capacity.
         let speed = load * span_ns / copy_ns;
-        for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+        for policy in [
+            GrantPolicy::RoundRobin,
+            GrantPolicy::OldestFirst,
+            GrantPolicy::ShortestFirst,
+        ] {
             let lat = run(w, speed, policy);
             let small_lat: Vec<f64> = small.iter().map(|&k| lat[k]).collect();
             println!(

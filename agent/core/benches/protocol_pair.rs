@@ -155,7 +155,11 @@ fn pair(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1))
         .sample_size(10)
         .throughput(Throughput::Elements(REQUESTS));
-    for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+    for policy in [
+        GrantPolicy::RoundRobin,
+        GrantPolicy::OldestFirst,
+        GrantPolicy::ShortestFirst,
+    ] {
         for conc in [1u64, 8, 32, 128] {
             let name = format!("{policy:?}/c{conc}");
             g.bench_function(name, |b| {

@@ -250,13 +250,14 @@ pub enum BusyPoll {
 }
 
 /// Expected form of [`GrantPolicy`] (`grantPolicy`).
-pub const EXPECTED_GRANT_POLICY: &str = "one of roundRobin/oldestFirst";
+pub const EXPECTED_GRANT_POLICY: &str = "one of roundRobin/oldestFirst/shortestFirst";
 
 impl fmt::Display for GrantPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             GrantPolicy::RoundRobin => "roundRobin",
             GrantPolicy::OldestFirst => "oldestFirst",
+            GrantPolicy::ShortestFirst => "shortestFirst",
         })
     }
 }
@@ -478,8 +479,8 @@ impl FieldValue for ControlTransport {
 impl FieldValue for GrantPolicy {
     const EXPECTED_ENV: &'static str = EXPECTED_GRANT_POLICY;
     const EXPECTED_SERDE: &'static str = EXPECTED_GRANT_POLICY;
-    /// Case-insensitive, trimmed; `round-robin` / `oldest-first` (and with
-    /// `_`) are accepted too.
+    /// Case-insensitive, trimmed; `round-robin` / `oldest-first` /
+    /// `shortest-first` (and with `_`) are accepted too.
     fn parse_env(s: &str) -> Result<Self, Option<String>> {
         match s
             .trim()
@@ -489,6 +490,7 @@ impl FieldValue for GrantPolicy {
         {
             "roundrobin" => Ok(GrantPolicy::RoundRobin),
             "oldestfirst" => Ok(GrantPolicy::OldestFirst),
+            "shortestfirst" => Ok(GrantPolicy::ShortestFirst),
             _ => Err(None),
         }
     }
@@ -767,11 +769,13 @@ pub struct BounceConfig {
     pub io_busy_poll_us: BusyPoll,
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
-    /// region to next, `roundRobin` (the seed's, §5; default) or
-    /// `oldestFirst` (requests served in arrival order, W each; see
-    /// [`GrantPolicy`]: lower tails for equal-size requests, longer waits
-    /// for small requests behind large ones). Receiver-local: peers need
-    /// not agree.
+    /// region to next, `roundRobin` (the seed's, §5; default),
+    /// `oldestFirst` (requests served in arrival order, W each: lower tails
+    /// for equal-size requests, longer waits for small requests behind
+    /// large ones) or `shortestFirst` (smaller requests first, aged so a
+    /// large one waits at most about its own size of later traffic; arrival
+    /// order for equal sizes); see [`GrantPolicy`]. Receiver-local: peers
+    /// need not agree.
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
@@ -1810,6 +1814,8 @@ mod tests {
             ("RoundRobin", GrantPolicy::RoundRobin),
             (" round_robin ", GrantPolicy::RoundRobin),
             ("OLDESTFIRST", GrantPolicy::OldestFirst),
+            ("shortest-first", GrantPolicy::ShortestFirst),
+            ("shortestFirst", GrantPolicy::ShortestFirst),
         ] {
             let mut c = BounceConfig::default();
             assert!(c

@@ -153,7 +153,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
-use crate::scheduler::{CreditScheduler, GrantPolicy};
+use crate::scheduler::{CreditScheduler, GrantPolicy, SIZE_WEIGHT};
 use crate::wire::{Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want};
 use crate::{FlowKey, ScatterList};
 
@@ -698,6 +698,11 @@ struct SendRequest {
     first_grant: bool,
     /// Stage events are queued for it ([`Machine::set_traced`]).
     traced: bool,
+    /// Its place in the peer's line under [`GrantPolicy::ShortestFirst`]
+    /// as this sender estimates it: the bytes the peer granted this sender
+    /// before the submit plus [`SIZE_WEIGHT`] × the bytes the WANT asks
+    /// for (0 under the other policies).
+    grant_rank: u64,
 }
 
 /// What [`Machine::stage_next`] did.
@@ -822,6 +827,12 @@ pub struct Machine {
     /// has not granted, in the order the peer is expected to grant them
     /// next (front first; [`Config::eager_grant_order`]).
     grant_order: BTreeMap<String, VecDeque<u64>>,
+    /// Per peer, bytes (WANT chunk sizes) of the credits it granted this
+    /// sender: this sender's view of the peer's byte clock under
+    /// [`GrantPolicy::ShortestFirst`] (the peer's counts every sender's
+    /// grants; only the order among this sender's requests is estimated).
+    /// Dropped with the peer's grant order.
+    grant_clock: BTreeMap<String, u64>,
     shut_down: bool,
     actions: VecDeque<Step>,
     counters: Counters,
@@ -921,6 +932,7 @@ impl Machine {
             parked: false,
             starved: BTreeSet::new(),
             grant_order: BTreeMap::new(),
+            grant_clock: BTreeMap::new(),
             shut_down: false,
             actions: VecDeque::new(),
             counters: Counters::default(),
@@ -1249,6 +1261,7 @@ impl Machine {
             }
             if ring.is_empty() {
                 self.grant_order.remove(peer);
+                self.grant_clock.remove(peer);
             }
         }
     }
@@ -1288,6 +1301,13 @@ impl Machine {
             return self.resolve(rid, Outcome::Success, false);
         }
         let total_bytes = chunks.iter().map(|c| c.payload_bytes).sum();
+        let grant_rank = if self.cfg.grant_policy == GrantPolicy::ShortestFirst {
+            let asked: u64 = chunks.iter().map(|c| c.packed_bytes).sum();
+            let clock = self.grant_clock.get(&peer).copied().unwrap_or(0);
+            clock.saturating_add(asked.saturating_mul(SIZE_WEIGHT))
+        } else {
+            0
+        };
         let want = Message::Want(Want {
             request_id: rid,
             scope,
@@ -1323,13 +1343,22 @@ impl Machine {
                 submitted_at: self.now,
                 first_grant: false,
                 traced: false,
+                grant_rank,
             },
         );
         if self.eager_by_grant_order() {
-            self.grant_order
-                .entry(to.clone())
-                .or_default()
-                .push_back(rid);
+            let ring = self.grant_order.entry(to.clone()).or_default();
+            // Shortest first: after every request of lower or equal rank
+            // (the peer's tie-break is arrival); else at the back.
+            let at = if self.cfg.grant_policy == GrantPolicy::ShortestFirst {
+                let requests = &self.requests;
+                ring.iter()
+                    .rposition(|r| requests.get(r).is_some_and(|q| q.grant_rank <= grant_rank))
+                    .map_or(0, |p| p + 1)
+            } else {
+                ring.len()
+            };
+            ring.insert(at, rid);
         }
         // The eager gathers first, then the WANT: a control send can take
         // tens of µs (a loopback TCP write that wakes the receiver's IO
@@ -1786,6 +1815,8 @@ impl Machine {
         }
         req.last_progress = self.now;
         let n = req.chunks.len();
+        let shortest_first = self.cfg.grant_policy == GrantPolicy::ShortestFirst;
+        let mut granted_bytes = 0u64;
         for c in g.credits {
             if unkeyed {
                 req.unkeyed.push_back((c, self.now));
@@ -1799,7 +1830,14 @@ impl Machine {
                 self.counters.credits_rejected += 1;
                 continue;
             }
+            if shortest_first {
+                granted_bytes = granted_bytes.saturating_add(req.chunks[i].packed_bytes);
+            }
             req.credits.insert(c.chunk_index, (c, self.now));
+        }
+        if granted_bytes > 0 {
+            let clock = self.grant_clock.entry(peer.to_string()).or_default();
+            *clock = clock.saturating_add(granted_bytes);
         }
         let done = req.granted() >= n;
         if self.eager_by_grant_order() {
@@ -2973,6 +3011,17 @@ mod tests {
         chunks_each: usize,
         order: &[(u64, u32)],
     ) -> usize {
+        let chunks = vec![chunks_each; requests as usize];
+        staged_at_grant_of(policy, grant_order, &chunks, order)
+    }
+
+    /// [`staged_at_grant`] with request `i + 1` of `chunks[i]` chunks.
+    fn staged_at_grant_of(
+        policy: GrantPolicy,
+        grant_order: bool,
+        chunks: &[usize],
+        order: &[(u64, u32)],
+    ) -> usize {
         let mut a = machine_with("a", |c| {
             c.arena_bytes = 8192;
             c.max_inflight_chunks = 8;
@@ -3003,8 +3052,8 @@ mod tests {
                 }
             }
         };
-        for rid in 1..=requests {
-            submit_to_b(&mut a, 0, rid, &vec![1024; chunks_each]);
+        for (rid, &n) in (1..).zip(chunks) {
+            submit_to_b(&mut a, 0, rid, &vec![1024; n]);
         }
         settle_a(&mut a, &mut staged, 0);
         let mut hits = 0;
@@ -3049,6 +3098,26 @@ mod tests {
         assert_eq!(staged_at_grant(of, true, 8, 3, &order), 24);
         let wrong = staged_at_grant(GrantPolicy::RoundRobin, true, 8, 3, &order);
         assert!(wrong < 24, "round-robin mirror: {wrong} of 24");
+    }
+
+    /// Issue 18: a shortest-first receiver grants the smallest request's
+    /// chunks first (six requests of 3, 1, 3, 2, 1, 2 chunks submitted
+    /// together; eager budget four). The sender's estimate of the
+    /// receiver's ranks (its clock + SIZE_WEIGHT × bytes) gives the same
+    /// order, so every GRANT finds its chunk staged; mirrored as oldest
+    /// first (the wrong policy), the budget goes to the first requests'
+    /// chunks and the small ones are gathered only once granted.
+    #[test]
+    fn eager_gathers_follow_the_receivers_shortest_first_order() {
+        let chunks = [3, 1, 3, 2, 1, 2];
+        let order: Vec<(u64, u32)> = [2u64, 5, 4, 6, 1, 3]
+            .iter()
+            .flat_map(|&r| (0..chunks[r as usize - 1] as u32).map(move |c| (r, c)))
+            .collect();
+        let sf = GrantPolicy::ShortestFirst;
+        assert_eq!(staged_at_grant_of(sf, true, &chunks, &order), 12);
+        let wrong = staged_at_grant_of(GrantPolicy::OldestFirst, true, &chunks, &order);
+        assert!(wrong < 12, "oldest-first mirror: {wrong} of 12");
     }
 
     /// Review finding: with the staging freed at the write, the ACK that
@@ -3185,7 +3254,11 @@ mod tests {
     /// freed, under each combination of the sender rules and both policies.
     #[test]
     fn many_requests_complete_under_every_sender_rule() {
-        for policy in [GrantPolicy::RoundRobin, GrantPolicy::OldestFirst] {
+        for policy in [
+            GrantPolicy::RoundRobin,
+            GrantPolicy::OldestFirst,
+            GrantPolicy::ShortestFirst,
+        ] {
             for (grant_order, on_write) in
                 [(false, false), (true, false), (false, true), (true, true)]
             {

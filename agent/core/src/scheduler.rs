@@ -34,8 +34,11 @@
 //! [`GrantPolicy::OldestFirst`] (a kvfabric policy, not the seed's) the
 //! cursor stays on the oldest flow — new flows join at the back of the
 //! ring, so the ring is in arrival order — and every sweep starts there:
-//! the oldest eligible flow whose head fits gets the region. Drain mode
-//! and the cap W apply under both.
+//! the oldest eligible flow whose head fits gets the region. Under
+//! [`GrantPolicy::ShortestFirst`] (kvfabric's) the ring is kept sorted by
+//! each flow's *rank* — the scheduler's byte clock when the flow's WANT
+//! arrived plus the bytes it asked for — and sweeps start at the lowest
+//! rank the same way. Drain mode and the cap W apply under all three.
 //!
 //! **Drain mode** (anti-starvation): when the oldest stamped flow has been
 //! bypassed by at least [`BYPASS_ROUNDS`] full rounds of grants
@@ -94,6 +97,17 @@ use thiserror::Error;
 /// scheduler enters drain mode for it (seed §5 `kBypassRounds`).
 pub const BYPASS_ROUNDS: u64 = 2;
 
+/// Weight of a WANT's bytes in its rank under
+/// [`GrantPolicy::ShortestFirst`]: rank = clock + `SIZE_WEIGHT` × bytes, so
+/// a request is passed by at most about this many times its own size in
+/// bytes of later traffic. 8: in the one-GPU model on both Mooncake traces
+/// (`cargo bench -p kvfabric-core --bench policy_model`, loads 50–85 %) the
+/// p99 of all requests and of the smallest quarter were both at or below
+/// round-robin's at every load; 1 left the smallest quarter 3–5× worse
+/// than round-robin's, 16 and above no longer lowered the p99 of all
+/// (docs/benchmarks.md, "Issue 18, tenth session").
+pub const SIZE_WEIGHT: u64 = 8;
+
 /// Which eligible flow a sweep offers the next region to
 /// (`grantPolicy`, a kvfabric field; not in seed §10).
 ///
@@ -130,6 +144,22 @@ pub enum GrantPolicy {
     /// all requests was 18–38 % lower (docs/benchmarks.md, "Issue 18,
     /// ninth session"). Not the default for that reason.
     OldestFirst,
+    /// Shortest first, aged: each sweep starts at the flow of lowest
+    /// *rank* = V + [`SIZE_WEIGHT`] × B, where V is the scheduler's byte
+    /// clock (bytes of all remote grants so far) when the flow's WANT
+    /// arrived and B the bytes that WANT asked for; a WANT appending to a
+    /// live flow sets its rank to max(rank, V) + [`SIZE_WEIGHT`] × B (a
+    /// finish tag as in VirtualClock, L. Zhang, SIGCOMM 1990, per request
+    /// instead of per packet, with sizes weighted). Among requests that
+    /// arrive together the smaller goes first; a larger one is passed only
+    /// by requests that arrive before the clock has moved past its rank —
+    /// at most about [`SIZE_WEIGHT`] times its own size in bytes of later
+    /// traffic — so none starves, and for equal sizes the order is arrival
+    /// order (as [`GrantPolicy::OldestFirst`]).
+    /// Younger or larger flows are granted whenever the front ones are at
+    /// W or do not fit; a head that does not fit is drained as under the
+    /// other policies.
+    ShortestFirst,
 }
 
 /// One credit (seed §3): exclusive permission for `flow` to write `len`
@@ -231,10 +261,14 @@ struct Flow {
     held: Vec<u64>,
     /// Grant sequence at which the head chunk first failed to fit.
     blocked_at_grant_seq: Option<u64>,
-    /// Arrival number (insertion, or the last append under oldest first):
-    /// ties between stamps of one grant sequence go to the earliest under
-    /// [`GrantPolicy::OldestFirst`].
+    /// Arrival number (insertion, or the last append): breaks ties of
+    /// equal rank.
     arrival: u64,
+    /// Where the flow stands in line (lowest first) under the policies
+    /// other than round-robin: its arrival number under oldest first, its
+    /// aged size (bytes) under shortest first; 0 under round-robin. Ties
+    /// between stamps of one grant sequence go to the lowest rank.
+    rank: u64,
     prev: usize,
     next: usize,
 }
@@ -287,8 +321,11 @@ pub struct CreditScheduler {
     unstamped: HashSet<usize>,
     grant_seq: u64,
     /// Stamped flows, oldest first: (blocked_at_grant_seq, tie, slot), tie
-    /// = the flow's arrival under oldest first, 0 under round-robin.
+    /// = the flow's rank (0 under round-robin).
     blocked: BTreeSet<(u64, u64, usize)>,
+    /// Byte clock V of [`GrantPolicy::ShortestFirst`]: bytes of all remote
+    /// grants issued so far.
+    granted_bytes: u64,
     /// Next [`Flow::arrival`].
     next_arrival: u64,
     drain: Option<usize>,
@@ -337,6 +374,7 @@ impl CreditScheduler {
             grant_seq: 0,
             blocked: BTreeSet::new(),
             next_arrival: 0,
+            granted_bytes: 0,
             drain: None,
             regions: HashMap::new(),
             held_bytes: 0,
@@ -349,10 +387,9 @@ impl CreditScheduler {
     }
 
     /// Sets the [`GrantPolicy`] (builder style; [`new`](Self::new) starts
-    /// with [`GrantPolicy::RoundRobin`], the seed's). Changing it on a
-    /// scheduler with live flows keeps them: under
-    /// [`GrantPolicy::OldestFirst`] the ring must be in arrival order,
-    /// which holds when it is set before the first WANT.
+    /// with [`GrantPolicy::RoundRobin`], the seed's). Set it before the
+    /// first WANT: under the other policies the ring must be in rank
+    /// order, which flows queued under round-robin are not.
     pub fn with_policy(mut self, policy: GrantPolicy) -> Self {
         self.policy = policy;
         self
@@ -367,7 +404,8 @@ impl CreditScheduler {
 
     /// WANT from a remote sender (seed §5 ①): queues `chunk_bytes` (one
     /// entry per chunk, bytes) on `flow`, creating the flow at the back of
-    /// the ring (just before the cursor) if it is new.
+    /// the ring (just before the cursor) if it is new — at its rank's place
+    /// under [`GrantPolicy::ShortestFirst`].
     ///
     /// A WANT for a flow that is still live **appends** its chunks after the
     /// flow's pending ones (a sender may announce a request incrementally).
@@ -393,19 +431,31 @@ impl CreditScheduler {
         if chunk_bytes.is_empty() {
             return Ok(());
         }
-        let slot = match self.index.get(&flow) {
-            Some(&slot) => {
-                // Oldest first serves WANTs in arrival order: chunks
-                // appended to a live flow queue behind every flow already
-                // waiting, so a flow that keeps appending cannot hold the
-                // front of the line (and starve younger flows) forever.
-                if self.policy == GrantPolicy::OldestFirst {
-                    self.move_to_back(slot);
-                }
-                slot
-            }
-            None => self.insert_flow(flow),
+        let (slot, fresh) = match self.index.get(&flow) {
+            Some(&slot) => (slot, false),
+            None => (self.insert_flow(flow), true),
         };
+        // Oldest first serves WANTs in arrival order: chunks appended to a
+        // live flow queue behind every flow already waiting, so a flow that
+        // keeps appending cannot hold the front of the line (and starve
+        // younger flows) forever. Shortest first ranks a WANT by the clock
+        // plus its bytes; an append starts from the clock too once the
+        // clock has passed the flow's rank (so it ages like a new request).
+        let bytes: u64 = chunk_bytes.iter().sum();
+        let rank = match self.policy {
+            GrantPolicy::RoundRobin => None,
+            GrantPolicy::OldestFirst => (!fresh).then_some(self.next_arrival),
+            GrantPolicy::ShortestFirst => {
+                let from = if fresh { 0 } else { self.flow(slot).rank };
+                Some(
+                    from.max(self.granted_bytes)
+                        .saturating_add(bytes.saturating_mul(SIZE_WEIGHT)),
+                )
+            }
+        };
+        if let Some(rank) = rank {
+            self.reposition(slot, rank);
+        }
         let was = self.class(slot);
         self.flow_mut(slot)
             .pending
@@ -480,7 +530,7 @@ impl CreditScheduler {
                     if self.flow(s).blocked_at_grant_seq.is_none() {
                         match self.policy {
                             GrantPolicy::RoundRobin => self.stamp(s, seq),
-                            GrantPolicy::OldestFirst => passed.push(s),
+                            _ => passed.push(s),
                         }
                     }
                 }
@@ -866,12 +916,12 @@ impl CreditScheduler {
             ));
         }
         // Walk the ring from the cursor: every live flow exactly once (a
-        // ring split into shorter cycles fails here), and under oldest
-        // first in arrival order.
+        // ring split into shorter cycles fails here), and but under
+        // round-robin in rank order.
         if let Some(c) = self.cursor {
             let mut s = c;
             let mut seen = HashSet::new();
-            let mut last_arrival = None;
+            let mut last = None;
             for _ in 0..self.ring_len {
                 if !seen.insert(s) {
                     return Err("ring revisits a flow before closing".into());
@@ -881,11 +931,12 @@ impl CreditScheduler {
                     .get(s)
                     .and_then(Option::as_ref)
                     .ok_or("ring hits a free slot")?;
-                if self.policy == GrantPolicy::OldestFirst {
-                    if last_arrival.is_some_and(|a| a > f.arrival) {
-                        return Err(format!("flow {} out of arrival order in the ring", f.key));
+                if self.policy != GrantPolicy::RoundRobin {
+                    let here = (f.rank, f.arrival);
+                    if last.is_some_and(|l| l > here) {
+                        return Err(format!("flow {} out of rank order in the ring", f.key));
                     }
-                    last_arrival = Some(f.arrival);
+                    last = Some(here);
                 }
                 let n = self.slots[f.next]
                     .as_ref()
@@ -1071,6 +1122,10 @@ impl CreditScheduler {
             held: Vec::new(),
             blocked_at_grant_seq: None,
             arrival: self.next_arrival,
+            rank: match self.policy {
+                GrantPolicy::OldestFirst => self.next_arrival,
+                _ => 0,
+            },
             prev,
             next,
         };
@@ -1091,9 +1146,26 @@ impl CreditScheduler {
         slot
     }
 
-    /// Moves `slot` to the back of the ring (just before the cursor; if it
-    /// is the cursor, the cursor moves to the next flow first).
-    fn move_to_back(&mut self, slot: usize) {
+    /// Gives `slot` a new `rank` and a new arrival number and moves it to
+    /// its place in the ring: after every flow of lower or equal rank (the
+    /// cursor, at the front, moves to it when it ranks below all others).
+    /// O(1) when it goes to the back (every move under oldest first), else
+    /// O(flows it passes).
+    fn reposition(&mut self, slot: usize, rank: u64) {
+        let stamp = self.flow(slot).blocked_at_grant_seq;
+        if let Some(seq) = stamp {
+            let old = self.stamp_key(seq, slot);
+            self.blocked.remove(&old);
+        }
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let f = self.flow_mut(slot);
+        f.rank = rank;
+        f.arrival = arrival;
+        if let Some(seq) = stamp {
+            let new = self.stamp_key(seq, slot);
+            self.blocked.insert(new);
+        }
         if self.ring_len < 2 {
             return;
         }
@@ -1103,30 +1175,46 @@ impl CreditScheduler {
         if self.cursor == Some(slot) {
             self.cursor = Some(next);
         }
-        let c = self.cursor.expect("ring of two or more has a cursor");
-        let back = self.flow(c).prev;
-        self.flow_mut(back).next = slot;
-        self.flow_mut(c).prev = slot;
-        let f = self.flow_mut(slot);
-        f.prev = back;
-        f.next = c;
-        // It arrives anew: a later arrival for ties between stamps.
-        let stamp = f.blocked_at_grant_seq;
-        let old = stamp.map(|seq| self.stamp_key(seq, slot));
-        self.flow_mut(slot).arrival = self.next_arrival;
-        self.next_arrival += 1;
-        if let (Some(seq), Some(old)) = (stamp, old) {
-            self.blocked.remove(&old);
-            let new = self.stamp_key(seq, slot);
-            self.blocked.insert(new);
+        let front = self.cursor.expect("ring of two or more has a cursor");
+        // Walk back from the back of the line past the flows that rank
+        // higher (each has a lower arrival number, so ties stay behind).
+        let mut after = self.flow(front).prev;
+        let mut passed_all = false;
+        for _ in 0..self.ring_len - 1 {
+            if self.flow(after).rank <= rank {
+                break;
+            }
+            if after == front {
+                passed_all = true;
+                break;
+            }
+            after = self.flow(after).prev;
         }
+        let before = self.flow(after).next;
+        if passed_all {
+            // Lowest rank: links before the old front and becomes it.
+            let back = self.flow(front).prev;
+            self.link_between(slot, back, front);
+            self.cursor = Some(slot);
+        } else {
+            self.link_between(slot, after, before);
+        }
+    }
+
+    /// Links `slot` between the adjacent flows `prev` and `next`.
+    fn link_between(&mut self, slot: usize, prev: usize, next: usize) {
+        self.flow_mut(prev).next = slot;
+        self.flow_mut(next).prev = slot;
+        let f = self.flow_mut(slot);
+        f.prev = prev;
+        f.next = next;
     }
 
     /// The blocked-set key of `slot` stamped at `seq`.
     fn stamp_key(&self, seq: u64, slot: usize) -> (u64, u64, usize) {
         let tie = match self.policy {
             GrantPolicy::RoundRobin => 0,
-            GrantPolicy::OldestFirst => self.flow(slot).arrival,
+            _ => self.flow(slot).rank,
         };
         (seq, tie, slot)
     }
@@ -1168,10 +1256,11 @@ impl CreditScheduler {
         );
         self.held_bytes += block;
         self.grant_seq += 1;
-        // Round-robin: the next sweep starts past this flow. Oldest first:
-        // the cursor stays on the oldest flow (the ring is in arrival
-        // order: new flows join just before the cursor, at the back) and
-        // moves only when that flow leaves the ring.
+        self.granted_bytes = self.granted_bytes.saturating_add(len);
+        // Round-robin: the next sweep starts past this flow. Otherwise the
+        // cursor stays on the front of the line (the ring is in rank
+        // order) and moves only when that flow leaves the ring or a flow
+        // of lower rank arrives.
         if self.policy == GrantPolicy::RoundRobin {
             self.cursor = Some(next);
         }
@@ -1396,6 +1485,83 @@ mod tests {
         assert!(pending.iter().all(|&p| p == 0));
         assert!(!s.in_drain_mode());
         assert_eq!(s.flow_count(), 0);
+    }
+
+    /// [`GrantPolicy::ShortestFirst`], one region at a time (arena of one
+    /// granule, W = 1), K = [`SIZE_WEIGHT`]: a 4-chunk flow B ranks at 4K
+    /// granules; one-chunk flows arriving one per freed region rank at
+    /// clock + K, so the first 3K of them pass B, the next ties with B and
+    /// queues behind it (arrived later), and B then takes all its chunks
+    /// before any later arrival: a large request waits for at most about
+    /// K times its own size of later traffic. Under oldest first B would
+    /// go first; under round-robin it would alternate with the small ones.
+    #[test]
+    fn shortest_first_passes_large_flows_only_until_they_age() {
+        let k = SIZE_WEIGHT;
+        let mut s = CreditScheduler::new(G, G, 1)
+            .unwrap()
+            .with_policy(GrantPolicy::ShortestFirst);
+        assert_eq!(s.policy(), GrantPolicy::ShortestFirst);
+        let big = key("p", 1_000);
+        s.on_want(big.clone(), &[G; 4]).unwrap();
+        let mut order = Vec::new();
+        for i in 0..3 * k + 5 {
+            s.on_want(key("p", i), &[G]).unwrap();
+            let g = s.schedule();
+            assert_eq!(g.len(), 1, "one region at a time");
+            s.check_conservation().unwrap();
+            order.push(g[0].flow.rid);
+            s.begin_scatter(&g[0].flow, g[0].region_offset).unwrap();
+            s.scatter_done(g[0].region_offset).unwrap();
+        }
+        let mut want: Vec<u64> = (0..3 * k).collect();
+        want.extend([1_000; 4]);
+        want.push(3 * k);
+        assert_eq!(order, want);
+        // The rest drains in rank (= arrival) order.
+        let mut rest = Vec::new();
+        loop {
+            let g = s.schedule();
+            let Some(g) = g.first() else { break };
+            rest.push(g.flow.rid);
+            s.begin_scatter(&g.flow, g.region_offset).unwrap();
+            s.scatter_done(g.region_offset).unwrap();
+        }
+        assert_eq!(rest, (3 * k + 1..3 * k + 5).collect::<Vec<_>>());
+        assert_eq!(s.flow_count(), 0);
+        assert_eq!(s.free_bytes(), s.capacity());
+    }
+
+    /// Shortest first: an append adds its weighted bytes to the flow's
+    /// rank (or to the clock, once the clock has passed the rank), so a
+    /// flow that keeps appending goes behind one that waited.
+    #[test]
+    fn shortest_first_appends_move_a_flow_back() {
+        // Ranks below in k = SIZE_WEIGHT × G.
+        let mut s = CreditScheduler::new(G, G, 1)
+            .unwrap()
+            .with_policy(GrantPolicy::ShortestFirst);
+        let a = key("p", 1);
+        let b = key("p", 2);
+        s.on_want(a.clone(), &[G]).unwrap(); // rank k
+        s.on_want(b.clone(), &[G; 3]).unwrap(); // rank 3k
+        let g = s.schedule();
+        assert_eq!(flows_of(&g), vec![a.to_string()]); // clock G
+                                                       // A appends 1 granule while live: k + k = 2k < 3k, still first.
+        s.on_want(a.clone(), &[G]).unwrap();
+        assert_eq!(s.cursor_flow(), Some(&a));
+        s.begin_scatter(&a, g[0].region_offset).unwrap();
+        s.scatter_done(g[0].region_offset).unwrap();
+        let g = s.schedule();
+        assert_eq!(flows_of(&g), vec![a.to_string()]); // clock 2G
+                                                       // A appends 2 more: 2k + 2k = 4k > 3k: behind B now.
+        s.on_want(a.clone(), &[G, G]).unwrap();
+        assert_eq!(s.cursor_flow(), Some(&b));
+        s.begin_scatter(&a, g[0].region_offset).unwrap();
+        s.scatter_done(g[0].region_offset).unwrap();
+        let g = s.schedule();
+        assert_eq!(flows_of(&g), vec![b.to_string()]);
+        s.check_conservation().unwrap();
     }
 
     #[test]

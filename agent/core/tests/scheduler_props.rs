@@ -5,13 +5,20 @@
 
 use kvfabric_core::buddy::BuddyAllocator;
 use kvfabric_core::scheduler::{
-    CreditScheduler, Grant, GrantPolicy, SchedulerError, BYPASS_ROUNDS,
+    CreditScheduler, Grant, GrantPolicy, SchedulerError, BYPASS_ROUNDS, SIZE_WEIGHT,
 };
 use kvfabric_core::FlowKey;
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 const G: u64 = 64;
+
+/// Every [`GrantPolicy`], for properties that must hold under each.
+const POLICIES: [GrantPolicy; 3] = [
+    GrantPolicy::RoundRobin,
+    GrantPolicy::OldestFirst,
+    GrantPolicy::ShortestFirst,
+];
 
 /// Tiny deterministic PRNG for the simulation tests (splitmix64).
 struct Rng(u64);
@@ -460,9 +467,9 @@ proptest! {
         w in 1usize..5,
         ops in prop::collection::vec(op_strategy(), 1..60),
         natural_finish in any::<bool>(),
-        oldest_first in any::<bool>(),
+        policy in 0usize..3,
     ) {
-        let policy = if oldest_first { GrantPolicy::OldestFirst } else { GrantPolicy::RoundRobin };
+        let policy = POLICIES[policy];
         run_ops(granules * G + slack, w, &ops, natural_finish, policy);
     }
 }
@@ -576,11 +583,19 @@ fn starvation_scenario(
     // the big flow when it arrived (8 per small flow) come first; from
     // then on it is at the front (appending flows move behind it) and the
     // same bound holds.
+    // Shortest first ranks the big flow at SIZE_WEIGHT × its size (192
+    // granules; the clock is 0): the small flows pass it until the clock
+    // reaches that (one-granule grants; an append ranks from the clock
+    // once the clock has passed the flow's rank), plus what each had
+    // queued then (at most 9: it appends 8 when fewer than 2 are left).
     let bound = (BYPASS_ROUNDS + 1) * ring
         + 1
         + match policy {
             GrantPolicy::RoundRobin => 0,
             GrantPolicy::OldestFirst => 8 * n_small as u64,
+            GrantPolicy::ShortestFirst => {
+                SIZE_WEIGHT * big_chunks as u64 * max / G + 9 * n_small as u64
+            }
         };
 
     let mut inflight: Vec<Grant> = Vec::new();
@@ -632,6 +647,7 @@ fn starvation_freedom_50_small_flows() {
     for seed in 0..5 {
         starvation_scenario(50, 4, seed, 3, GrantPolicy::RoundRobin);
         starvation_scenario(50, 4, seed, 3, GrantPolicy::OldestFirst);
+        starvation_scenario(50, 4, seed, 3, GrantPolicy::ShortestFirst);
     }
 }
 
@@ -644,9 +660,9 @@ proptest! {
         w in 1usize..6,
         seed in any::<u64>(),
         per_tick in 1usize..8,
-        oldest_first in any::<bool>(),
+        policy in 0usize..3,
     ) {
-        let policy = if oldest_first { GrantPolicy::OldestFirst } else { GrantPolicy::RoundRobin };
+        let policy = POLICIES[policy];
         starvation_scenario(n_small, w, seed, per_tick, policy);
     }
 }
@@ -659,6 +675,7 @@ proptest! {
 fn finished_flows_do_not_accumulate() {
     finished_flows_do_not_accumulate_under(GrantPolicy::RoundRobin);
     finished_flows_do_not_accumulate_under(GrantPolicy::OldestFirst);
+    finished_flows_do_not_accumulate_under(GrantPolicy::ShortestFirst);
 }
 
 fn finished_flows_do_not_accumulate_under(policy: GrantPolicy) {
@@ -801,6 +818,109 @@ proptest! {
             s.begin_scatter(&keys[i], o).unwrap();
             s.scatter_done(o).unwrap();
         }
+        prop_assert!(pending.iter().all(|&p| p == 0), "a flow starved: {:?}", pending);
+        prop_assert_eq!(s.flow_count(), 0);
+        prop_assert_eq!(s.free_bytes(), s.capacity());
+    }
+
+    /// Shortest first with room for everything and every WANT before the
+    /// first grant (the byte clock at 0, so a flow's rank is its bytes): no
+    /// grant goes to a flow while a flow of lower rank (fewer bytes, or as
+    /// many and earlier) is eligible; with W = 1 and one region at a time,
+    /// whole flows finish smallest first.
+    #[test]
+    fn shortest_first_grants_in_rank_order(
+        chunks in prop::collection::vec(prop::collection::vec(1u64..4 * G, 1..10), 2..12),
+        w in 1usize..6,
+        completions in prop::collection::vec(any::<usize>(), 0..40),
+    ) {
+        let mut s = CreditScheduler::new(1 << 20, G, w)
+            .unwrap()
+            .with_policy(GrantPolicy::ShortestFirst);
+        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
+        let rank: Vec<(u64, usize)> = chunks.iter().enumerate().map(|(i, c)| (c.iter().sum(), i)).collect();
+        let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        for (k, c) in keys.iter().zip(&chunks) {
+            s.on_want(k.clone(), c).unwrap();
+        }
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+        let mut round = 0;
+        loop {
+            for g in s.schedule() {
+                let i = keys.iter().position(|k| *k == g.flow).unwrap();
+                for j in 0..keys.len() {
+                    prop_assert!(
+                        rank[j] >= rank[i] || pending[j] == 0 || held[j].len() >= w,
+                        "flow {} (rank {:?}) granted while flow {} (rank {:?}) was eligible",
+                        i, rank[i], j, rank[j]
+                    );
+                }
+                pending[i] -= 1;
+                held[i].push(g.region_offset);
+            }
+            s.check_conservation().unwrap();
+            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
+            if live.is_empty() || round >= completions.len() {
+                break;
+            }
+            let i = live[completions[round] % live.len()];
+            let o = held[i].remove(0);
+            s.begin_scatter(&keys[i], o).unwrap();
+            s.scatter_done(o).unwrap();
+            round += 1;
+        }
+    }
+
+    /// Shortest first in a tight arena with WANTs arriving and appending
+    /// between completions: every flow is served to its last chunk (no
+    /// starvation, no stall) and at the end every byte is free.
+    #[test]
+    fn shortest_first_serves_every_flow_with_late_arrivals(
+        chunks in prop::collection::vec(prop::collection::vec(1u64..8 * G, 1..8), 2..16),
+        w in 1usize..6,
+        granules in 2u64..24,
+        picks in prop::collection::vec(any::<usize>(), 1..64),
+    ) {
+        let mut s = CreditScheduler::new(granules * G, G, w)
+            .unwrap()
+            .with_policy(GrantPolicy::ShortestFirst);
+        let max = s.max_allocation();
+        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
+        let mut pending: Vec<usize> = vec![0; keys.len()];
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+        // Flow i's chunks arrive as two WANTs, the second after step i.
+        let mut arrived = 0;
+        for step in 0..10_000usize {
+            if arrived < 2 * keys.len() && step >= arrived / 2 {
+                let i = arrived / 2;
+                let c: Vec<u64> = chunks[i].iter().map(|&b| b.min(max)).collect();
+                let half = c.len() / 2;
+                let part = if arrived % 2 == 0 { &c[..half] } else { &c[half..] };
+                if !part.is_empty() {
+                    s.on_want(keys[i].clone(), part).unwrap();
+                    pending[i] += part.len();
+                }
+                arrived += 1;
+            }
+            for g in s.schedule() {
+                let i = keys.iter().position(|k| *k == g.flow).unwrap();
+                pending[i] -= 1;
+                held[i].push(g.region_offset);
+            }
+            s.check_conservation().unwrap();
+            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
+            if live.is_empty() {
+                if arrived == 2 * keys.len() {
+                    break;
+                }
+                continue;
+            }
+            let i = live[picks[step % picks.len()] % live.len()];
+            let o = held[i].remove(0);
+            s.begin_scatter(&keys[i], o).unwrap();
+            s.scatter_done(o).unwrap();
+        }
+        prop_assert_eq!(arrived, 2 * keys.len());
         prop_assert!(pending.iter().all(|&p| p == 0), "a flow starved: {:?}", pending);
         prop_assert_eq!(s.flow_count(), 0);
         prop_assert_eq!(s.free_bytes(), s.capacity());

@@ -467,11 +467,16 @@ impl Sim {
             // what they were.
             eager_grant_order: scoped && Rng::new(seed ^ 0x0E46_E500_0000_0000).chance(500),
             release_staging_on_write: scoped && Rng::new(seed ^ 0x5E1E_A5E0_0000_0000).chance(500),
-            // Half the scoped worlds run the receiver's oldest-first grant
-            // policy; drawn from a generator of its own so every seed's
+            // Half the scoped worlds run a receiver grant policy other
+            // than round-robin (oldest first or shortest first, half
+            // each); drawn from generators of their own so every seed's
             // other choices (and the legacy world) stay what they were.
             grant_policy: if scoped && Rng::new(seed ^ 0x01D5_F125_7000_0000).chance(500) {
-                kvfabric_core::scheduler::GrantPolicy::OldestFirst
+                if Rng::new(seed ^ 0x5F1E_57F1_0000_0000).chance(500) {
+                    kvfabric_core::scheduler::GrantPolicy::ShortestFirst
+                } else {
+                    kvfabric_core::scheduler::GrantPolicy::OldestFirst
+                }
             } else {
                 kvfabric_core::scheduler::GrantPolicy::RoundRobin
             },
