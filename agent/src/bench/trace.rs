@@ -331,6 +331,12 @@ pub struct PathStats {
     /// Open loop only (`None` in closed loop): latency from the requests'
     /// scheduled arrivals, queueing included.
     pub from_arrival: Option<ArrivalLatency>,
+    /// Open loop, prompts of different lengths only: the same latency of
+    /// the smallest quarter of the completed requests by prompt tokens (by
+    /// rank; ties in completion order), the tail a grant policy that
+    /// favours large or old requests would hurt. `None` in closed loop,
+    /// with fewer than 4 completed requests or all prompts equal.
+    pub from_arrival_small: Option<ArrivalLatency>,
     /// The requests that failed, in completion order.
     pub failed_requests: Vec<FailedRequest>,
 }
@@ -382,6 +388,8 @@ pub struct ArrivalSample {
     pub queue_ms: f64,
     /// Submit → transfer resolution.
     pub service_ms: f64,
+    /// The request's prompt (tokens).
+    pub prompt_tokens: u64,
 }
 
 impl ArrivalLatency {
@@ -411,6 +419,25 @@ impl ArrivalLatency {
             late_p50_ms: percentile(&late, 50.0),
             late_p99_ms: percentile(&late, 99.0),
         })
+    }
+
+    /// The statistics of the smallest quarter of `samples` by
+    /// [`ArrivalSample::prompt_tokens`] (⌈n/4⌉ requests by rank, ties in
+    /// the order given); `None` with fewer than 4 samples or when every
+    /// prompt has the same length (the quarter would be arbitrary).
+    pub fn of_smallest_quarter(samples: &[ArrivalSample]) -> Option<Self> {
+        let lo = samples.iter().map(|s| s.prompt_tokens).min()?;
+        let hi = samples.iter().map(|s| s.prompt_tokens).max()?;
+        if samples.len() < 4 || lo == hi {
+            return None;
+        }
+        let mut by_size: Vec<&ArrivalSample> = samples.iter().collect();
+        by_size.sort_by_key(|s| s.prompt_tokens);
+        let quarter: Vec<ArrivalSample> = by_size[..samples.len().div_ceil(4)]
+            .iter()
+            .map(|&&s| s)
+            .collect();
+        Self::of(&quarter)
     }
 }
 
@@ -1063,6 +1090,7 @@ fn run_phase(
                                 late_ms: l,
                                 queue_ms: q,
                                 service_ms: ms,
+                                prompt_tokens: rec.input_length,
                             });
                     }
                     bytes.fetch_add(n * desc_bytes, Ordering::Relaxed);
@@ -1109,6 +1137,7 @@ fn run_phase(
     l.sort_by(|a, b| a.total_cmp(b));
     let total = bytes.load(Ordering::Relaxed);
     let failed_requests = failed.into_inner().unwrap_or_else(|p| p.into_inner());
+    let samples = open_loop.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(PathStats {
         path,
         requests: l.len(),
@@ -1127,9 +1156,8 @@ fn run_phase(
             l.iter().sum::<f64>() / l.len() as f64
         },
         requests_per_s: l.len() as f64 / wall,
-        from_arrival: ArrivalLatency::of(
-            &open_loop.into_inner().unwrap_or_else(|p| p.into_inner()),
-        ),
+        from_arrival: ArrivalLatency::of(&samples),
+        from_arrival_small: ArrivalLatency::of_smallest_quarter(&samples),
         failed_requests,
     })
 }
@@ -1209,6 +1237,20 @@ impl ReplayReport {
                         );
                     }
                     None => s += &format!("{name:>9} (no completed request)\n"),
+                }
+            }
+            for p in &self.paths {
+                if let Some(a) = &p.from_arrival_small {
+                    s += &format!(
+                        "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1}  (the smallest quarter of prompts)\n",
+                        format!("{:?}", p.path).to_lowercase(),
+                        a.p50_ms,
+                        a.p90_ms,
+                        a.p99_ms,
+                        a.max_ms,
+                        a.queue_p50_ms,
+                        a.queue_p99_ms,
+                    );
                 }
             }
         }
@@ -1666,6 +1708,41 @@ mod tests {
         let d = SliceDemand::of(&layout, &[rec(0)], 4);
         assert_eq!((d.requests, d.largest), (0, None));
         assert_eq!(d.default_pool_bytes(&layout, 1 << 30), 64 * mib);
+    }
+
+    #[test]
+    fn smallest_quarter_of_arrivals_is_by_prompt_rank() {
+        let at = |prompt_tokens, service_ms| ArrivalSample {
+            late_ms: 0.0,
+            queue_ms: 0.5,
+            service_ms,
+            prompt_tokens,
+        };
+        // The two smallest of eight prompts (100 and 200 tokens) took 1
+        // and 2 ms (+ 0.5 queueing); the rest 14-19 ms.
+        let v = [
+            at(900, 19.0),
+            at(100, 1.0),
+            at(800, 18.0),
+            at(200, 2.0),
+            at(700, 17.0),
+            at(600, 16.0),
+            at(500, 15.0),
+            at(400, 14.0),
+        ];
+        let q = ArrivalLatency::of_smallest_quarter(&v).unwrap();
+        assert_eq!((q.max_ms, q.mean_ms), (2.5, 2.0));
+        assert_eq!(ArrivalLatency::of(&v).unwrap().max_ms, 19.5);
+        // Nine requests: the quarter rounds up to three.
+        let mut nine = v.to_vec();
+        nine.push(at(300, 3.0));
+        let q = ArrivalLatency::of_smallest_quarter(&nine).unwrap();
+        assert_eq!((q.max_ms, q.mean_ms), (3.5, 2.5));
+        // Equal prompts or fewer than four requests: no quarter.
+        let same: Vec<ArrivalSample> = (0..8).map(|i| at(8192, i as f64)).collect();
+        assert!(ArrivalLatency::of_smallest_quarter(&same).is_none());
+        assert!(ArrivalLatency::of_smallest_quarter(&v[..3]).is_none());
+        assert!(ArrivalLatency::of_smallest_quarter(&[]).is_none());
     }
 
     #[test]
