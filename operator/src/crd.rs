@@ -212,8 +212,9 @@ impl KvFabric {
 /// `spec.bounce`: the agents' defaults of that time, bounce disabled. Such
 /// a value is not a request to manage the fleet's config (rolling it out
 /// would switch bounce off fleet-wide on upgrade). `grantPolicy` is
-/// ignored: its default was `oldestFirst` for a few commits of issue 18's
-/// ninth session, so either value may be stored. Pure.
+/// ignored: its default was `roundRobin`, then `oldestFirst` for a few
+/// commits of issue 18's ninth session, now `shortestFirst`, so any value
+/// may be stored. Pure.
 pub fn is_stored_default(bounce: &BounceConfig) -> bool {
     let defaults = BounceConfig {
         grant_policy: bounce.grant_policy,
@@ -319,12 +320,15 @@ mod tests {
     }
 
     #[test]
-    fn stored_defaults_with_either_grant_policy_are_not_managed() {
+    fn stored_defaults_with_any_grant_policy_are_not_managed() {
         use kvfabric_core::scheduler::GrantPolicy;
         let mut b = BounceConfig::default();
         assert!(is_stored_default(&b));
-        // What the CRD defaulted while oldestFirst was the default.
+        // What the CRD defaulted while roundRobin or oldestFirst was the
+        // default.
         b.grant_policy = GrantPolicy::OldestFirst;
+        assert!(is_stored_default(&b));
+        b.grant_policy = GrantPolicy::RoundRobin;
         assert!(is_stored_default(&b));
         // Anything else set is a request to manage.
         b.enabled = true;

@@ -769,13 +769,12 @@ pub struct BounceConfig {
     pub io_busy_poll_us: BusyPoll,
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
-    /// region to next, `roundRobin` (the seed's, §5; default),
-    /// `oldestFirst` (requests served in arrival order, W each: lower tails
-    /// for equal-size requests, longer waits for small requests behind
-    /// large ones) or `shortestFirst` (smaller requests first, aged so a
-    /// large one waits at most about its own size of later traffic; arrival
-    /// order for equal sizes); see [`GrantPolicy`]. Receiver-local: peers
-    /// need not agree.
+    /// region to next: `shortestFirst` (default; smaller requests first,
+    /// aged so a large one waits for at most about 8 times its own size of
+    /// later traffic; arrival order for equal sizes), `roundRobin` (the
+    /// seed's, §5: every request progresses at once) or `oldestFirst`
+    /// (arrival order, W each: small requests wait behind large ones); see
+    /// [`GrantPolicy`]. Receiver-local: peers need not agree.
     /// Env `KVFABRIC_BOUNCE_GRANT_POLICY`.
     #[serde(deserialize_with = "de_grant_policy")]
     pub grant_policy: GrantPolicy,
@@ -848,7 +847,7 @@ impl Default for BounceConfig {
             disable_scatter_run_merging: false,
             control_transport: ControlTransport::Zmq,
             io_busy_poll_us: BusyPoll::Auto,
-            grant_policy: GrantPolicy::RoundRobin,
+            grant_policy: GrantPolicy::ShortestFirst,
             uniform_data: true,
             batch_gathers: true,
             eager_grant_order: true,
@@ -1792,7 +1791,7 @@ mod tests {
     fn grant_policy_parses_from_yaml_and_env_and_rejects_bad_values() {
         assert_eq!(
             BounceConfig::default().grant_policy,
-            GrantPolicy::RoundRobin
+            GrantPolicy::ShortestFirst
         );
         // The non-default value, so the field is really read.
         let c = BounceConfig::from_yaml_str("grantPolicy: oldestFirst").unwrap();

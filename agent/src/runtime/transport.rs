@@ -147,7 +147,7 @@ impl Default for TransportSettings {
             eager_gather: true,
             eager_grant_order: true,
             release_staging_on_write: true,
-            grant_policy: GrantPolicy::RoundRobin,
+            grant_policy: GrantPolicy::ShortestFirst,
             uniform_data: true,
             merge_runs: true,
             batch_gathers: true,
