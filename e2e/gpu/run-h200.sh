@@ -164,17 +164,19 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # flight. KVF_TRACE_RUNS: FILE@SPEED entries, FILE under .gpu/traces
       # (copied from ../shared/data/traces); KVF_CONFIGS as in load. Prints
       # the latency from arrival of all requests and of the smallest quarter
-      # of prompts.
+      # of prompts. KVF_REPEAT: runs of each (configs alternated).
       mps_on
       for run in ${KVF_TRACE_RUNS:-}; do
         f=${run%@*}; sp=${run#*@}
+        for n in $(seq "${KVF_REPEAT:-1}"); do
         for cfg in ${KVF_CONFIGS:--}; do
-          tag="$(basename "$f" .jsonl)_x${sp}_$(cfg_tag "$cfg")"
+          tag="$(basename "$f" .jsonl)_x${sp}_$(cfg_tag "$cfg")_n$n"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 /tmp/kvf/kvfabric-gpu bench \
             --trace ".gpu/traces/$f" --model gpt-oss-120b --tp 4 --pool 48GiB --requests ${KVF_OL_REQUESTS:-2000} \
             --speed "$sp" --concurrency 128 --verify-every "${KVF_VERIFY_EVERY:-1}" --paths bounce ${KVF_BENCH_ARGS:-} \
             --json "$out/trace_$tag.json" > "$out/trace_$tag.log" 2>&1 || rc=1
           echo "trace $tag:"; grep -E '^ *bounce|arrival rate' "$out/trace_$tag.log" | tail -n 4
+        done
         done
       done
       mps_off ;;

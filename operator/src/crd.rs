@@ -14,7 +14,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::CustomResource;
-use kvfabric_core::config::{BounceConfig, REGION_ALIGNMENT_BYTES};
+use kvfabric_core::config::{BounceConfig, MAX_GRANT_SIZE_WEIGHT, REGION_ALIGNMENT_BYTES};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -278,7 +278,9 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
             "uniformData": flag("uniformData", "Uniform chunks described by their blocks' destinations (DATA_UNIFORM; advertised in the handshake, used only when both agents advertise it, else the seed's DATA)."),
             "batchGathers": flag("batchGathers", "The gathers started together (a request's first chunks) go to the GPU as one submission (CUDA kernel path; sender-local)."),
             "eagerGrantOrder": flag("eagerGrantOrder", "Eager gathers staged in the order the receiver (grantPolicy) is expected to grant them, none while a granted chunk waits for staging; false: the seed's submit order (sender-local)."),
-            "releaseStagingOnWrite": flag("releaseStagingOnWrite", "A chunk's staging region is freed when its write completed, not at its ACK (the seed's rule when false; sender-local).")
+            "releaseStagingOnWrite": flag("releaseStagingOnWrite", "A chunk's staging region is freed when its write completed, not at its ACK (the seed's rule when false; sender-local)."),
+            "grantSizeWeight": {"type": "integer", "format": "int64", "minimum": 1, "maximum": MAX_GRANT_SIZE_WEIGHT, "default": def("grantSizeWeight"),
+                                "description": "shortestFirst only: a request ranks at the receiver's byte clock plus this many times its bytes, so a larger one is passed by at most about this many times its size of later traffic (higher favours small requests longer)."}
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

@@ -29,11 +29,13 @@
 //! Run: `cargo bench -p kvfabric-core --bench policy_model` (traces:
 //! `KVFABRIC_TRACE`, default the conversation and synthetic traces of
 //! `../shared/data/traces/` beside the repository;
-//! `KVFABRIC_MODEL_REQUESTS` caps the requests of each, default 4,000).
+//! `KVFABRIC_MODEL_REQUESTS` caps the requests of each, default 4,000;
+//! `KVFABRIC_MODEL_SIZE_WEIGHTS=1,8` adds shortest first at those
+//! `grantSizeWeight`s beside the default).
 
 use kvfabric_core::model::{parse_trace, TraceRecord};
 use kvfabric_core::protocol::{Action, Input, Machine, Outcome, Route};
-use kvfabric_core::scheduler::GrantPolicy;
+use kvfabric_core::scheduler::{GrantPolicy, DEFAULT_SIZE_WEIGHT};
 
 #[path = "common/pair.rs"]
 mod pair;
@@ -144,10 +146,16 @@ impl Workload {
     }
 }
 
-/// Latencies from arrival (ms) of one run, by request.
-fn run(w: &Workload, speed: f64, policy: GrantPolicy) -> Vec<f64> {
-    let mut tx = Machine::new(config("tx", policy, 600_000_000_000)).expect("sender config");
-    let mut rx = Machine::new(config("rx", policy, 600_000_000_000)).expect("receiver config");
+/// Latencies from arrival (ms) of one run, by request; `size_weight`:
+/// `grantSizeWeight` of both machines (shortest first only).
+fn run(w: &Workload, speed: f64, policy: GrantPolicy, size_weight: u64) -> Vec<f64> {
+    let cfg = |name: &str| {
+        let mut c = config(name, policy, 600_000_000_000);
+        c.grant_size_weight = size_weight;
+        c
+    };
+    let mut tx = Machine::new(cfg("tx")).expect("sender config");
+    let mut rx = Machine::new(cfg("rx")).expect("receiver config");
     rx.handle(
         0,
         Input::AllowScatter {
@@ -310,7 +318,8 @@ fn main() {
     }
 }
 
-/// Runs `w` at three loads under both policies and prints a table.
+/// Runs `w` at four loads under each policy (shortest first at each
+/// size weight) and prints a table.
 fn report(what: &str, w: &Workload) {
     // Offered copy work (three passes of every chunk) per ns of trace time.
     let span_ns = w.arrival_ms.last().copied().unwrap_or(0.0) * 1e6;
@@ -343,20 +352,39 @@ fn report(what: &str, w: &Workload) {
         "{:>6} {:>12} {:>10} {:>10} {:>12} {:>12}",
         "load", "policy", "p50 ms", "p99 ms", "small p50", "small p99"
     );
-    for load in [0.5, 0.7, 0.85] {
+    // Shortest first at the default weight, plus any in
+    // KVFABRIC_MODEL_SIZE_WEIGHTS (comma-separated).
+    let mut weights = vec![DEFAULT_SIZE_WEIGHT];
+    if let Ok(list) = std::env::var("KVFABRIC_MODEL_SIZE_WEIGHTS") {
+        for v in list.split(',') {
+            match v.trim().parse::<u64>() {
+                Ok(k) if k >= 1 && !weights.contains(&k) => weights.push(k),
+                Ok(_) => {}
+                Err(_) => eprintln!(
+                    "policy_model: KVFABRIC_MODEL_SIZE_WEIGHTS: {v:?} is not a whole number; ignored"
+                ),
+            }
+        }
+    }
+    let mut runs = vec![
+        (GrantPolicy::RoundRobin, 1, "RoundRobin".to_string()),
+        (GrantPolicy::OldestFirst, 1, "OldestFirst".to_string()),
+    ];
+    runs.extend(
+        weights
+            .iter()
+            .map(|&k| (GrantPolicy::ShortestFirst, k, format!("Shortest/{k}"))),
+    );
+    for load in [0.5, 0.7, 0.85, 0.95] {
         // Speed-up so that the copy work offered is `load` of capacity.
         let speed = load * span_ns / copy_ns;
-        for policy in [
-            GrantPolicy::RoundRobin,
-            GrantPolicy::OldestFirst,
-            GrantPolicy::ShortestFirst,
-        ] {
-            let lat = run(w, speed, policy);
+        for (policy, k, label) in &runs {
+            let lat = run(w, speed, *policy, *k);
             let small_lat: Vec<f64> = small.iter().map(|&k| lat[k]).collect();
             println!(
                 "{:>6.2} {:>12} {:>10.2} {:>10.2} {:>12.2} {:>12.2}",
                 load,
-                format!("{policy:?}"),
+                label,
                 percentile(&lat, 50.0),
                 percentile(&lat, 99.0),
                 percentile(&small_lat, 50.0),

@@ -34,7 +34,7 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::buddy;
-pub use crate::scheduler::GrantPolicy;
+pub use crate::scheduler::{GrantPolicy, DEFAULT_SIZE_WEIGHT};
 use crate::ControlKind;
 
 /// Prefix of every environment variable of the bounce config (seed §10 uses
@@ -633,6 +633,7 @@ field_deserializers! {
     de_batch_gathers: bool = "batchGathers";
     de_eager_grant_order: bool = "eagerGrantOrder";
     de_release_staging_on_write: bool = "releaseStagingOnWrite";
+    de_grant_size_weight: u32 = "grantSizeWeight";
 }
 
 // ---------------------------------------------------------------------------
@@ -770,7 +771,7 @@ pub struct BounceConfig {
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
     /// region to next: `shortestFirst` (default; smaller requests first,
-    /// aged so a large one waits for at most about 8 times its own size of
+    /// aged so a large one waits for at most about `grantSizeWeight` times its own size of
     /// later traffic; arrival order for equal sizes), `roundRobin` (the
     /// seed's, §5: every request progresses at once) or `oldestFirst`
     /// (arrival order, W each: small requests wait behind large ones); see
@@ -823,7 +824,24 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_RELEASE_STAGING_ON_WRITE`.
     #[serde(deserialize_with = "de_release_staging_on_write")]
     pub release_staging_on_write: bool,
+
+    /// kvfabric (issue 18, tenth session): under `grantPolicy:
+    /// shortestFirst`, how many times its own bytes a request ranks behind
+    /// the receiver's byte clock (rank = clock + weight × bytes): a larger
+    /// request is passed by at most about weight × its size of later
+    /// traffic. Higher favours small requests longer; 1 ages fastest.
+    /// 1..=[`MAX_GRANT_SIZE_WEIGHT`]; ignored by the other policies.
+    /// Receiver-local (a sender estimates the order with its own value).
+    /// Default [`DEFAULT_SIZE_WEIGHT`] (16).
+    /// Env `KVFABRIC_BOUNCE_GRANT_SIZE_WEIGHT`.
+    #[serde(deserialize_with = "de_grant_size_weight")]
+    pub grant_size_weight: u32,
 }
+
+/// Largest `grantSizeWeight` validation accepts: ranks stay far from
+/// overflow (weight × bytes of a WANT) and a flow is still passed by at
+/// most this many times its size.
+pub const MAX_GRANT_SIZE_WEIGHT: u32 = 1024;
 
 impl Default for BounceConfig {
     /// The seed §10 defaults.
@@ -852,6 +870,7 @@ impl Default for BounceConfig {
             batch_gathers: true,
             eager_grant_order: true,
             release_staging_on_write: true,
+            grant_size_weight: DEFAULT_SIZE_WEIGHT as u32,
         }
     }
 }
@@ -866,7 +885,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 23] = [
+pub const FIELDS: [FieldName; 24] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -959,6 +978,10 @@ pub const FIELDS: [FieldName; 23] = [
         yaml: "releaseStagingOnWrite",
         env: "RELEASE_STAGING_ON_WRITE",
     },
+    FieldName {
+        yaml: "grantSizeWeight",
+        env: "GRANT_SIZE_WEIGHT",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -979,7 +1002,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 23] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 24] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -1005,6 +1028,7 @@ impl BounceConfig {
             (f[20], &mut self.batch_gathers),
             (f[21], &mut self.eager_grant_order),
             (f[22], &mut self.release_staging_on_write),
+            (f[23], &mut self.grant_size_weight),
         ]
     }
 
@@ -1149,7 +1173,8 @@ impl BounceConfig {
     /// - `maxInflightChunksPerRequest`, `copyStreamCount`,
     ///   `scatterWorkerCount`, `requestTimeoutMs` ≥ 1;
     /// - `maxAverageDescriptorSizeBytes` > 0;
-    /// - `ioBusyPollUs` `auto` or ≤ [`MAX_BUSY_POLL_US`].
+    /// - `ioBusyPollUs` `auto` or ≤ [`MAX_BUSY_POLL_US`];
+    /// - `grantSizeWeight` in 1..=[`MAX_GRANT_SIZE_WEIGHT`].
     ///
     /// `minDescriptorCount` may be anything (0 = no descriptor-count gate).
     /// Validation does not depend on `enabled`: callers that ignore the
@@ -1228,6 +1253,13 @@ impl BounceConfig {
                     us.to_string(),
                 );
             }
+        }
+        if !(1..=MAX_GRANT_SIZE_WEIGHT).contains(&self.grant_size_weight) {
+            err(
+                "grantSizeWeight",
+                format!("an integer from 1 to {MAX_GRANT_SIZE_WEIGHT}"),
+                self.grant_size_weight.to_string(),
+            );
         }
         if !errors.is_empty() {
             return Err(ConfigError::Invalid { errors });
@@ -1357,6 +1389,12 @@ impl EffectiveBounceConfig {
     /// The receiver's [`GrantPolicy`].
     pub fn grant_policy(&self) -> GrantPolicy {
         self.config.grant_policy
+    }
+
+    /// `grantSizeWeight`: the weight of a request's bytes in its rank
+    /// under [`GrantPolicy::ShortestFirst`] (1..=[`MAX_GRANT_SIZE_WEIGHT`]).
+    pub fn grant_size_weight(&self) -> u64 {
+        self.config.grant_size_weight.into()
     }
 
     /// Whether the agent takes DATA_UNIFORM (`uniformData`; advertised as
@@ -1731,6 +1769,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_BATCH_GATHERS", "0"),
             ("KVFABRIC_BOUNCE_EAGER_GRANT_ORDER", "false"),
             ("KVFABRIC_BOUNCE_RELEASE_STAGING_ON_WRITE", "off"),
+            ("KVFABRIC_BOUNCE_GRANT_SIZE_WEIGHT", "4"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1759,6 +1798,7 @@ mod tests {
             batch_gathers: false,
             eager_grant_order: false,
             release_staging_on_write: false,
+            grant_size_weight: 4,
         };
         assert_eq!(c, want);
     }
@@ -1829,6 +1869,36 @@ mod tests {
         .validate()
         .unwrap();
         assert_eq!(v.grant_policy(), GrantPolicy::OldestFirst);
+    }
+
+    #[test]
+    fn grant_size_weight_parses_and_is_range_checked() {
+        assert_eq!(
+            BounceConfig::default()
+                .validate()
+                .unwrap()
+                .grant_size_weight(),
+            DEFAULT_SIZE_WEIGHT
+        );
+        let c = BounceConfig::from_yaml_str("grantSizeWeight: 2").unwrap();
+        assert_eq!(c.validate().unwrap().grant_size_weight(), 2);
+        for bad in [0, MAX_GRANT_SIZE_WEIGHT + 1] {
+            let e = BounceConfig {
+                grant_size_weight: bad,
+                ..BounceConfig::default()
+            }
+            .validate()
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("grantSizeWeight") && e.contains("from 1 to 1024"),
+                "{e}"
+            );
+        }
+        let e = BounceConfig::from_yaml_str("grantSizeWeight: heavy")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("grantSizeWeight"), "{e}");
     }
 
     #[test]

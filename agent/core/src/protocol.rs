@@ -153,7 +153,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
-use crate::scheduler::{CreditScheduler, GrantPolicy, SIZE_WEIGHT};
+use crate::scheduler::{CreditScheduler, GrantPolicy};
 use crate::wire::{Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want};
 use crate::{FlowKey, ScatterList};
 
@@ -266,6 +266,11 @@ pub struct Config {
     pub release_staging_on_write: bool,
     /// Which flow the receiver grants next ([`GrantPolicy`]).
     pub grant_policy: GrantPolicy,
+    /// Weight of a request's bytes in its rank under
+    /// [`GrantPolicy::ShortestFirst`] (config `grantSizeWeight`; ≥ 1, 0 is
+    /// taken as 1): the receiver ranks by it, a sender estimates the
+    /// receiver's order with its own value.
+    pub grant_size_weight: u64,
     /// Take DATA_UNIFORM (config `uniformData`, advertised as
     /// [`crate::wire::CAP_UNIFORM_DATA`]); off, one is refused like a DATA
     /// with invalid runs (no scatter, REJECT `InvalidRuns`).
@@ -700,8 +705,8 @@ struct SendRequest {
     traced: bool,
     /// Its place in the peer's line under [`GrantPolicy::ShortestFirst`]
     /// as this sender estimates it: the bytes the peer granted this sender
-    /// before the submit plus [`SIZE_WEIGHT`] × the bytes the WANT asks
-    /// for (0 under the other policies).
+    /// before the submit plus [`Config::grant_size_weight`] × the bytes
+    /// the WANT asks for (0 under the other policies).
     grant_rank: u64,
 }
 
@@ -889,7 +894,8 @@ impl Machine {
             cfg.max_inflight_chunks,
         )
         .map_err(|e| format!("bounce arena of {} bytes: {e}", cfg.arena_bytes))?
-        .with_policy(cfg.grant_policy);
+        .with_policy(cfg.grant_policy)
+        .with_size_weight(cfg.grant_size_weight);
         if cfg.max_chunk_size_bytes > scheduler.max_allocation() {
             return Err(format!(
                 "max chunk size {} bytes exceeds the arena's max allocation {} bytes",
@@ -1304,7 +1310,7 @@ impl Machine {
         let grant_rank = if self.cfg.grant_policy == GrantPolicy::ShortestFirst {
             let asked: u64 = chunks.iter().map(|c| c.packed_bytes).sum();
             let clock = self.grant_clock.get(&peer).copied().unwrap_or(0);
-            clock.saturating_add(asked.saturating_mul(SIZE_WEIGHT))
+            clock.saturating_add(asked.saturating_mul(self.cfg.grant_size_weight.max(1)))
         } else {
             0
         };
@@ -2814,6 +2820,7 @@ mod tests {
             eager_grant_order: true,
             release_staging_on_write: true,
             grant_policy: GrantPolicy::RoundRobin,
+            grant_size_weight: crate::scheduler::DEFAULT_SIZE_WEIGHT,
             uniform_data: true,
             arena_base: 0x7000_0000,
             device_id: 0,
@@ -3450,6 +3457,7 @@ mod tests {
                 eager_grant_order: true,
                 release_staging_on_write: true,
                 grant_policy: GrantPolicy::RoundRobin,
+                grant_size_weight: crate::scheduler::DEFAULT_SIZE_WEIGHT,
                 uniform_data: true,
                 arena_base: 0x7000_0000,
                 device_id: 0,

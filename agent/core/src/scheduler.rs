@@ -98,16 +98,19 @@ use thiserror::Error;
 /// scheduler enters drain mode for it (seed §5 `kBypassRounds`).
 pub const BYPASS_ROUNDS: u64 = 2;
 
-/// Weight of a WANT's bytes in its rank under
-/// [`GrantPolicy::ShortestFirst`]: rank = clock + `SIZE_WEIGHT` × bytes, so
-/// a request is passed by at most about this many times its own size in
-/// bytes of later traffic. 8: in the one-GPU model on both Mooncake traces
-/// (`cargo bench -p kvfabric-core --bench policy_model`, loads 50–85 %) the
-/// p99 of all requests and of the smallest quarter were both at or below
-/// round-robin's at every load; 1 left the smallest quarter 3–5× worse
-/// than round-robin's, 16 and above no longer lowered the p99 of all
+/// Default weight of a WANT's bytes in its rank under
+/// [`GrantPolicy::ShortestFirst`] (config `grantSizeWeight`,
+/// [`CreditScheduler::with_size_weight`]): rank = clock + weight × bytes,
+/// so a request is passed by at most about weight times its own size in
+/// bytes of later traffic. 16: in the one-GPU model on both Mooncake
+/// traces (`cargo bench -p kvfabric-core --bench policy_model`, loads
+/// 50–95 %) the p99 of the smallest quarter of prompts was below
+/// round-robin's at every load and that of all requests below or within
+/// 0.3 % of it; 8 left the smallest quarter 2.3× round-robin's at 95 %
+/// load (and on the H200 up to 10× in one run), 1 3–5× at 50–85 %; 32
+/// raised the p99 of all requests above round-robin's at 95 %
 /// (docs/benchmarks.md, "Issue 18, tenth session").
-pub const SIZE_WEIGHT: u64 = 8;
+pub const DEFAULT_SIZE_WEIGHT: u64 = 16;
 
 /// Which eligible flow a sweep offers the next region to
 /// (`grantPolicy`, a kvfabric field; not in seed §10).
@@ -150,16 +153,17 @@ pub enum GrantPolicy {
     /// ninth session"). Not the default for that reason.
     OldestFirst,
     /// Shortest first, aged: each sweep starts at the flow of lowest
-    /// *rank* = V + [`SIZE_WEIGHT`] × B, where V is the scheduler's byte
-    /// clock (bytes of all remote grants so far) when the flow's WANT
-    /// arrived and B the bytes that WANT asked for; a WANT appending to a
-    /// live flow sets its rank to max(rank, V) + [`SIZE_WEIGHT`] × B (a
+    /// *rank* = V + K × B, where V is the scheduler's byte clock (bytes of
+    /// all remote grants so far) when the flow's WANT arrived, B the bytes
+    /// that WANT asked for and K the size weight ([`DEFAULT_SIZE_WEIGHT`],
+    /// [`CreditScheduler::with_size_weight`]); a WANT appending to a live
+    /// flow sets its rank to max(rank, V) + K × B (a
     /// finish tag as in VirtualClock, L. Zhang, SIGCOMM 1990, per request
     /// instead of per packet, with sizes weighted). Among requests that
     /// arrive together the smaller goes first; a larger one is passed only
     /// by requests that arrive before the clock has moved past its rank —
-    /// at most about [`SIZE_WEIGHT`] times its own size in bytes of later
-    /// traffic — so none starves, and for equal sizes the order is arrival
+    /// at most about K times its own size in bytes of later traffic — so
+    /// none starves, and for equal sizes the order is arrival
     /// order (as [`GrantPolicy::OldestFirst`]).
     /// Younger or larger flows are granted whenever the front ones are at
     /// W or do not fit; a head that does not fit is drained as under the
@@ -331,6 +335,8 @@ pub struct CreditScheduler {
     /// Byte clock V of [`GrantPolicy::ShortestFirst`]: bytes of all remote
     /// grants issued so far.
     granted_bytes: u64,
+    /// Weight K of a WANT's bytes in its rank under shortest first (≥ 1).
+    size_weight: u64,
     /// Next [`Flow::arrival`].
     next_arrival: u64,
     drain: Option<usize>,
@@ -380,6 +386,7 @@ impl CreditScheduler {
             blocked: BTreeSet::new(),
             next_arrival: 0,
             granted_bytes: 0,
+            size_weight: DEFAULT_SIZE_WEIGHT,
             drain: None,
             regions: HashMap::new(),
             held_bytes: 0,
@@ -403,6 +410,20 @@ impl CreditScheduler {
     /// The [`GrantPolicy`] in force.
     pub fn policy(&self) -> GrantPolicy {
         self.policy
+    }
+
+    /// Sets the weight K of a WANT's bytes in its rank under
+    /// [`GrantPolicy::ShortestFirst`] (builder style; default
+    /// [`DEFAULT_SIZE_WEIGHT`]; 0 is taken as 1). Set it before the first
+    /// WANT: ranks already given keep the old weight.
+    pub fn with_size_weight(mut self, weight: u64) -> Self {
+        self.size_weight = weight.max(1);
+        self
+    }
+
+    /// The size weight K of [`GrantPolicy::ShortestFirst`].
+    pub fn size_weight(&self) -> u64 {
+        self.size_weight
     }
 
     // ----------------------------------------------------------------- events
@@ -454,7 +475,7 @@ impl CreditScheduler {
                 let from = if fresh { 0 } else { self.flow(slot).rank };
                 Some(
                     from.max(self.granted_bytes)
-                        .saturating_add(bytes.saturating_mul(SIZE_WEIGHT)),
+                        .saturating_add(bytes.saturating_mul(self.size_weight)),
                 )
             }
         };
@@ -1493,7 +1514,7 @@ mod tests {
     }
 
     /// [`GrantPolicy::ShortestFirst`], one region at a time (arena of one
-    /// granule, W = 1), K = [`SIZE_WEIGHT`]: a 4-chunk flow B ranks at 4K
+    /// granule, W = 1), K = [`DEFAULT_SIZE_WEIGHT`]: a 4-chunk flow B ranks at 4K
     /// granules; one-chunk flows arriving one per freed region rank at
     /// clock + K, so the first 3K of them pass B, the next ties with B and
     /// queues behind it (arrived later), and B then takes all its chunks
@@ -1502,7 +1523,7 @@ mod tests {
     /// go first; under round-robin it would alternate with the small ones.
     #[test]
     fn shortest_first_passes_large_flows_only_until_they_age() {
-        let k = SIZE_WEIGHT;
+        let k = DEFAULT_SIZE_WEIGHT;
         let mut s = CreditScheduler::new(G, G, 1)
             .unwrap()
             .with_policy(GrantPolicy::ShortestFirst);
@@ -1542,7 +1563,7 @@ mod tests {
     /// flow that keeps appending goes behind one that waited.
     #[test]
     fn shortest_first_appends_move_a_flow_back() {
-        // Ranks below in k = SIZE_WEIGHT × G.
+        // Ranks below in k = DEFAULT_SIZE_WEIGHT × G.
         let mut s = CreditScheduler::new(G, G, 1)
             .unwrap()
             .with_policy(GrantPolicy::ShortestFirst);

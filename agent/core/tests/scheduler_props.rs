@@ -5,7 +5,7 @@
 
 use kvfabric_core::buddy::BuddyAllocator;
 use kvfabric_core::scheduler::{
-    CreditScheduler, Grant, GrantPolicy, SchedulerError, BYPASS_ROUNDS, SIZE_WEIGHT,
+    CreditScheduler, Grant, GrantPolicy, SchedulerError, BYPASS_ROUNDS, DEFAULT_SIZE_WEIGHT,
 };
 use kvfabric_core::FlowKey;
 use proptest::prelude::*;
@@ -583,7 +583,7 @@ fn starvation_scenario(
     // the big flow when it arrived (8 per small flow) come first; from
     // then on it is at the front (appending flows move behind it) and the
     // same bound holds.
-    // Shortest first ranks the big flow at SIZE_WEIGHT × its size (192
+    // Shortest first ranks the big flow at DEFAULT_SIZE_WEIGHT × its size (192
     // granules; the clock is 0): the small flows pass it until the clock
     // reaches that (one-granule grants; an append ranks from the clock
     // once the clock has passed the flow's rank), plus what each had
@@ -594,7 +594,7 @@ fn starvation_scenario(
             GrantPolicy::RoundRobin => 0,
             GrantPolicy::OldestFirst => 8 * n_small as u64,
             GrantPolicy::ShortestFirst => {
-                SIZE_WEIGHT * big_chunks as u64 * max / G + 9 * n_small as u64
+                DEFAULT_SIZE_WEIGHT * big_chunks as u64 * max / G + 9 * n_small as u64
             }
         };
 

@@ -630,6 +630,7 @@ impl FabricAgent {
             eager_grant_order: cfg.eager_grant_order(),
             release_staging_on_write: cfg.release_staging_on_write(),
             grant_policy: cfg.grant_policy(),
+            grant_size_weight: cfg.grant_size_weight(),
             uniform_data: cfg.uniform_data(),
             merge_runs: !cfg.config().disable_scatter_run_merging,
             batch_gathers: cfg.batch_gathers(),

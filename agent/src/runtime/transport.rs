@@ -78,6 +78,9 @@ pub struct TransportSettings {
     pub release_staging_on_write: bool,
     /// Which flow this receiver grants a free region to next.
     pub grant_policy: GrantPolicy,
+    /// `grantSizeWeight`: the weight of a request's bytes in its rank
+    /// under [`GrantPolicy::ShortestFirst`] (≥ 1).
+    pub grant_size_weight: u64,
     /// Take DATA_UNIFORM from peers (config `uniformData`; what is sent
     /// follows the capabilities both handshakes advertise).
     pub uniform_data: bool,
@@ -148,6 +151,7 @@ impl Default for TransportSettings {
             eager_grant_order: true,
             release_staging_on_write: true,
             grant_policy: GrantPolicy::ShortestFirst,
+            grant_size_weight: kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT,
             uniform_data: true,
             merge_runs: true,
             batch_gathers: true,
@@ -818,6 +822,7 @@ impl BounceTransport {
             eager_grant_order: settings.eager_grant_order,
             release_staging_on_write: settings.release_staging_on_write,
             grant_policy: settings.grant_policy,
+            grant_size_weight: settings.grant_size_weight,
             uniform_data: settings.uniform_data,
             arena_base: arena.base,
             device_id: arena.device_id as i32,

@@ -28,6 +28,7 @@ pub fn config(name: &str, policy: GrantPolicy, timeout_ns: u64) -> Config {
         eager_grant_order: true,
         release_staging_on_write: true,
         grant_policy: policy,
+        grant_size_weight: kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT,
         uniform_data: true,
         arena_base: 0x7000_0000_0000,
         device_id: 0,

@@ -480,6 +480,13 @@ impl Sim {
             } else {
                 kvfabric_core::scheduler::GrantPolicy::RoundRobin
             },
+            // Shortest first's aging at its fastest (1) or the default,
+            // half each (its own generator).
+            grant_size_weight: if Rng::new(seed ^ 0x5153_E160_0000_0000).chance(500) {
+                1
+            } else {
+                kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT
+            },
             uniform_data: true,
             arena_base: ARENA_BASE,
             device_id: 0,
