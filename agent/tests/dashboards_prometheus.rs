@@ -529,7 +529,7 @@ fn every_panel_returns_data_under_faults() {
         "decode",
         "decode",
         &dsock,
-        // Round-robin (the seed's policy and the default, set here: step
+        // Round-robin (the seed's policy, set here: step
         // 4's mixed sizes bypass a large head under it within a few
         // rounds, so drain mode shows on the dashboard quickly).
         &[

@@ -771,8 +771,8 @@ pub struct BounceConfig {
 
     /// kvfabric: which flow the receiver's credit scheduler grants a free
     /// region to next: `shortestFirst` (default; smaller requests first,
-    /// aged so a large one waits for at most about `grantSizeWeight` times its own size of
-    /// later traffic; arrival order for equal sizes), `roundRobin` (the
+    /// aged by `grantSizeWeight` so none starves; arrival order for equal
+    /// sizes), `roundRobin` (the
     /// seed's, §5: every request progresses at once) or `oldestFirst`
     /// (arrival order, W each: small requests wait behind large ones); see
     /// [`GrantPolicy`]. Receiver-local: peers need not agree.
@@ -827,9 +827,11 @@ pub struct BounceConfig {
 
     /// kvfabric (issue 18, tenth session): under `grantPolicy:
     /// shortestFirst`, how many times its own bytes a request ranks behind
-    /// the receiver's byte clock (rank = clock + weight × bytes): a larger
-    /// request is passed by at most about weight × its size of later
-    /// traffic. Higher favours small requests longer; 1 ages fastest.
+    /// the receiver's byte clock (rank = clock + weight × bytes, the clock
+    /// counting bytes granted to anyone): a larger request is passed only
+    /// by requests arriving before the clock has moved weight × its size
+    /// past its arrival. Higher favours small requests longer; 1 ages
+    /// fastest.
     /// 1..=[`MAX_GRANT_SIZE_WEIGHT`]; ignored by the other policies.
     /// Receiver-local (a sender estimates the order with its own value).
     /// Default [`DEFAULT_SIZE_WEIGHT`] (16).
@@ -838,9 +840,9 @@ pub struct BounceConfig {
     pub grant_size_weight: u32,
 }
 
-/// Largest `grantSizeWeight` validation accepts: ranks stay far from
-/// overflow (weight × bytes of a WANT) and a flow is still passed by at
-/// most this many times its size.
+/// Largest `grantSizeWeight` validation accepts: ranks (clock + weight ×
+/// bytes of a WANT) stay far from overflow and a large request ages
+/// within at most this many times its size of granted bytes.
 pub const MAX_GRANT_SIZE_WEIGHT: u32 = 1024;
 
 impl Default for BounceConfig {

@@ -249,7 +249,8 @@ pub struct Config {
     /// `grant_policy`, which the operator rolls out to every agent — over
     /// its own requests (round-robin: the next chunk of each request in
     /// ring order from the one granted last; oldest first: the oldest
-    /// request's chunks first), and stages no eager gather while a credited
+    /// request's chunks first; shortest first: by the sender's estimate of
+    /// each request's rank, lowest first), and stages no eager gather while a credited
     /// chunk waits for staging. Off: the seed's rule, each request stages
     /// eagerly up to its window at submit and whenever it is pumped, so with
     /// many requests in flight the eager budget holds chunks the receiver
@@ -833,10 +834,11 @@ pub struct Machine {
     /// next (front first; [`Config::eager_grant_order`]).
     grant_order: BTreeMap<String, VecDeque<u64>>,
     /// Per peer, bytes (WANT chunk sizes) of the credits it granted this
-    /// sender: this sender's view of the peer's byte clock under
-    /// [`GrantPolicy::ShortestFirst`] (the peer's counts every sender's
-    /// grants; only the order among this sender's requests is estimated).
-    /// Dropped with the peer's grant order.
+    /// sender while the peer has a grant order: this sender's view of the
+    /// peer's byte clock under [`GrantPolicy::ShortestFirst`] (the peer's
+    /// counts every sender's grants; only the order among this sender's
+    /// requests is estimated). Dropped with the peer's grant order, so
+    /// never more entries than `grant_order`.
     grant_clock: BTreeMap<String, u64>,
     shut_down: bool,
     actions: VecDeque<Step>,
@@ -1841,7 +1843,10 @@ impl Machine {
             }
             req.credits.insert(c.chunk_index, (c, self.now));
         }
-        if granted_bytes > 0 {
+        // Only while the peer has an expected grant order (its only
+        // reader): the clock leaves with it, so it never outlives the
+        // requests it orders (ranks are compared only among those).
+        if granted_bytes > 0 && self.grant_order.contains_key(peer) {
             let clock = self.grant_clock.entry(peer.to_string()).or_default();
             *clock = clock.saturating_add(granted_bytes);
         }

@@ -38,8 +38,8 @@
 //! the oldest eligible flow whose head fits gets the region. Under
 //! [`GrantPolicy::ShortestFirst`] (kvfabric's) the ring is kept sorted by
 //! each flow's *rank* — the scheduler's byte clock when the flow's WANT
-//! arrived plus the bytes it asked for — and sweeps start at the lowest
-//! rank the same way. Drain mode and the cap W apply under all three.
+//! arrived plus K × the bytes it asked for (K the size weight) — and
+//! sweeps start at the lowest rank the same way. Drain mode and the cap W apply under all three.
 //!
 //! **Drain mode** (anti-starvation): when the oldest stamped flow has been
 //! bypassed by at least [`BYPASS_ROUNDS`] full rounds of grants
@@ -101,30 +101,34 @@ pub const BYPASS_ROUNDS: u64 = 2;
 /// Default weight of a WANT's bytes in its rank under
 /// [`GrantPolicy::ShortestFirst`] (config `grantSizeWeight`,
 /// [`CreditScheduler::with_size_weight`]): rank = clock + weight × bytes,
-/// so a request is passed by at most about weight times its own size in
-/// bytes of later traffic. 16: in the one-GPU model on both Mooncake
+/// so a request is passed only by requests that arrive before the clock
+/// (bytes granted to anyone) has moved weight × its size past its own
+/// arrival. 16: in the one-GPU model on both Mooncake
 /// traces (`cargo bench -p kvfabric-core --bench policy_model`, loads
 /// 50–95 %) the p99 of the smallest quarter of prompts was below
 /// round-robin's at every load and that of all requests below or within
 /// 0.3 % of it; 8 left the smallest quarter 2.3× round-robin's at 95 %
-/// load (and on the H200 up to 10× in one run), 1 3–5× at 50–85 %; 32
-/// raised the p99 of all requests above round-robin's at 95 %
-/// (docs/benchmarks.md, "Issue 18, tenth session").
+/// load (and on the H200 10–30× in 2 of 9 runs at 70–85 %), 1 3–5× at
+/// 50–85 %; 32 raised the p99 of all requests above round-robin's at 95 %.
+/// On the H200 (12 paired trace runs) 16 gave the lower p99 of all
+/// requests in 8 and of the smallest quarter in 7, at most 1.8× round-
+/// robin's (docs/benchmarks.md, "Issue 18, tenth session").
 pub const DEFAULT_SIZE_WEIGHT: u64 = 16;
 
 /// Which eligible flow a sweep offers the next region to
 /// (`grantPolicy`, a kvfabric field; not in seed §10).
 ///
-/// Both keep the per-flow cap W, arena backpressure and drain mode, so a
-/// flow whose head chunk does not fit is bypassed for at most
-/// [`BYPASS_ROUNDS`] rounds of grants under either (seed §5 R3).
+/// All three keep the per-flow cap W, arena backpressure and drain mode,
+/// so a flow whose head chunk does not fit is bypassed for at most
+/// [`BYPASS_ROUNDS`] rounds of grants under each (seed §5 R3).
 ///
 /// A new [`CreditScheduler`] starts with the seed's round-robin; the
 /// agents' config (`grantPolicy`) defaults to [`GrantPolicy::ShortestFirst`]
-/// (issue 18, tenth session: on the H200 it had the lowest p99 of all
-/// requests on both Mooncake traces and on equal-size requests, with the
-/// smallest quarter's p99 within 1.2 ms of round-robin's or lower;
-/// docs/benchmarks.md).
+/// (issue 18, tenth session: in a one-GPU model of both Mooncake traces
+/// its p99 of all requests and of the smallest quarter of prompts were at
+/// or below round-robin's at 50–95 % load; on the H200 it had the lower
+/// p99 of all requests in 8 of 12 paired trace runs and of the smallest
+/// quarter in 7; docs/benchmarks.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GrantPolicy {
     /// The seed's round-robin (§5): each sweep starts after the flow
@@ -161,9 +165,9 @@ pub enum GrantPolicy {
     /// finish tag as in VirtualClock, L. Zhang, SIGCOMM 1990, per request
     /// instead of per packet, with sizes weighted). Among requests that
     /// arrive together the smaller goes first; a larger one is passed only
-    /// by requests that arrive before the clock has moved past its rank —
-    /// at most about K times its own size in bytes of later traffic — so
-    /// none starves, and for equal sizes the order is arrival
+    /// by requests that arrive before the clock (bytes granted to anyone)
+    /// has moved past its rank, K times its own size after its arrival —
+    /// a finite set, so none starves, and for equal sizes the order is arrival
     /// order (as [`GrantPolicy::OldestFirst`]).
     /// Younger or larger flows are granted whenever the front ones are at
     /// W or do not fit; a head that does not fit is drained as under the
@@ -942,8 +946,8 @@ impl CreditScheduler {
             ));
         }
         // Walk the ring from the cursor: every live flow exactly once (a
-        // ring split into shorter cycles fails here), and but under
-        // round-robin in rank order.
+        // ring split into shorter cycles fails here), and, but under
+        // round-robin, in rank order.
         if let Some(c) = self.cursor {
             let mut s = c;
             let mut seen = HashSet::new();
@@ -1518,15 +1522,24 @@ mod tests {
     /// granules; one-chunk flows arriving one per freed region rank at
     /// clock + K, so the first 3K of them pass B, the next ties with B and
     /// queues behind it (arrived later), and B then takes all its chunks
-    /// before any later arrival: a large request waits for at most about
-    /// K times its own size of later traffic. Under oldest first B would
+    /// before any later arrival: a large request is passed only until the
+    /// clock has moved K times its size. Under oldest first B would
     /// go first; under round-robin it would alternate with the small ones.
     #[test]
     fn shortest_first_passes_large_flows_only_until_they_age() {
-        let k = DEFAULT_SIZE_WEIGHT;
+        let s = CreditScheduler::new(G, G, 1).unwrap();
+        assert_eq!(s.size_weight(), DEFAULT_SIZE_WEIGHT);
+        assert_eq!(s.with_size_weight(0).size_weight(), 1, "0 is taken as 1");
+        for k in [1, 3, DEFAULT_SIZE_WEIGHT] {
+            passes_until_aged(k);
+        }
+    }
+
+    fn passes_until_aged(k: u64) {
         let mut s = CreditScheduler::new(G, G, 1)
             .unwrap()
-            .with_policy(GrantPolicy::ShortestFirst);
+            .with_policy(GrantPolicy::ShortestFirst)
+            .with_size_weight(k);
         assert_eq!(s.policy(), GrantPolicy::ShortestFirst);
         let big = key("p", 1_000);
         s.on_want(big.clone(), &[G; 4]).unwrap();
@@ -1543,7 +1556,7 @@ mod tests {
         let mut want: Vec<u64> = (0..3 * k).collect();
         want.extend([1_000; 4]);
         want.push(3 * k);
-        assert_eq!(order, want);
+        assert_eq!(order, want, "K = {k}");
         // The rest drains in rank (= arrival) order.
         let mut rest = Vec::new();
         loop {

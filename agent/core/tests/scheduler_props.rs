@@ -826,8 +826,7 @@ proptest! {
     /// Shortest first with room for everything and every WANT before the
     /// first grant (the byte clock at 0, so a flow's rank is its bytes): no
     /// grant goes to a flow while a flow of lower rank (fewer bytes, or as
-    /// many and earlier) is eligible; with W = 1 and one region at a time,
-    /// whole flows finish smallest first.
+    /// many and earlier) is eligible.
     #[test]
     fn shortest_first_grants_in_rank_order(
         chunks in prop::collection::vec(prop::collection::vec(1u64..4 * G, 1..10), 2..12),
