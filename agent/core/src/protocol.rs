@@ -3132,6 +3132,38 @@ mod tests {
         assert!(wrong < 12, "oldest-first mirror: {wrong} of 12");
     }
 
+    /// Shortest first, sender side: the clock counts the bytes the peer
+    /// granted, so a request submitted after two of r1's four chunks were
+    /// granted ranks at clock + K × its bytes — r2 (3 chunks) ahead of r1,
+    /// r3 (4 chunks) behind it; once every request has resolved, the
+    /// grant order and its clock are gone.
+    #[test]
+    fn shortest_first_sender_ranks_by_the_bytes_the_peer_granted() {
+        let mut a = machine_with("a", |c| {
+            c.arena_bytes = 1 << 16;
+            c.max_inflight_chunks = 8;
+            c.grant_policy = GrantPolicy::ShortestFirst;
+        });
+        a.handle(0, Input::PeerAdded { peer: "b".into() });
+        submit_to_b(&mut a, 0, 1, &[1024; 4]);
+        let packed = a.requests[&1].chunks[0].packed_bytes;
+        grant_from_b(&mut a, 1, 1, 0, 0);
+        grant_from_b(&mut a, 1, 1, 1, 1024);
+        assert_eq!(a.grant_clock.get("b"), Some(&(2 * packed)));
+        submit_to_b(&mut a, 2, 2, &[1024; 3]);
+        submit_to_b(&mut a, 2, 3, &[1024; 4]);
+        let k = a.cfg.grant_size_weight;
+        assert_eq!(a.requests[&1].grant_rank, 4 * k * packed);
+        assert_eq!(a.requests[&2].grant_rank, 2 * packed + 3 * k * packed);
+        assert_eq!(
+            a.grant_order["b"].iter().copied().collect::<Vec<_>>(),
+            vec![2, 1, 3]
+        );
+        a.handle(3, Input::PeerForgotten { peer: "b".into() });
+        assert!(a.requests.is_empty());
+        assert!(a.grant_order.is_empty() && a.grant_clock.is_empty());
+    }
+
     /// Review finding: with the staging freed at the write, the ACK that
     /// opens a request's window frees nothing, and must still let the
     /// next chunk be gathered eagerly.
