@@ -1219,19 +1219,20 @@ impl ReplayReport {
                 "queue p99",
                 "late p50/99"
             );
+            // Path, p50 / p90 / p99 / max from arrival, queue p50 / p99 (ms).
+            let row = |name: &str, a: &ArrivalLatency| {
+                format!(
+                    "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1}",
+                    name, a.p50_ms, a.p90_ms, a.p99_ms, a.max_ms, a.queue_p50_ms, a.queue_p99_ms
+                )
+            };
             for p in &self.paths {
                 let name = format!("{:?}", p.path).to_lowercase();
                 match &p.from_arrival {
                     Some(a) => {
                         s += &format!(
-                            "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1} {:>5.2}/{:<6.2}\n",
-                            name,
-                            a.p50_ms,
-                            a.p90_ms,
-                            a.p99_ms,
-                            a.max_ms,
-                            a.queue_p50_ms,
-                            a.queue_p99_ms,
+                            "{} {:>5.2}/{:<6.2}\n",
+                            row(&name, a),
                             a.late_p50_ms,
                             a.late_p99_ms
                         );
@@ -1241,16 +1242,8 @@ impl ReplayReport {
             }
             for p in &self.paths {
                 if let Some(a) = &p.from_arrival_small {
-                    s += &format!(
-                        "{:>9} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.1} {:>12.1}  (the smallest quarter of prompts)\n",
-                        format!("{:?}", p.path).to_lowercase(),
-                        a.p50_ms,
-                        a.p90_ms,
-                        a.p99_ms,
-                        a.max_ms,
-                        a.queue_p50_ms,
-                        a.queue_p99_ms,
-                    );
+                    let name = format!("{:?}", p.path).to_lowercase();
+                    s += &format!("{}  (the smallest quarter of prompts)\n", row(&name, a));
                 }
             }
         }
