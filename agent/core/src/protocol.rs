@@ -3115,7 +3115,7 @@ mod tests {
     /// Issue 18: a shortest-first receiver grants the smallest request's
     /// chunks first (six requests of 3, 1, 3, 2, 1, 2 chunks submitted
     /// together; eager budget four). The sender's estimate of the
-    /// receiver's ranks (its clock + SIZE_WEIGHT × bytes) gives the same
+    /// receiver's ranks (its clock + grant_size_weight × bytes) gives the same
     /// order, so every GRANT finds its chunk staged; mirrored as oldest
     /// first (the wrong policy), the budget goes to the first requests'
     /// chunks and the small ones are gathered only once granted.

@@ -471,11 +471,12 @@ impl CreditScheduler {
         // younger flows) forever. Shortest first ranks a WANT by the clock
         // plus its bytes; an append starts from the clock too once the
         // clock has passed the flow's rank (so it ages like a new request).
-        let bytes: u64 = chunk_bytes.iter().sum();
         let rank = match self.policy {
             GrantPolicy::RoundRobin => None,
             GrantPolicy::OldestFirst => (!fresh).then_some(self.next_arrival),
             GrantPolicy::ShortestFirst => {
+                // A WANT comes from a peer: its sum must not overflow.
+                let bytes = chunk_bytes.iter().fold(0u64, |a, &b| a.saturating_add(b));
                 let from = if fresh { 0 } else { self.flow(slot).rank };
                 Some(
                     from.max(self.granted_bytes)

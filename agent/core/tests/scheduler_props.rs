@@ -733,6 +733,60 @@ fn finished_flows_do_not_accumulate_under(policy: GrantPolicy) {
 
 // ------------------------------------------------------------ oldest first
 
+/// Flows `i` with `chunks[i]` (all WANTed up front, in order, in an arena
+/// with room for everything) under `policy`, regions completing in the
+/// order `completions` picks: no grant goes to a flow while a flow of lower
+/// `rank` is eligible (pending chunks, below `w`); the conservation
+/// invariant holds after every `schedule()`.
+fn grants_follow_rank(
+    policy: GrantPolicy,
+    chunks: &[Vec<u64>],
+    w: usize,
+    completions: &[usize],
+    rank: &[(u64, usize)],
+) -> Result<(), TestCaseError> {
+    let mut s = CreditScheduler::new(1 << 20, G, w)
+        .unwrap()
+        .with_policy(policy);
+    let keys: Vec<FlowKey> = (0..chunks.len())
+        .map(|i| FlowKey::new("p", i as u64))
+        .collect();
+    let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
+    for (k, c) in keys.iter().zip(chunks) {
+        s.on_want(k.clone(), c).unwrap();
+    }
+    let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
+    let mut round = 0;
+    loop {
+        for g in s.schedule() {
+            let i = keys.iter().position(|k| *k == g.flow).unwrap();
+            for j in 0..keys.len() {
+                prop_assert!(
+                    rank[j] >= rank[i] || pending[j] == 0 || held[j].len() >= w,
+                    "flow {} (rank {:?}) granted while flow {} (rank {:?}) was eligible",
+                    i,
+                    rank[i],
+                    j,
+                    rank[j]
+                );
+            }
+            pending[i] -= 1;
+            held[i].push(g.region_offset);
+        }
+        s.check_conservation().unwrap();
+        let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
+        if live.is_empty() || round >= completions.len() {
+            break;
+        }
+        let i = live[completions[round] % live.len()];
+        let o = held[i].remove(0);
+        s.begin_scatter(&keys[i], o).unwrap();
+        s.scatter_done(o).unwrap();
+        round += 1;
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(500))]
 
@@ -745,39 +799,9 @@ proptest! {
         w in 1usize..6,
         completions in prop::collection::vec(any::<usize>(), 0..40),
     ) {
-        let mut s = CreditScheduler::new(1 << 20, G, w)
-            .unwrap()
-            .with_policy(GrantPolicy::OldestFirst);
-        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
-        let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
-        for (k, c) in keys.iter().zip(&chunks) {
-            s.on_want(k.clone(), c).unwrap();
-        }
-        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
-        let mut round = 0;
-        loop {
-            for g in s.schedule() {
-                let i = keys.iter().position(|k| *k == g.flow).unwrap();
-                for j in 0..i {
-                    prop_assert!(
-                        pending[j] == 0 || held[j].len() >= w,
-                        "flow {} granted while the older flow {} was eligible", i, j
-                    );
-                }
-                pending[i] -= 1;
-                held[i].push(g.region_offset);
-            }
-            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
-            if live.is_empty() || round >= completions.len() {
-                break;
-            }
-            let i = live[completions[round] % live.len()];
-            let o = held[i].remove(0);
-            s.begin_scatter(&keys[i], o).unwrap();
-            s.scatter_done(o).unwrap();
-            round += 1;
-        }
-        s.check_conservation().unwrap();
+        // Arrival order: flow j ranks before flow i iff j < i.
+        let rank: Vec<(u64, usize)> = (0..chunks.len()).map(|j| (j as u64, j)).collect();
+        grants_follow_rank(GrantPolicy::OldestFirst, &chunks, w, &completions, &rank)?;
     }
 
     /// Oldest first in a tight arena (2-24 granules, chunks up to the max
@@ -833,41 +857,8 @@ proptest! {
         w in 1usize..6,
         completions in prop::collection::vec(any::<usize>(), 0..40),
     ) {
-        let mut s = CreditScheduler::new(1 << 20, G, w)
-            .unwrap()
-            .with_policy(GrantPolicy::ShortestFirst);
-        let keys: Vec<FlowKey> = (0..chunks.len()).map(|i| FlowKey::new("p", i as u64)).collect();
         let rank: Vec<(u64, usize)> = chunks.iter().enumerate().map(|(i, c)| (c.iter().sum(), i)).collect();
-        let mut pending: Vec<usize> = chunks.iter().map(Vec::len).collect();
-        for (k, c) in keys.iter().zip(&chunks) {
-            s.on_want(k.clone(), c).unwrap();
-        }
-        let mut held: Vec<Vec<u64>> = vec![Vec::new(); keys.len()];
-        let mut round = 0;
-        loop {
-            for g in s.schedule() {
-                let i = keys.iter().position(|k| *k == g.flow).unwrap();
-                for j in 0..keys.len() {
-                    prop_assert!(
-                        rank[j] >= rank[i] || pending[j] == 0 || held[j].len() >= w,
-                        "flow {} (rank {:?}) granted while flow {} (rank {:?}) was eligible",
-                        i, rank[i], j, rank[j]
-                    );
-                }
-                pending[i] -= 1;
-                held[i].push(g.region_offset);
-            }
-            s.check_conservation().unwrap();
-            let live: Vec<usize> = (0..keys.len()).filter(|&i| !held[i].is_empty()).collect();
-            if live.is_empty() || round >= completions.len() {
-                break;
-            }
-            let i = live[completions[round] % live.len()];
-            let o = held[i].remove(0);
-            s.begin_scatter(&keys[i], o).unwrap();
-            s.scatter_done(o).unwrap();
-            round += 1;
-        }
+        grants_follow_rank(GrantPolicy::ShortestFirst, &chunks, w, &completions, &rank)?;
     }
 
     /// Shortest first in a tight arena with WANTs arriving and appending
