@@ -429,6 +429,7 @@ fn layout(blocks: u32) -> pb::KvLayout {
         kv_heads: 16,
         head_dim: 128,
         device: -1,
+        device_uuid: String::new(),
     }
 }
 

@@ -33,6 +33,7 @@ fn layout(tp_rank: u32, tp_size: u32, blocks: u32) -> pb::KvLayout {
         kv_heads,
         head_dim: 32,
         device: -1,
+        device_uuid: String::new(),
     }
 }
 

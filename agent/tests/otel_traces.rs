@@ -133,6 +133,7 @@ fn layout(blocks: u32) -> pb::KvLayout {
         kv_heads: 4,
         head_dim: 32,
         device: -1,
+        device_uuid: String::new(),
     }
 }
 

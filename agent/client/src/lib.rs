@@ -11,7 +11,7 @@
 //! let layout = pb::KvLayout {
 //!     layers: 2, num_blocks: 64, block_bytes: 16 * 8 * 128 * 2, kv_split: true,
 //!     dtype: "bf16".into(), tp_rank: 0, tp_size: 1, block_tokens: 16,
-//!     kv_heads: 8, head_dim: 128, device: -1,
+//!     kv_heads: 8, head_dim: 128, device: -1, device_uuid: String::new(),
 //! };
 //! let pool = ShmPool::create(&format!("/kvf-demo-{}", std::process::id()),
 //!                            kvfabric_client::pool_bytes(&layout))?;

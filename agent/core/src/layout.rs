@@ -63,6 +63,45 @@ pub struct EngineLayout {
     pub head_dim: u32,
     /// CUDA device ordinal; -1 = host memory.
     pub device: i32,
+    /// UUID of the engine's GPU as CUDA reports it (`cuDeviceGetUuid`,
+    /// torch's `get_device_properties(i).uuid`); empty = not given. Text:
+    /// 32 hex digits, hyphenated 8-4-4-4-12 or not, optionally prefixed
+    /// `GPU-` or `MIG-` as `nvidia-smi -L` prints it ([`parse_gpu_uuid`]).
+    /// An ordinal is per process (`CUDA_VISIBLE_DEVICES`, a pod's
+    /// `NVIDIA_VISIBLE_DEVICES`: an engine pod with one GPU sees it as
+    /// device 0 whatever the node calls it), so an agent matches engines
+    /// to its GPU by this UUID where it is given, by `device` otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub device_uuid: String,
+}
+
+/// The 16 bytes of a GPU UUID written as `nvidia-smi -L` (`GPU-` or `MIG-`
+/// prefix), as torch prints it (bare, hyphenated 8-4-4-4-12) or as 32
+/// plain hex digits; case-insensitive.
+///
+/// # Errors
+/// A message naming the text and the expected form.
+pub fn parse_gpu_uuid(text: &str) -> Result<[u8; 16], String> {
+    let bare = text
+        .strip_prefix("GPU-")
+        .or_else(|| text.strip_prefix("MIG-"))
+        .unwrap_or(text);
+    // Only the two forms CUDA tools print (not uuid's braced or URN forms).
+    let hyphens = bare.bytes().filter(|&b| b == b'-').count();
+    let shape_ok = (bare.len() == 36 && hyphens == 4) || (bare.len() == 32 && hyphens == 0);
+    match uuid::Uuid::try_parse(bare) {
+        Ok(u) if shape_ok => Ok(*u.as_bytes()),
+        _ => Err(format!(
+            "GPU UUID {text:?}: expected 32 hex digits as 8-4-4-4-12 (optionally prefixed GPU- or MIG-, \
+             as `nvidia-smi -L` prints it)"
+        )),
+    }
+}
+
+/// The canonical text of a GPU UUID: lowercase, hyphenated 8-4-4-4-12, no
+/// prefix (what torch's `get_device_properties(i).uuid` prints).
+pub fn format_gpu_uuid(bytes: &[u8; 16]) -> String {
+    uuid::Uuid::from_bytes(*bytes).hyphenated().to_string()
 }
 
 /// Why a layout, or a pair of layouts, was refused.
@@ -102,7 +141,11 @@ impl fmt::Display for EngineLayout {
             self.kv_heads,
             self.head_dim,
             self.device
-        )
+        )?;
+        if !self.device_uuid.is_empty() {
+            write!(f, " device_uuid={}", self.device_uuid)?;
+        }
+        Ok(())
     }
 }
 
@@ -145,6 +188,15 @@ impl EngineLayout {
                 "device {}: expected -1 (host) or a CUDA ordinal",
                 self.device
             ));
+        }
+        if !self.device_uuid.is_empty() {
+            if self.device < 0 {
+                return bad(format!(
+                    "device_uuid {:?} given for a host pool (device -1): a GPU UUID names the engine's CUDA device",
+                    self.device_uuid
+                ));
+            }
+            parse_gpu_uuid(&self.device_uuid).map_err(LayoutError::Invalid)?;
         }
         let want = u64::from(self.block_tokens)
             .checked_mul(u64::from(self.kv_heads))
@@ -205,6 +257,91 @@ impl EngineLayout {
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
         format!("{h:016x}")
+    }
+}
+
+/// Where an agent's arena (and so the engines it can serve) lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArenaDevice {
+    /// Host memory: engines with host pools (`device` -1).
+    Host,
+    /// A GPU of the agent's process: its ordinal there and its UUID
+    /// (`None` where the driver did not report one).
+    Gpu {
+        /// CUDA ordinal in the agent's process.
+        ordinal: i32,
+        /// `cuDeviceGetUuid`'s 16 bytes.
+        uuid: Option<[u8; 16]>,
+    },
+}
+
+/// Whether an engine with `layout` (already [`EngineLayout::validate`]d)
+/// runs on the agent's arena device: host pools on a host agent; GPU pools
+/// on a GPU agent, matched by `device_uuid` where both sides know it (the
+/// ordinals may then differ: they are per process), by ordinal otherwise.
+/// With `require_uuid` (the agent's `requireDeviceUuid`, set where a node
+/// runs one agent per GPU) a GPU engine without a UUID is refused where
+/// the agent knows its own, since ordinals would match the wrong GPU.
+///
+/// # Errors
+/// A message naming the engine's device and the agent's, and what to do.
+pub fn check_device(
+    layout: &EngineLayout,
+    arena: ArenaDevice,
+    require_uuid: bool,
+) -> Result<(), String> {
+    let (ordinal, uuid) = match arena {
+        ArenaDevice::Host if layout.device < 0 => return Ok(()),
+        ArenaDevice::Host => {
+            return Err(format!(
+                "layout.device {}: this agent's arena is in host memory (a GPU engine attaches to an agent started with --gpu)",
+                layout.device
+            ))
+        }
+        ArenaDevice::Gpu { .. } if layout.device < 0 => {
+            return Err(
+                "layout.device -1 (host pool): this agent's arena and copy engine are on a GPU; \
+                 attach host-memory engines to an agent started without --gpu"
+                    .into(),
+            )
+        }
+        ArenaDevice::Gpu { ordinal, uuid } => (ordinal, uuid),
+    };
+    let given = if layout.device_uuid.is_empty() {
+        None
+    } else {
+        Some(parse_gpu_uuid(&layout.device_uuid)?)
+    };
+    match (given, uuid) {
+        (Some(g), Some(u)) if g == u => Ok(()),
+        (Some(g), Some(u)) => Err(format!(
+            "layout.device_uuid {} (device {} in the engine's process): this agent's arena is on \
+             GPU {} (ordinal {ordinal} here); attach to the agent of GPU {} (with the chart, the \
+             socket named after that UUID: kvfabric.engine_socket)",
+            format_gpu_uuid(&g),
+            layout.device,
+            format_gpu_uuid(&u),
+            format_gpu_uuid(&g)
+        )),
+        (None, Some(u)) if require_uuid => Err(format!(
+            "layout.device_uuid missing: this agent (GPU {}, one agent per GPU) matches GPU engines \
+             by UUID, since ordinals are per process; send the UUID of the engine's GPU (the Python \
+             client does where torch is installed)",
+            format_gpu_uuid(&u)
+        )),
+        (_, _) if layout.device == ordinal => Ok(()),
+        (Some(_), None) => Err(format!(
+            "layout.device {}: this agent's driver reported no GPU UUID, so engines are matched by \
+             ordinal, and its arena is on GPU {ordinal}",
+            layout.device
+        )),
+        (None, u) => Err(format!(
+            "layout.device {}: this agent's arena is on GPU {}{ordinal}{} (one agent serves one GPU; \
+             ordinals are per process, so send layout.device_uuid and attach to the agent of your GPU)",
+            layout.device,
+            u.map(|u| format!("{} (ordinal ", format_gpu_uuid(&u))).unwrap_or_default(),
+            if u.is_some() { " here)" } else { "" }
+        )),
     }
 }
 
@@ -508,7 +645,116 @@ mod tests {
             kv_heads,
             head_dim: 4,
             device: -1,
+            device_uuid: String::new(),
         }
+    }
+
+    const UUID_A: &str = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d";
+    const UUID_B: &str = "GPU-0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9";
+
+    #[test]
+    fn gpu_uuid_forms_and_refusals() {
+        let a = parse_gpu_uuid(UUID_A).unwrap();
+        assert_eq!(format_gpu_uuid(&a), UUID_A);
+        assert_eq!(
+            parse_gpu_uuid(&format!("GPU-{}", UUID_A.to_uppercase())),
+            Ok(a)
+        );
+        assert_eq!(parse_gpu_uuid(&format!("MIG-{UUID_A}")), Ok(a));
+        assert_eq!(parse_gpu_uuid(&UUID_A.replace('-', "")), Ok(a));
+        for bad in [
+            "",
+            "GPU-",
+            "0",
+            "{5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d}",
+            "urn:uuid:5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d",
+            "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2x",
+            "NVD-5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d",
+        ] {
+            let e = parse_gpu_uuid(bad).unwrap_err();
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("8-4-4-4-12"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn layout_validates_device_uuid() {
+        let mut l = layout(0, 1, 8);
+        l.device_uuid = UUID_A.into();
+        let e = l.validate().unwrap_err().to_string();
+        assert!(e.contains("host pool") && e.contains(UUID_A), "{e}");
+        l.device = 0;
+        assert!(l.validate().is_ok());
+        assert!(l
+            .to_string()
+            .ends_with(&format!("device=0 device_uuid={UUID_A}")));
+        l.device_uuid = "GPU-zz".into();
+        assert!(l.validate().unwrap_err().to_string().contains("GPU-zz"));
+        // A record without the field (older agents) still decodes.
+        let mut plain = layout(0, 1, 8);
+        let text = serde_yaml::to_string(&plain).unwrap();
+        assert!(!text.contains("device_uuid"));
+        assert_eq!(serde_yaml::from_str::<EngineLayout>(&text).unwrap(), plain);
+        plain.device = 0;
+        plain.device_uuid = UUID_A.into();
+        let back: EngineLayout =
+            serde_yaml::from_str(&serde_yaml::to_string(&plain).unwrap()).unwrap();
+        assert_eq!(back, plain);
+    }
+
+    #[test]
+    fn engines_match_the_arena_by_uuid_then_ordinal() {
+        let a = parse_gpu_uuid(UUID_A).unwrap();
+        let host = layout(0, 1, 8);
+        let mut gpu = layout(0, 1, 8);
+        gpu.device = 0;
+        let arena = |ordinal, uuid| ArenaDevice::Gpu { ordinal, uuid };
+        assert_eq!(check_device(&host, ArenaDevice::Host, false), Ok(()));
+        assert!(check_device(&host, arena(0, Some(a)), false)
+            .unwrap_err()
+            .contains("host pool"));
+        assert!(check_device(&gpu, ArenaDevice::Host, false)
+            .unwrap_err()
+            .contains("host memory"));
+        // No UUID: the ordinals must agree.
+        assert_eq!(check_device(&gpu, arena(0, Some(a)), false), Ok(()));
+        let e = check_device(&gpu, arena(3, Some(a)), false).unwrap_err();
+        assert!(
+            e.contains("layout.device 0") && e.contains(UUID_A) && e.contains("ordinal 3"),
+            "{e}"
+        );
+        // A pod that sees its GPU as device 0 on an agent where it is 3.
+        gpu.device_uuid = UUID_A.to_uppercase();
+        assert_eq!(check_device(&gpu, arena(3, Some(a)), false), Ok(()));
+        // Another GPU's engine, even with the agent's ordinal: refused,
+        // both UUIDs named.
+        gpu.device_uuid = UUID_B.into();
+        let e = check_device(&gpu, arena(0, Some(a)), false).unwrap_err();
+        assert!(
+            e.contains(UUID_A) && e.contains(&UUID_B[4..]) && e.contains("attach to the agent"),
+            "{e}"
+        );
+        // The agent knows no UUID: back to the ordinal.
+        assert_eq!(check_device(&gpu, arena(0, None), false), Ok(()));
+        let e = check_device(&gpu, arena(1, None), false).unwrap_err();
+        assert!(
+            e.contains("reported no GPU UUID") && e.contains("GPU 1"),
+            "{e}"
+        );
+        // requireDeviceUuid: no UUID, no match by ordinal.
+        gpu.device_uuid.clear();
+        assert_eq!(check_device(&gpu, arena(0, Some(a)), false), Ok(()));
+        let e = check_device(&gpu, arena(0, Some(a)), true).unwrap_err();
+        assert!(
+            e.contains("device_uuid missing") && e.contains(UUID_A),
+            "{e}"
+        );
+        // ... unless the agent has none to compare with.
+        assert_eq!(check_device(&gpu, arena(0, None), true), Ok(()));
+        gpu.device_uuid = UUID_A.into();
+        assert_eq!(check_device(&gpu, arena(5, Some(a)), true), Ok(()));
     }
 
     #[test]

@@ -16,12 +16,14 @@ agent/proto/kvfabric/v1/engine.proto)::
 """
 
 from .client import (
+    DEFAULT_SOCKET_DIR,
     ArrivalResult,
     Client,
     InFlight,
     Session,
     SessionStatus,
     TransferResult,
+    engine_socket,
 )
 from .errors import (
     AlreadyExists,
@@ -35,18 +37,23 @@ from .errors import (
     Unavailable,
     Unimplemented,
 )
-from .layout import Layout, dtype_bytes
+from .layout import Layout, canonical_gpu_uuid, dtype_bytes
 from .shm import ShmPool, unlink_shm
-from .torch_pool import CudaIpcPool, torch_pool_from_tensor
+from .torch_pool import CudaIpcPool, gpu_uuid, torch_pool_from_tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyExists",
     "ArrivalResult",
+    "canonical_gpu_uuid",
     "Client",
     "CudaIpcPool",
+    "DEFAULT_SOCKET_DIR",
+    "dtype_bytes",
+    "engine_socket",
     "FailedPrecondition",
+    "gpu_uuid",
     "InFlight",
     "InvalidArgument",
     "KvfabricError",
@@ -58,10 +65,9 @@ __all__ = [
     "SessionStatus",
     "ShmPool",
     "Timeout",
+    "torch_pool_from_tensor",
     "TransferResult",
     "Unavailable",
     "Unimplemented",
-    "dtype_bytes",
-    "torch_pool_from_tensor",
     "unlink_shm",
 ]

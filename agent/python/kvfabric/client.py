@@ -9,6 +9,7 @@ but its first event must arrive within ``timeout``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,18 +25,60 @@ from ._proto import engine_pb2 as pb
 from ._proto import engine_pb2_grpc as pb_grpc
 from .errors import (
     AlreadyExists,
+    InvalidArgument,
     KvfabricError,
     ProtocolError,
     SessionClosed,
     Timeout,
     from_rpc_error,
 )
-from .layout import Layout
+from .layout import Layout, canonical_gpu_uuid
 from .shm import ShmPool
 from .torch_pool import CudaIpcPool
 
+_log = logging.getLogger("kvfabric")
+
 #: Default bound on one unary call, seconds.
 DEFAULT_TIMEOUT = 5.0
+
+#: Where the chart mounts the agents' sockets (agent.socket.hostPath).
+DEFAULT_SOCKET_DIR = "/run/kvfabric"
+
+
+def engine_socket(gpu_uuid: str = "", directory: Optional[str] = None) -> str:
+    """The agent socket an engine connects to.
+
+    ``$KVFABRIC_ENGINE_SOCKET`` when set (a ``{gpu_uuid}`` in it becomes
+    ``gpu_uuid``). Otherwise, in ``directory`` (default
+    ``$KVFABRIC_SOCKET_DIR`` or /run/kvfabric): the socket named after the
+    engine's GPU, ``<uuid>.sock`` — served where a node runs one agent per
+    GPU (the chart's ``agent.gpu.count`` > 1) — when ``gpu_uuid`` is given
+    and that socket exists or ``engine.sock`` does not (an engine that
+    starts before its agent keeps the right path: the client reconnects);
+    else ``engine.sock``. A GPU engine that reaches another GPU's agent is
+    refused at attach with both UUIDs named. ``gpu_uuid``: any form
+    :func:`canonical_gpu_uuid` takes (``kvfabric.gpu_uuid(d)`` with torch);
+    InvalidArgument for another."""
+    uuid = canonical_gpu_uuid(gpu_uuid) if gpu_uuid else ""
+    explicit = os.environ.get("KVFABRIC_ENGINE_SOCKET", "")
+    if explicit:
+        if "{gpu_uuid}" in explicit:
+            if not uuid:
+                raise InvalidArgument(
+                    f"KVFABRIC_ENGINE_SOCKET {explicit!r} names {{gpu_uuid}}: give the engine's GPU UUID",
+                    call="engine_socket",
+                )
+            return explicit.replace("{gpu_uuid}", uuid)
+        return explicit
+    d = directory or os.environ.get("KVFABRIC_SOCKET_DIR", "") or DEFAULT_SOCKET_DIR
+    node = os.path.join(d, "engine.sock")
+    if uuid:
+        per_gpu = os.path.join(d, uuid + ".sock")
+        if os.path.exists(per_gpu) or not os.path.exists(node):
+            return per_gpu
+    return node
+
+
 #: Extra bound for Transfer / AwaitArrival when they leave the timeout to the
 #: agent (its requestTimeoutMs, 30 s by default), seconds.
 AGENT_DEFAULT_WAIT = 60.0
@@ -311,6 +354,23 @@ class Client:
             raise KvfabricError("client is closed", call="Attach")
         if isinstance(layout, pb.KvLayout):
             layout = Layout.from_proto(layout)
+        if layout.device >= 0 and not layout.device_uuid:
+            # The agent matches GPU engines by UUID (ordinals are per
+            # process); torch knows it where it is installed.
+            try:
+                from .torch_pool import gpu_uuid
+
+                layout = layout.with_(device_uuid=gpu_uuid(layout.device))
+            except (KvfabricError, RuntimeError, AttributeError) as e:
+                # No torch, no CUDA, a torch without .uuid: the agent
+                # matches by ordinal (or refuses, with requireDeviceUuid).
+                _log.warning(
+                    "attach %s: layout.device %d without a GPU UUID (%s); pass Layout(device_uuid=...) "
+                    "where ordinals differ between the engine and the agent",
+                    engine_id,
+                    layout.device,
+                    e,
+                )
         core = _SessionCore(
             self,
             pb.AttachRequest(

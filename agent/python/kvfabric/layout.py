@@ -43,6 +43,32 @@ def dtype_bytes(dtype: str) -> int:
         ) from None
 
 
+_HEX = set("0123456789abcdef")
+
+
+def canonical_gpu_uuid(text: str) -> str:
+    """A GPU UUID in the agent's canonical text (lowercase 8-4-4-4-12, no
+    prefix) from the forms CUDA tools print: ``GPU-``/``MIG-`` prefixed
+    (``nvidia-smi -L``), bare hyphenated (torch), or 32 plain hex digits.
+    Raises InvalidArgument naming the text otherwise."""
+    bare = text
+    for p in ("GPU-", "MIG-"):
+        if bare.startswith(p):
+            bare = bare[len(p) :]
+            break
+    low = bare.lower()
+    parts = low.split("-")
+    digits = low.replace("-", "")
+    shape_ok = [len(p) for p in parts] in ([8, 4, 4, 4, 12], [32])
+    if not shape_ok or len(digits) != 32 or not set(digits) <= _HEX:
+        raise InvalidArgument(
+            f"GPU UUID {text!r}: expected 32 hex digits as 8-4-4-4-12 (optionally prefixed "
+            "GPU- or MIG-, as `nvidia-smi -L` prints it)",
+            call="layout",
+        )
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+
+
 @dataclass(frozen=True)
 class Layout:
     """Mirror of ``kvfabric.v1.KvLayout``. Build one directly (every field
@@ -59,6 +85,12 @@ class Layout:
     kv_heads: int = 1
     head_dim: int = 128
     device: int = -1
+    #: UUID of the engine's GPU (``str(torch.cuda.get_device_properties(d).uuid)``,
+    #: or ``GPU-...`` as ``nvidia-smi -L`` prints it); "" = not given. Ordinals
+    #: are per process (a pod with one GPU sees it as device 0), so the agent
+    #: matches a GPU engine by this UUID where given. :meth:`Client.attach`
+    #: fills it from torch for GPU layouts when torch is importable.
+    device_uuid: str = ""
 
     @classmethod
     def for_model(
@@ -74,6 +106,7 @@ class Layout:
         tp_rank: int = 0,
         tp_size: int = 1,
         device: int = -1,
+        device_uuid: str = "",
     ) -> "Layout":
         """The layout of TP rank ``tp_rank`` of ``tp_size`` for a model with
         ``total_kv_heads`` KV heads (split evenly across ranks), deriving
@@ -98,6 +131,7 @@ class Layout:
             kv_heads=kv_heads,
             head_dim=head_dim,
             device=device,
+            device_uuid=device_uuid,
         )
         layout.validate()
         return layout
@@ -161,6 +195,13 @@ class Layout:
             bad(f"tp_rank {self.tp_rank} must be below tp_size {self.tp_size}")
         if self.device < -1:
             bad(f"device {self.device}: expected -1 (host) or a CUDA ordinal")
+        if self.device_uuid:
+            if self.device < 0:
+                bad(
+                    f"device_uuid {self.device_uuid!r} given for a host pool (device -1): "
+                    "a GPU UUID names the engine's CUDA device"
+                )
+            canonical_gpu_uuid(self.device_uuid)
         want = self.block_tokens * self.kv_heads * self.head_dim * dt
         if want != self.block_bytes:
             bad(
@@ -200,6 +241,7 @@ class Layout:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             device=self.device,
+            device_uuid=self.device_uuid,
         )
 
     @classmethod
@@ -216,6 +258,7 @@ class Layout:
             kv_heads=m.kv_heads,
             head_dim=m.head_dim,
             device=m.device,
+            device_uuid=m.device_uuid,
         )
 
     def numpy_view(self, buf: Any, *, raw: bool = True) -> Any:
@@ -249,4 +292,5 @@ class Layout:
             f"kv_split={'true' if self.kv_split else 'false'} dtype={self.dtype} "
             f"tp={self.tp_rank}/{self.tp_size} block_tokens={self.block_tokens} "
             f"kv_heads={self.kv_heads} head_dim={self.head_dim} device={self.device}"
+            + (f" device_uuid={self.device_uuid}" if self.device_uuid else "")
         )

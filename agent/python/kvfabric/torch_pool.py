@@ -77,3 +77,22 @@ def torch_pool_from_tensor(tensor: Any) -> CudaIpcPool:
     return CudaIpcPool(
         handle=_raw_handle(handle), offset=offset, len=length, device=int(device)
     )
+
+
+def gpu_uuid(device: int) -> str:
+    """The UUID of CUDA device ``device`` of this process, as torch reports
+    it (``get_device_properties(device).uuid``), in the agent's canonical
+    text. Raises InvalidArgument without torch or CUDA, or for a device
+    this process does not have."""
+    try:
+        import torch
+    except (ImportError, OSError) as e:
+        raise InvalidArgument(f"gpu_uuid needs torch (pip install torch): {e}", call="gpu_uuid") from None
+    if not torch.cuda.is_available() or not 0 <= device < torch.cuda.device_count():
+        raise InvalidArgument(
+            f"device {device}: this process has {torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices",
+            call="gpu_uuid",
+        )
+    from .layout import canonical_gpu_uuid
+
+    return canonical_gpu_uuid(str(torch.cuda.get_device_properties(device).uuid))

@@ -233,3 +233,27 @@ def test_socket_garbage_does_not_hurt_the_client(fake, client):
     raw.close()
     with client.attach("p", "", "prefill", LAYOUT) as s:
         assert s.is_open
+
+
+def test_gpu_layout_carries_the_device_uuid(fake, client):
+    """A GPU layout reaches the agent with its GPU's UUID: the one given, or
+    torch's for that device where torch and the device exist; else none
+    (the agent then matches by ordinal)."""
+    uuid = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d"
+    s = client.attach("g0", "", "decode", LAYOUT.with_(device=0, device_uuid="GPU-" + uuid))
+    with fake.lock:
+        got = [x.layout for x in fake.sessions.values() if x.engine_id == "g0"][0]
+    assert (got.device, got.device_uuid) == (0, "GPU-" + uuid)
+    s.detach()
+    try:
+        import torch
+
+        have = torch.cuda.is_available() and torch.cuda.device_count() > 7
+    except ImportError:
+        have = False
+    s = client.attach("g7", "", "decode", LAYOUT.with_(device=7))
+    with fake.lock:
+        got = [x.layout for x in fake.sessions.values() if x.engine_id == "g7"][0]
+    assert got.device_uuid == (kvfabric.gpu_uuid(7) if have else "")
+    assert s.layout.device_uuid == got.device_uuid
+    s.detach()

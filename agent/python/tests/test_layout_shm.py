@@ -51,6 +51,50 @@ def test_layout_validation_names_the_field():
         kvfabric.Layout.for_model(layers=2, num_blocks=4, total_kv_heads=6, head_dim=8, tp_size=4)
 
 
+UUID = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d"
+
+
+def test_gpu_uuid_forms_and_layout_field():
+    for text in (UUID, "GPU-" + UUID.upper(), "MIG-" + UUID, UUID.replace("-", "")):
+        assert kvfabric.canonical_gpu_uuid(text) == UUID
+    for bad in ("", "GPU-", "0", "{" + UUID + "}", UUID[:-1] + "x", "NVD-" + UUID, UUID + "0"):
+        with pytest.raises(kvfabric.InvalidArgument, match="8-4-4-4-12"):
+            kvfabric.canonical_gpu_uuid(bad)
+    l = kvfabric.Layout.for_model(layers=2, num_blocks=4, total_kv_heads=4, head_dim=8, device=0, device_uuid="GPU-" + UUID)
+    assert kvfabric.Layout.from_proto(l.to_proto()) == l
+    assert str(l).endswith("device=0 device_uuid=GPU-" + UUID)
+    with pytest.raises(kvfabric.InvalidArgument, match="host pool"):
+        l.with_(device=-1).validate()
+    with pytest.raises(kvfabric.InvalidArgument, match="GPU-zz"):
+        l.with_(device_uuid="GPU-zz").validate()
+
+
+def test_engine_socket_by_gpu_uuid(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFABRIC_ENGINE_SOCKET", raising=False)
+    monkeypatch.delenv("KVFABRIC_SOCKET_DIR", raising=False)
+    assert kvfabric.engine_socket() == "/run/kvfabric/engine.sock"
+    d = str(tmp_path)
+    # Neither socket yet (the agent not up): the per-GPU one.
+    assert kvfabric.engine_socket("GPU-" + UUID, d) == os.path.join(d, UUID + ".sock")
+    assert kvfabric.engine_socket("", d) == os.path.join(d, "engine.sock")
+    # One agent per node: its socket.
+    (tmp_path / "engine.sock").touch()
+    assert kvfabric.engine_socket("GPU-" + UUID, d) == os.path.join(d, "engine.sock")
+    (tmp_path / (UUID + ".sock")).touch()
+    assert kvfabric.engine_socket("GPU-" + UUID.upper(), d) == os.path.join(d, UUID + ".sock")
+    monkeypatch.setenv("KVFABRIC_SOCKET_DIR", d)
+    assert kvfabric.engine_socket(UUID) == os.path.join(d, UUID + ".sock")
+    monkeypatch.setenv("KVFABRIC_ENGINE_SOCKET", "/x/chosen.sock")
+    assert kvfabric.engine_socket(UUID) == "/x/chosen.sock"
+    monkeypatch.setenv("KVFABRIC_ENGINE_SOCKET", "/x/{gpu_uuid}.sock")
+    assert kvfabric.engine_socket("GPU-" + UUID) == f"/x/{UUID}.sock"
+    with pytest.raises(kvfabric.InvalidArgument, match="gpu_uuid"):
+        kvfabric.engine_socket()
+    with pytest.raises(kvfabric.InvalidArgument):
+        monkeypatch.delenv("KVFABRIC_ENGINE_SOCKET")
+        kvfabric.engine_socket("not-a-uuid", d)
+
+
 def test_fingerprint_ignores_per_rank_fields():
     a = kvfabric.Layout.for_model(layers=4, num_blocks=10, total_kv_heads=8, head_dim=64)
     b = kvfabric.Layout.for_model(layers=4, num_blocks=99, total_kv_heads=8, head_dim=64, tp_size=4, tp_rank=2)
@@ -152,3 +196,18 @@ def test_torch_pool_without_torch_or_gpu():
     t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     p = kvfabric.torch_pool_from_tensor(t[4096:])
     assert len(p.handle) == 64 and p.len == (1 << 20) - 4096 and p.offset >= 4096
+
+
+def test_gpu_uuid_needs_torch_and_the_device():
+    try:
+        import torch
+    except ImportError:
+        with pytest.raises(kvfabric.InvalidArgument, match="needs torch"):
+            kvfabric.gpu_uuid(0)
+        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(kvfabric.InvalidArgument, match=f"device {n}"):
+        kvfabric.gpu_uuid(n)
+    for d in range(n):
+        assert kvfabric.canonical_gpu_uuid(kvfabric.gpu_uuid(d)) == kvfabric.gpu_uuid(d)
+

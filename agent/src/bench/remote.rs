@@ -124,6 +124,7 @@ pub fn engine_layout(layout: &KvLayout, num_blocks: u32) -> Result<pb::KvLayout,
         kv_heads,
         head_dim,
         device: -1,
+        device_uuid: String::new(),
     })
 }
 

@@ -231,6 +231,11 @@ struct AgentArgs {
     /// endpoints (tests and debugging); loopback --listen only.
     #[arg(long)]
     debug_api: bool,
+    /// Refuse GPU engines that do not name their GPU's UUID (one agent per
+    /// GPU on a node: an engine pod's ordinals are its own; env
+    /// KVFABRIC_REQUIRE_DEVICE_UUID).
+    #[arg(long)]
+    require_device_uuid: bool,
     /// Export OpenTelemetry traces of engine hand-offs (a `kvfabric.transfer`
     /// span per sampled Transfer call, parented by the engine's
     /// traceparent, with submit/bounce stage spans and per-chunk events) to
@@ -283,6 +288,7 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         control_bind: a.control_bind,
         log_format,
         debug_api: a.debug_api.then_some(true),
+        require_device_uuid: a.require_device_uuid.then_some(true),
         engine_socket: a.engine_socket,
         gpu: a.gpu,
         pod_uid: a.pod_uid,

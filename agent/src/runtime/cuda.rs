@@ -224,6 +224,11 @@ pub struct GpuInfo {
     pub ordinal: usize,
     /// Device name.
     pub name: String,
+    /// `cuDeviceGetUuid`'s 16 bytes (`None` where the driver did not answer;
+    /// text: `kvfabric_core::layout::format_gpu_uuid`). Engines name their
+    /// GPU by it: ordinals are per process. Serialized as that text.
+    #[serde(serialize_with = "uuid_text")]
+    pub uuid: Option<[u8; 16]>,
     /// Compute capability (major, minor).
     pub compute_capability: (i32, i32),
     /// Multiprocessors.
@@ -240,6 +245,14 @@ pub struct GpuInfo {
     pub cubin_bytes: usize,
     /// The loaded kernel builds.
     pub kernels: Vec<KernelInfo>,
+}
+
+/// [`GpuInfo::uuid`] as its canonical text (or null).
+fn uuid_text<S: serde::Serializer>(u: &Option<[u8; 16]>, s: S) -> Result<S::Ok, S::Error> {
+    match u {
+        Some(b) => s.serialize_some(&kvfabric_core::layout::format_gpu_uuid(b)),
+        None => s.serialize_none(),
+    }
 }
 
 /// One loaded kernel entry point.
@@ -341,6 +354,15 @@ impl CudaGpu {
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
         )?;
         let name = drv("cuDeviceGetName", ctx.name())?;
+        // cuDeviceGetUuid_v2 (the MIG instance's UUID in MIG mode, as torch).
+        let uuid = match ctx.uuid() {
+            // c_char is i8 on x86-64: the bytes as they are.
+            Ok(u) => Some(u.bytes.map(|b| b as u8)),
+            Err(e) => {
+                tracing::warn!(ordinal, error = ?e, "cuDeviceGetUuid failed: engines are matched by ordinal");
+                None
+            }
+        };
         let total_mem = drv("cuDeviceTotalMem", ctx.total_mem())?;
         let mut driver_version = 0;
         // SAFETY: out-pointer to a local.
@@ -363,6 +385,7 @@ impl CudaGpu {
         let info = GpuInfo {
             ordinal,
             name,
+            uuid,
             compute_capability: cc,
             sm_count,
             total_mem,

@@ -101,7 +101,9 @@ pub struct AgentConfig {
     pub gpu: Option<u32>,
     /// Unix socket of the engines' local API (gRPC; mode 0660; parent
     /// directories created). Empty (default) = not served. The chart sets
-    /// `/run/kvfabric/engine.sock` on a hostPath the engine pods mount.
+    /// `/run/kvfabric/engine.sock` on a hostPath the engine pods mount
+    /// (`/run/kvfabric/{gpu_uuid}.sock` with one agent per GPU:
+    /// `{gpu_uuid}` becomes the agent's GPU's UUID, GPU agents only).
     /// Env `KVFABRIC_ENGINE_SOCKET`, flag `--engine-socket`.
     pub engine_socket: String,
     /// Serve `POST /v1/debug/transfer` and `/v1/debug/verify` (fill and
@@ -110,6 +112,14 @@ pub struct AgentConfig {
     /// unauthenticated and can overwrite any part of a peer's KV pool.
     /// Env `KVFABRIC_DEBUG_API`, flag `--debug-api`.
     pub debug_api: bool,
+    /// Refuse a GPU engine whose layout names no GPU UUID
+    /// (`layout.device_uuid`) instead of matching it by ordinal: set where
+    /// a node runs one agent per GPU (the chart does, with
+    /// `agent.gpu.count` > 1), since an engine pod's ordinals are its own
+    /// (device 0 for a pod with one GPU) and would match the wrong agent.
+    /// GPU agents only. Env `KVFABRIC_REQUIRE_DEVICE_UUID`, flag
+    /// `--require-device-uuid`.
+    pub require_device_uuid: bool,
     /// OTLP/gRPC endpoint for traces of engine hand-offs
     /// (`http://collector:4317`; plain HTTP/2, no TLS in this build);
     /// empty (default) = no tracing pipeline.
@@ -158,6 +168,7 @@ impl Default for AgentConfig {
             gpu: None,
             engine_socket: String::new(),
             debug_api: false,
+            require_device_uuid: false,
             otlp_endpoint: String::new(),
             etcd_ca_file: String::new(),
             etcd_cert_file: String::new(),
@@ -222,6 +233,8 @@ pub struct AgentOverrides {
     pub log_format: Option<LogFormat>,
     /// `--debug-api` (`Some(true)` when given).
     pub debug_api: Option<bool>,
+    /// `--require-device-uuid` (`Some(true)` when given).
+    pub require_device_uuid: Option<bool>,
     /// `--engine-socket`.
     pub engine_socket: Option<String>,
     /// `--gpu`.
@@ -335,6 +348,11 @@ impl AgentConfig {
                     "0" | "false" | "off" | "no" => self.debug_api = false,
                     _ => bad("1/0/true/false/on/off/yes/no"),
                 },
+                "REQUIRE_DEVICE_UUID" => match v.to_ascii_lowercase().as_str() {
+                    "1" | "true" | "on" | "yes" => self.require_device_uuid = true,
+                    "0" | "false" | "off" | "no" => self.require_device_uuid = false,
+                    _ => bad("1/0/true/false/on/off/yes/no"),
+                },
                 // KVFABRIC_BOUNCE_* and the deprecated names of two of them.
                 _ if is_config_env(k) => bounce.push((k.to_string(), v.to_string())),
                 _ => {}
@@ -383,6 +401,9 @@ impl AgentConfig {
         }
         if let Some(v) = o.debug_api {
             self.debug_api = v;
+        }
+        if let Some(v) = o.require_device_uuid {
+            self.require_device_uuid = v;
         }
         if let Some(v) = o.engine_socket {
             self.engine_socket = v;
@@ -529,6 +550,24 @@ impl AgentConfig {
             errs.push(
                 "gpu: this build has no GPU support; build with `--features cuda` \
                  (cargo build --release -p kvfabric-agent --features cuda --bin kvfabric)"
+                    .into(),
+            );
+        }
+        let socket = &self.engine_socket;
+        let placeholder = super::engines::GPU_UUID_PLACEHOLDER;
+        if socket.contains(placeholder) && self.gpu.is_none() {
+            errs.push(format!(
+                "engineSocket {socket:?}: {placeholder} names the agent's GPU; set gpu (a host-memory agent has none)"
+            ));
+        } else if socket.replace(placeholder, "").contains(['{', '}']) {
+            errs.push(format!(
+                "engineSocket {socket:?}: the only placeholder is {placeholder}"
+            ));
+        }
+        if self.require_device_uuid && self.gpu.is_none() {
+            errs.push(
+                "requireDeviceUuid: GPU engines' UUIDs are checked by a GPU agent; set gpu \
+                 (a host-memory agent serves host pools only)"
                     .into(),
             );
         }
@@ -1082,12 +1121,16 @@ pub fn run(
         bind: cfg.bind_addr()?,
         copy: None,
     };
+    // The UUID of the agent's GPU (the engine socket's path may name it).
+    #[allow(unused_mut)]
+    let mut gpu_uuid: Option<String> = None;
     let agent = Arc::new(match cfg.gpu {
         None => FabricAgent::new(opts),
         #[cfg(feature = "cuda")]
         Some(ordinal) => {
             let gpu = crate::runtime::cuda::CudaGpu::open(ordinal as usize)
                 .map_err(|e| format!("gpu {ordinal}: {e}"))?;
+            gpu_uuid = gpu.info().uuid.map(|u| kvfabric_core::layout::format_gpu_uuid(&u));
             tracing::info!(gpu = ordinal, name = %gpu.info().name, "bounce arena and engine pools on the GPU");
             FabricAgent::with_arena(
                 opts,
@@ -1103,6 +1146,10 @@ pub fn run(
         )),
     }
     .map_err(|e| format!("NIXL agent {name}: {e}"))?);
+    let engine_socket = super::engines::socket_path(&cfg.engine_socket, gpu_uuid.as_deref())?;
+    if let Some(u) = &gpu_uuid {
+        tracing::info!(gpu_uuid = %u, "engines on this GPU attach by its UUID (layout.device_uuid)");
+    }
     if let Some(why) = &agent.bounce_unavailable() {
         tracing::warn!(agent = %name, reason = %why, "bounce is not running; standard path only");
     }
@@ -1189,7 +1236,6 @@ pub fn run(
         tracing::info!(endpoint = %cfg.otlp_endpoint, sample_ratio = cfg.trace_sample_ratio.0, "OTLP traces of engine hand-offs");
         Some(Arc::new(t))
     };
-    let engine_socket = super::engines::socket_path(&cfg.engine_socket);
     let hub = engine_socket.as_ref().map(|_| {
         let weak = Arc::downgrade(&node);
         let hub = super::engines::EngineHub::new(
@@ -1202,6 +1248,7 @@ pub fn run(
             }),
             Duration::from_millis(cfg.bounce.request_timeout_ms),
         );
+        hub.require_device_uuid(cfg.require_device_uuid);
         node.state()
             .metrics()
             .watch_engines(node.agent().name(), &hub);
@@ -1339,6 +1386,56 @@ mod tests {
         c.logical_id = "x".into();
         let e = c.validate().unwrap_err();
         assert!(e.contains("otlpEndpoint"), "{e}");
+    }
+
+    #[test]
+    fn engine_socket_placeholder_needs_a_gpu() {
+        let mut c = AgentConfig {
+            logical_id: "x".into(),
+            engine_socket: "/run/kvfabric/{gpu_uuid}.sock".into(),
+            ..AgentConfig::default()
+        };
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("engineSocket") && e.contains("set gpu"), "{e}");
+        c.engine_socket = "/run/kvfabric/{gpu}.sock".into();
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("the only placeholder is {gpu_uuid}"), "{e}");
+        c.engine_socket = "/run/kvfabric/engine.sock".into();
+        assert_eq!(c.validate(), Ok(()));
+        // requireDeviceUuid: env and flag; GPU agents only.
+        let r = c.apply_env_vars([("KVFABRIC_REQUIRE_DEVICE_UUID", "maybe")]);
+        assert!(
+            r.errors.len() == 1 && r.errors[0].contains("KVFABRIC_REQUIRE_DEVICE_UUID"),
+            "{r:?}"
+        );
+        c.apply_env_vars([("KVFABRIC_REQUIRE_DEVICE_UUID", "1")]);
+        assert!(c.require_device_uuid);
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.contains("requireDeviceUuid") && e.contains("set gpu"),
+            "{e}"
+        );
+        c.apply_overrides(&AgentOverrides {
+            require_device_uuid: Some(false),
+            ..AgentOverrides::default()
+        });
+        assert_eq!(c.validate(), Ok(()));
+        let y = serde_yaml::to_string(&c).unwrap();
+        assert!(y.contains("requireDeviceUuid: false"), "{y}");
+        // The path the agent serves.
+        use crate::service::engines::socket_path;
+        let u = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d";
+        assert_eq!(socket_path(" ", None), Ok(None));
+        assert_eq!(
+            socket_path("/run/k/{gpu_uuid}.sock", Some(u)),
+            Ok(Some(std::path::PathBuf::from(format!("/run/k/{u}.sock"))))
+        );
+        assert!(socket_path("/run/k/{gpu_uuid}.sock", None)
+            .unwrap_err()
+            .contains("set gpu"));
+        assert!(socket_path("/run/k/{x}.sock", Some(u))
+            .unwrap_err()
+            .contains("only placeholder"));
     }
 
     #[test]

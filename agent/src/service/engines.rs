@@ -367,6 +367,8 @@ pub struct EngineHub {
     arrived_total: AtomicU64,
     /// Set by [`EngineHub::shutdown`]: no new sessions.
     closing: std::sync::atomic::AtomicBool,
+    /// GPU engines must name their GPU's UUID ([`EngineHub::require_device_uuid`]).
+    require_device_uuid: std::sync::atomic::AtomicBool,
     /// This hub, weakly (for threads it spawns).
     me: std::sync::OnceLock<Weak<EngineHub>>,
     /// Where hand-offs to other agents are recorded (latency, fallbacks,
@@ -420,6 +422,7 @@ pub fn layout_of(l: &pb::KvLayout) -> EngineLayout {
         kv_heads: l.kv_heads,
         head_dim: l.head_dim,
         device: l.device,
+        device_uuid: l.device_uuid.clone(),
     }
 }
 
@@ -509,6 +512,7 @@ impl EngineHub {
             failed: AtomicU64::new(0),
             arrived_total: AtomicU64::new(0),
             closing: std::sync::atomic::AtomicBool::new(false),
+            require_device_uuid: std::sync::atomic::AtomicBool::new(false),
             me: std::sync::OnceLock::new(),
             metrics: std::sync::OnceLock::new(),
             traces: std::sync::OnceLock::new(),
@@ -627,6 +631,13 @@ impl EngineHub {
         let _ = self.traces.set(traces);
     }
 
+    /// With `on`, a GPU engine whose layout names no GPU UUID is refused at
+    /// `Attach` where this agent knows its own (the config's
+    /// `requireDeviceUuid`; `kvfabric_core::layout::check_device`).
+    pub fn require_device_uuid(&self, on: bool) {
+        self.require_device_uuid.store(on, Ordering::Relaxed);
+    }
+
     /// Ids of the engines attached now.
     pub fn engine_ids(&self) -> Vec<String> {
         self.lock_sessions()
@@ -673,28 +684,21 @@ impl EngineHub {
             )));
         }
         let role = role_name(req.role)?;
-        let layout = layout_of(
+        let mut layout = layout_of(
             req.layout
                 .as_ref()
                 .ok_or_else(|| Status::invalid_argument("layout: missing"))?,
         );
         layout.validate().map_err(status_of)?;
-        if layout.device < 0 && self.gpu_ordinal().is_some() {
-            return Err(Status::failed_precondition(
-                "layout.device -1 (host pool): this agent's arena and copy engine are on a GPU; \
-                 attach host-memory engines to an agent started without --gpu",
-            ));
-        }
-        if layout.device >= 0 && self.gpu_ordinal() != Some(layout.device) {
-            return Err(Status::failed_precondition(format!(
-                "layout.device {}: this agent's arena is {} (one agent serves the GPU it runs bounce on; start it with --gpu {})",
-                layout.device,
-                match self.gpu_ordinal() {
-                    Some(g) => format!("on GPU {g}"),
-                    None => "in host memory".into(),
-                },
-                layout.device
-            )));
+        kvfabric_core::layout::check_device(
+            &layout,
+            self.arena_device(),
+            self.require_device_uuid.load(Ordering::Relaxed),
+        )
+        .map_err(Status::failed_precondition)?;
+        // Published and shown in one form, whatever form the engine sent.
+        if let Ok(u) = kvfabric_core::layout::parse_gpu_uuid(&layout.device_uuid) {
+            layout.device_uuid = kvfabric_core::layout::format_gpu_uuid(&u);
         }
         let s = {
             let mut g = self.lock_sessions();
@@ -909,13 +913,16 @@ impl EngineHub {
         Ok(self.direct.get_or_init(|| e).clone())
     }
 
-    /// The CUDA ordinal of the agent's arena, if it lives on a GPU.
-    fn gpu_ordinal(&self) -> Option<i32> {
+    /// Where the agent's arena lives (engines are matched to it).
+    fn arena_device(&self) -> kvfabric_core::layout::ArenaDevice {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.agent.gpu() {
-            return Some(g.info().ordinal as i32);
+            return kvfabric_core::layout::ArenaDevice::Gpu {
+                ordinal: g.info().ordinal as i32,
+                uuid: g.info().uuid,
+            };
         }
-        None
+        kvfabric_core::layout::ArenaDevice::Host
     }
 
     /// Registers a GPU pool given as a CUDA IPC handle.
@@ -2162,10 +2169,36 @@ pub async fn serve(
 }
 
 /// The socket path as configured, or `None` for "off".
-pub fn socket_path(configured: &str) -> Option<PathBuf> {
+pub fn socket_path(configured: &str, gpu_uuid: Option<&str>) -> Result<Option<PathBuf>, String> {
     let t = configured.trim();
-    (!t.is_empty()).then(|| PathBuf::from(t))
+    if t.is_empty() {
+        return Ok(None);
+    }
+    let path = if t.contains(GPU_UUID_PLACEHOLDER) {
+        let Some(u) = gpu_uuid else {
+            return Err(format!(
+                "engineSocket {t:?}: {GPU_UUID_PLACEHOLDER} needs the UUID of the agent's GPU (set gpu; the driver must report it)"
+            ));
+        };
+        t.replace(GPU_UUID_PLACEHOLDER, u)
+    } else {
+        t.to_string()
+    };
+    if path.contains(['{', '}']) {
+        return Err(format!(
+            "engineSocket {t:?}: the only placeholder is {GPU_UUID_PLACEHOLDER}"
+        ));
+    }
+    Ok(Some(PathBuf::from(path)))
 }
+
+/// The placeholder an `engineSocket` path may hold for the UUID of the
+/// agent's GPU (canonical text, `kvfabric_core::layout::format_gpu_uuid`):
+/// with one agent per GPU on a node (the chart's `agent.gpu.count`), each
+/// serves `<dir>/<its GPU's UUID>.sock`, and an engine finds its agent from
+/// its own GPU's UUID (Python: `kvfabric.engine_socket`) — ordinals are
+/// per process and do not name a GPU across pods.
+pub const GPU_UUID_PLACEHOLDER: &str = "{gpu_uuid}";
 
 #[cfg(test)]
 mod tests {
@@ -2190,6 +2223,7 @@ mod tests {
                 kv_heads: 1,
                 head_dim: 64,
                 device: -1,
+                device_uuid: String::new(),
             },
             fingerprint: String::new(),
             pool_addr,

@@ -62,6 +62,7 @@ impl Geometry {
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             device: -1,
+            device_uuid: String::new(),
         }
     }
 

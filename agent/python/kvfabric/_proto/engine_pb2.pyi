@@ -41,7 +41,7 @@ OUTCOME_TIMEOUT: Outcome
 OUTCOME_CANCELLED: Outcome
 
 class KvLayout(_message.Message):
-    __slots__ = ("layers", "num_blocks", "block_bytes", "kv_split", "dtype", "tp_rank", "tp_size", "block_tokens", "kv_heads", "head_dim", "device")
+    __slots__ = ("layers", "num_blocks", "block_bytes", "kv_split", "dtype", "tp_rank", "tp_size", "block_tokens", "kv_heads", "head_dim", "device", "device_uuid")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class KvLayout(_message.Message):
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     layers: int
     num_blocks: int
     block_bytes: int
@@ -64,7 +65,8 @@ class KvLayout(_message.Message):
     kv_heads: int
     head_dim: int
     device: int
-    def __init__(self, layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_split: bool = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_split: bool = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "pod_uid", "role", "layout")
