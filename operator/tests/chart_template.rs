@@ -797,66 +797,185 @@ fn chart_agent_config_accepted_by_agent() {
     for (label, extra) in &variants {
         let args: Vec<&str> = extra.iter().map(String::as_str).collect();
         let docs = template(&path, &args);
-        let mut cfg = agent_config(&docs);
-        let c = container(one(&docs, "DaemonSet", "-agent")).clone();
-        // The container's args with the downward-API variables the kubelet
-        // substitutes, and the config at a local path.
-        let file = dir.join("config.yaml");
-        let run = |cfg: &Value| {
-            std::fs::write(&file, serde_yaml::to_string(cfg).unwrap()).unwrap();
-            let argv: Vec<String> = strings(&c["args"])
+        let cfg0 = agent_config(&docs);
+        // Every agent DaemonSet (one per GPU with agent.gpu.count > 1).
+        for ds in of_kind(&docs, "DaemonSet") {
+            let c = container(ds);
+            let mut cfg = cfg0.clone();
+            // The container's args with the downward-API variables the
+            // kubelet substitutes, and the config at a local path.
+            let file = dir.join("config.yaml");
+            let mut argv: Vec<String> = strings(&c["args"])
                 .into_iter()
                 .map(|a| match a.as_str() {
                     "/etc/kvfabric/config.yaml" => file.to_string_lossy().into_owned(),
-                    "$(POD_NAME)" => "kvfabric-agent-x1".into(),
-                    "$(POD_UID)" => "0f4c5e7a-1111-2222-3333-444455556666".into(),
-                    _ => a,
+                    _ => a
+                        .replace("$(POD_NAME)", "kvfabric-agent-x1")
+                        .replace("$(POD_UID)", "0f4c5e7a-1111-2222-3333-444455556666"),
                 })
                 .collect();
-            Command::new(&bin)
-                .args(&argv)
-                .arg("--print-config")
-                .output()
-                .expect("run kvfabric")
-        };
-        let mut out = run(&cfg);
-        if !out.status.success() && !cfg["gpu"].is_null() {
-            // This build has no `cuda` feature (the image's has): only the
-            // GPU ordinal may be refused, for that reason.
-            let err = String::from_utf8_lossy(&out.stderr);
+            let run = |cfg: &Value, argv: &[String]| {
+                std::fs::write(&file, serde_yaml::to_string(cfg).unwrap()).unwrap();
+                Command::new(&bin)
+                    .args(argv)
+                    .arg("--print-config")
+                    .output()
+                    .expect("run kvfabric")
+            };
+            let mut out = run(&cfg, &argv);
+            if !out.status.success() && !cfg["gpu"].is_null() {
+                // This build has no `cuda` feature (the image's has): only the
+                // GPU ordinal may be refused, for that reason.
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert!(
+                    err.contains("this build has no GPU support"),
+                    "{label}: {err}"
+                );
+                println!(
+                    "{label}: gpu {} needs a cuda build; checking the rest without it",
+                    cfg["gpu"]
+                );
+                cfg["gpu"] = Value::Null;
+                // Without a GPU the socket cannot name one: a stand-in UUID.
+                if let Some(i) = argv.iter().position(|a| a == "--gpu") {
+                    argv.drain(i..i + 2);
+                }
+                // ... and no GPU UUID to require.
+                argv.retain(|a| a != "--require-device-uuid");
+                for a in argv.iter_mut() {
+                    *a = a.replace("{gpu_uuid}", "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d");
+                }
+                out = run(&cfg, &argv);
+            }
             assert!(
-                err.contains("this build has no GPU support"),
-                "{label}: {err}"
+                out.status.success(),
+                "{label}: kvfabric agent refused the chart's config:\n{}",
+                String::from_utf8_lossy(&out.stderr)
             );
-            println!(
-                "{label}: gpu {} needs a cuda build; checking the rest without it",
-                cfg["gpu"]
-            );
-            cfg["gpu"] = Value::Null;
-            out = run(&cfg);
-        }
-        assert!(
-            out.status.success(),
-            "{label}: kvfabric agent refused the chart's config:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let eff = parse_docs(&String::from_utf8_lossy(&out.stdout)).remove(0);
-        for k in [
-            "fabric",
-            "listen",
-            "engineSocket",
-            "etcdEndpoints",
-            "role",
-            "leaseTtlSeconds",
-        ] {
-            assert_eq!(eff[k], cfg[k], "{label}: {k}");
-        }
-        assert_eq!(eff["logicalId"], "kvfabric-agent-x1");
-        assert_eq!(eff["podUid"], "0f4c5e7a-1111-2222-3333-444455556666");
-        for (k, v) in cfg["bounce"].as_object().unwrap() {
-            assert_eq!(&eff["bounce"][k], v, "{label}: bounce.{k}");
+            let eff = parse_docs(&String::from_utf8_lossy(&out.stdout)).remove(0);
+            // Flags override the file (one agent per GPU: port and socket).
+            let mut want = cfg.clone();
+            for (flag, key) in [("--listen", "listen"), ("--engine-socket", "engineSocket")] {
+                if let Some(i) = argv.iter().position(|a| a == flag) {
+                    want[key] = Value::String(argv[i + 1].clone());
+                }
+            }
+            for k in [
+                "fabric",
+                "listen",
+                "engineSocket",
+                "etcdEndpoints",
+                "role",
+                "leaseTtlSeconds",
+            ] {
+                assert_eq!(eff[k], want[k], "{label}: {k}");
+            }
+            assert_eq!(eff["logicalId"], "kvfabric-agent-x1");
+            let required = argv.iter().any(|a| a == "--require-device-uuid");
+            assert_eq!(eff["requireDeviceUuid"], required, "{label}");
+            assert_eq!(eff["podUid"], "0f4c5e7a-1111-2222-3333-444455556666");
+            for (k, v) in cfg["bounce"].as_object().unwrap() {
+                assert_eq!(&eff["bounce"][k], v, "{label}: bounce.{k}");
+            }
         }
         println!("ok {label}: agent accepts the chart's config and flags");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `agent.gpu.count: 8` (ci/multi-gpu-values.yaml): one agent DaemonSet
+/// per GPU (own pods, so the operator judges each GPU's agent on its own)
+/// — its own ordinal, selector label, HTTP port (probes on it by name), the
+/// socket named after its GPU's UUID and `--require-device-uuid`; the
+/// NetworkPolicy admits the port range. With count 1 (the default): one
+/// DaemonSet `-agent` as before.
+#[test]
+fn chart_one_agent_per_gpu() {
+    let Some(path) = tools_path() else { return };
+    let docs = template(
+        &path,
+        &[
+            "-f",
+            &values("ci/multi-gpu-values.yaml"),
+            "--api-versions",
+            "monitoring.coreos.com/v1",
+        ],
+    );
+    let sets = of_kind(&docs, "DaemonSet");
+    assert_eq!(sets.len(), 8);
+    for (k, ds) in sets.iter().enumerate() {
+        let ds = *ds;
+        assert!(
+            name(ds).ends_with(&format!("-agent-gpu{k}")),
+            "{}",
+            name(ds)
+        );
+        let sel = &ds["spec"]["selector"]["matchLabels"];
+        assert_eq!(sel["kvfabric.io/gpu-index"], k.to_string());
+        assert_eq!(
+            ds["spec"]["template"]["metadata"]["labels"]["kvfabric.io/gpu-index"],
+            k.to_string()
+        );
+        assert_eq!(sel["app.kubernetes.io/component"], "agent");
+        let cs = ds["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .unwrap();
+        assert_eq!(cs.len(), 1);
+        let c = &cs[0];
+        let args = strings(&c["args"]);
+        let flag = |f: &str| {
+            let i = args
+                .iter()
+                .position(|a| a == f)
+                .unwrap_or_else(|| panic!("{f} in {args:?}"));
+            args[i + 1].clone()
+        };
+        assert_eq!(flag("--gpu"), k.to_string());
+        assert_eq!(flag("--logical-id"), "$(POD_NAME)");
+        assert_eq!(flag("--listen"), format!("0.0.0.0:{}", 9400 + k));
+        assert_eq!(flag("--engine-socket"), "/run/kvfabric/{gpu_uuid}.sock");
+        assert!(args.iter().any(|a| a == "--require-device-uuid"));
+        let port = &c["ports"][0];
+        assert_eq!(port["name"], "http");
+        assert_eq!(port["containerPort"], 9400 + k as u64);
+        for p in ["livenessProbe", "readinessProbe", "startupProbe"] {
+            assert_eq!(c[p]["httpGet"]["port"], "http", "{p}");
+        }
+        assert_eq!(env_of(c, "NVIDIA_VISIBLE_DEVICES").unwrap()["value"], "all");
+    }
+    // Each DaemonSet's selector picks only its own pods.
+    let selectors: std::collections::BTreeSet<String> = sets
+        .iter()
+        .map(|d| d["spec"]["selector"]["matchLabels"].to_string())
+        .collect();
+    assert_eq!(selectors.len(), 8);
+    let pm = one(&docs, "PodMonitor", "-agent");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "http");
+    let np = one(&docs, "NetworkPolicy", "-agent");
+    let http = &np["spec"]["ingress"][0]["ports"][0];
+    assert_eq!(
+        (http["port"].as_u64(), http["endPort"].as_u64()),
+        (Some(9400), Some(9407))
+    );
+
+    // Count 1: unchanged.
+    let docs = template(&path, &[]);
+    let ds = one(&docs, "DaemonSet", "-agent");
+    assert_eq!(of_kind(&docs, "DaemonSet").len(), 1);
+    assert!(ds["spec"]["selector"]["matchLabels"]
+        .get("kvfabric.io/gpu-index")
+        .is_none());
+    let c = container(ds);
+    let args = strings(&c["args"]);
+    assert!(!args
+        .iter()
+        .any(|a| a == "--gpu" || a == "--engine-socket" || a == "--require-device-uuid"));
+    assert_eq!(c["ports"][0]["containerPort"], 9400);
+    let np = one(&docs, "NetworkPolicy", "-agent");
+    assert!(np["spec"]["ingress"][0]["ports"][0]
+        .get("endPort")
+        .is_none());
+    // A bad count is refused by the schema.
+    let bad = template_in(&path, &chart(), &["--set", "agent.gpu.count=0"]).unwrap_err();
+    assert!(bad.contains("count"), "{bad}");
 }

@@ -23,10 +23,11 @@ pub fn chart() -> PathBuf {
 }
 
 /// The values files the suites render besides the defaults.
-pub const CI_VALUES: [&str; 3] = [
+pub const CI_VALUES: [&str; 4] = [
     "ci/external-etcd-tls-values.yaml",
     "ci/hostnetwork-rdma-values.yaml",
     "ci/cpu-only-values.yaml",
+    "ci/multi-gpu-values.yaml",
 ];
 
 pub fn required() -> bool {
