@@ -51,10 +51,24 @@ before_exe() {
 # the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag);
 # SPIN_ keys are the spin experiment switches (KVFABRIC_SPIN_ADAPTIVE,
 # KVFABRIC_SPIN_WORKERS; agent/src/runtime/spin.rs).
-cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/KVFABRIC_BOUNCE_/; s/^KVFABRIC_BOUNCE_SPIN_/KVFABRIC_SPIN_/'; }
+# A BOOST=POLICY entry (nice:-15, fifo:10) is no variable: boost_start runs
+# e2e/gpu/boost_threads.py beside the bench (the agents' IO threads and
+# copy workers get that priority), boost_stop waits for it.
+cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | grep -v '^BOOST=' | sed 's/^/KVFABRIC_BOUNCE_/; s/^KVFABRIC_BOUNCE_SPIN_/KVFABRIC_SPIN_/'; }
+boost_pid=""
+boost_start() {
+  local p; p=$(echo "$1" | tr ',' '\n' | sed -n 's/^BOOST=//p')
+  [ -n "$p" ] || return 0
+  python3 e2e/gpu/boost_threads.py --pattern kvfabric-gpu --policy "$p" --timeout 300 & boost_pid=$!
+}
+boost_stop() { [ -z "$boost_pid" ] || { wait "$boost_pid"; boost_pid=""; }; }
 cfg_tag() { [ "$1" = - ] && echo default || echo "$1" | tr ',=' '_-'; }
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in
+    uuid)
+      # Issue 12: GPU engines matched to their agent by GPU UUID (the
+      # per-GPU socket, an engine whose ordinal differs, another GPU's UUID).
+      timeout 120 python3 e2e/gpu/gpu_uuid.py --bin /tmp/kvf/kvfabric --out "$out/gpu_uuid.json" 2>&1 | tail -n 40 || rc=1 ;;
     engines)
       timeout 240 python3 e2e/gpu/engines_gpu.py --bin /tmp/kvf/kvfabric --etcd /tmp/kvf/etcd \
         --out "$out/engines_gpu.json" 2>&1 | tee "$out/engines_gpu.log" | tail -n 60 || rc=1 ;;
@@ -127,9 +141,11 @@ for step in ${KVF_STEPS:-engines model vram}; do
           # A "before" build older than --verify-every checks every hand-off.
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="${b}_$(cfg_tag "$cfg")_c$c"
+          boost_start "$cfg"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
             --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" ${KVF_BENCH_ARGS:-} \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
+          boost_stop
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
           grep -E '^(all \(|slowest )' "$out/load_$tag.log" | cut -c1-400
         done
@@ -151,8 +167,15 @@ for step in ${KVF_STEPS:-engines model vram}; do
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
+          boost_start "$cfg"
+          # KVF_OL_CPUPROF=1: each thread's CPU share and run-queue wait
+          # (e2e/gpu/thread_cpu.py) through the run, into open_threads_*.txt.
+          tp=""; [ -n "${KVF_OL_CPUPROF:-}" ] && { python3 e2e/gpu/thread_cpu.py --pattern kvfabric-gpu \
+            --delay 0.5 --window 0.5 --windows 400 --top 8 > "$out/open_threads_$tag.txt" 2>&1 & tp=$!; }
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" ${KVF_BENCH_ARGS:-} \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
+          boost_stop
+          [ -z "$tp" ] || { wait $tp; grep '^window' "$out/open_threads_$tag.txt" | awk '{print $14, $22}' | sort -n | tail -n 1 | sed 's/^/  busiest window: CPUs busy, runnable mean: /'; }
           echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
           grep -E '^(all \(|slowest )' "$out/open_$tag.log" | cut -c1-400
         done

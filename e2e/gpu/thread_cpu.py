@@ -31,7 +31,8 @@ def pids(pattern: str) -> list[int]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if pattern in cmd and "thread_cpu.py" not in cmd:
+        # Not the helpers watching the same processes (they name it too).
+        if pattern in cmd and not any(h in cmd for h in ("boost_threads.py", "thread_cpu.py")):
             out.append(int(d))
     return out
 
