@@ -21,21 +21,8 @@ import re
 import sys
 import time
 
-
-def pids(pattern: str) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        # Not the helpers watching the same processes (they name it too).
-        if pattern in cmd and not any(h in cmd for h in ("boost_threads.py", "thread_cpu.py")):
-            out.append(int(d))
-    return out
+# The processes: the same rule as the thread profile's (not the helpers).
+from thread_cpu import pids
 
 
 def apply(tid: int, policy: str, value: int) -> None:
