@@ -84,6 +84,9 @@ pub enum ClientError {
     /// with `attached`).
     #[error("protocol: {0}")]
     Protocol(String),
+    /// An argument was refused before anything was sent (named).
+    #[error("{0}")]
+    InvalidArgument(String),
     /// Shared memory could not be created or mapped.
     #[error("shared memory {name}: {reason}")]
     Shm {
@@ -102,6 +105,60 @@ impl ClientError {
             _ => None,
         }
     }
+}
+
+/// Where the chart mounts the agents' sockets (`agent.socket.hostPath`).
+pub const DEFAULT_SOCKET_DIR: &str = "/run/kvfabric";
+
+/// The agent socket an engine connects to (the Python client's
+/// `kvfabric.engine_socket`, same rules): `$KVFABRIC_ENGINE_SOCKET` when
+/// set (a `{gpu_uuid}` in it becomes `gpu_uuid`); otherwise, in `dir`
+/// (default `$KVFABRIC_SOCKET_DIR` or [`DEFAULT_SOCKET_DIR`]), the socket
+/// named after the engine's GPU, `<uuid>.sock` — served where a node runs
+/// one agent per GPU (the chart's `agent.gpu.count` > 1) — when `gpu_uuid`
+/// is given and that socket exists or `engine.sock` does not; else
+/// `engine.sock`. `gpu_uuid`: `cuDeviceGetUuid`'s UUID as text, any form
+/// `kvfabric_core::layout::parse_gpu_uuid` takes, or "" (host engines);
+/// send it in `KvLayout::device_uuid` too (ordinals are per process).
+///
+/// # Errors
+/// [`ClientError::InvalidArgument`] for a malformed UUID, or a
+/// `{gpu_uuid}` in the variable without one.
+pub fn engine_socket(gpu_uuid: &str, dir: Option<&Path>) -> Result<PathBuf, ClientError> {
+    let uuid = if gpu_uuid.is_empty() {
+        None
+    } else {
+        let b = kvfabric_core::layout::parse_gpu_uuid(gpu_uuid)
+            .map_err(ClientError::InvalidArgument)?;
+        Some(kvfabric_core::layout::format_gpu_uuid(&b))
+    };
+    if let Some(explicit) = std::env::var_os("KVFABRIC_ENGINE_SOCKET").filter(|v| !v.is_empty()) {
+        let text = explicit.to_string_lossy().into_owned();
+        if !text.contains("{gpu_uuid}") {
+            return Ok(PathBuf::from(explicit));
+        }
+        let Some(u) = &uuid else {
+            return Err(ClientError::InvalidArgument(format!(
+                "KVFABRIC_ENGINE_SOCKET {text:?} names {{gpu_uuid}}: give the engine's GPU UUID"
+            )));
+        };
+        return Ok(PathBuf::from(text.replace("{gpu_uuid}", u)));
+    }
+    let dir = match dir {
+        Some(d) => d.to_path_buf(),
+        None => std::env::var_os("KVFABRIC_SOCKET_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET_DIR)),
+    };
+    let node = dir.join("engine.sock");
+    if let Some(u) = uuid {
+        let per_gpu = dir.join(format!("{u}.sock"));
+        if per_gpu.exists() || !node.exists() {
+            return Ok(per_gpu);
+        }
+    }
+    Ok(node)
 }
 
 /// Bytes of a pool laid out as `layout` says:
@@ -740,6 +797,37 @@ impl Drop for ShmPool {
 #[cfg(test)]
 mod tests {
     use super::ShmPool;
+
+    /// The socket by GPU UUID (the variables unset, as in CI).
+    #[test]
+    fn engine_socket_by_gpu_uuid() {
+        if std::env::var_os("KVFABRIC_ENGINE_SOCKET").is_some() {
+            println!("SKIP: KVFABRIC_ENGINE_SOCKET is set");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("kvf-client-sock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let u = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d";
+        let sock = |uuid: &str| super::engine_socket(uuid, Some(&dir)).unwrap();
+        // No agent up yet: the per-GPU socket for a GPU engine.
+        assert_eq!(
+            sock(&format!("GPU-{}", u.to_uppercase())),
+            dir.join(format!("{u}.sock"))
+        );
+        assert_eq!(sock(""), dir.join("engine.sock"));
+        // One agent per node.
+        std::fs::write(dir.join("engine.sock"), b"").unwrap();
+        assert_eq!(sock(u), dir.join("engine.sock"));
+        // One agent per GPU.
+        std::fs::write(dir.join(format!("{u}.sock")), b"").unwrap();
+        assert_eq!(sock(&u.replace('-', "")), dir.join(format!("{u}.sock")));
+        let e = super::engine_socket("GPU-12", Some(&dir)).unwrap_err();
+        assert!(
+            matches!(e, super::ClientError::InvalidArgument(_)) && e.to_string().contains("GPU-12"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn unlink_removes_the_name_and_keeps_the_memory() {
