@@ -83,6 +83,10 @@ def main() -> int:
                     done[tid] = f"{comm} (failed: {e})"
         time.sleep(a.interval)
     print(f"boost {a.policy}: {len(done)} threads: " + ", ".join(sorted(set(done.values()))))
+    failed = [c for c in done.values() if "(failed" in c]
+    if failed or not done:
+        print(f"boost {a.policy}: NOT APPLIED to {len(failed) if done else 'any'} thread(s)", file=sys.stderr)
+        return 1
     return 0
 
 

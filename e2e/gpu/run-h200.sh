@@ -61,7 +61,9 @@ boost_start() {
   [ -n "$p" ] || return 0
   python3 e2e/gpu/boost_threads.py --pattern kvfabric-gpu --policy "$p" --timeout 300 & boost_pid=$!
 }
-boost_stop() { [ -z "$boost_pid" ] || { wait "$boost_pid"; boost_pid=""; }; }
+# A thread the helper could not change fails the step (the run's numbers
+# are then the default's).
+boost_stop() { [ -z "$boost_pid" ] || { wait "$boost_pid" || rc=1; boost_pid=""; }; }
 cfg_tag() { [ "$1" = - ] && echo default || echo "$1" | tr ',=' '_-'; }
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in

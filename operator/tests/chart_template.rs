@@ -828,8 +828,10 @@ fn chart_agent_config_accepted_by_agent() {
                 // GPU ordinal may be refused, for that reason.
                 let err = String::from_utf8_lossy(&out.stderr);
                 assert!(
-                    err.contains("this build has no GPU support"),
-                    "{label}: {err}"
+                    err.contains("this build has no GPU support")
+                        && !err.contains("engineSocket")
+                        && !err.contains("requireDeviceUuid"),
+                    "{label}: only the GPU may be refused: {err}"
                 );
                 println!(
                     "{label}: gpu {} needs a cuda build; checking the rest without it",
@@ -943,6 +945,74 @@ fn chart_one_agent_per_gpu() {
         }
         assert_eq!(env_of(c, "NVIDIA_VISIBLE_DEVICES").unwrap()["value"], "all");
     }
+    // GPU k's agent only where the node has more than k GPUs.
+    for (k, ds) in sets.iter().enumerate() {
+        let aff = &ds["spec"]["template"]["spec"]["affinity"];
+        if k == 0 {
+            assert!(aff.is_null(), "gpu0: {aff}");
+            continue;
+        }
+        let terms = &aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        assert_eq!(
+            terms,
+            &serde_json::json!([{"matchExpressions": [
+                {"key": "nvidia.com/gpu.count", "operator": "Gt", "values": [k.to_string()]}
+            ]}]),
+            "gpu{k}"
+        );
+        let env = env_of(container(ds), "CUDA_DEVICE_ORDER").unwrap();
+        assert_eq!(env["value"], "PCI_BUS_ID");
+    }
+    // ... added to a user's own node terms (AND), not replacing them.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("chart-gpu-aff-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let user = dir.join("values.yaml");
+    std::fs::write(
+        &user,
+        "agent:\n  gpu: {count: 2}\n  affinity:\n    nodeAffinity:\n      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n          - matchExpressions: [{key: zone, operator: In, values: [a]}]\n          - matchExpressions: [{key: zone, operator: In, values: [b]}]\n",
+    )
+    .unwrap();
+    let merged = template(&path, &["-f", user.to_str().unwrap()]);
+    let ds1 = one(&merged, "DaemonSet", "-agent-gpu1");
+    let terms = &ds1["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"];
+    for (i, zone) in ["a", "b"].iter().enumerate() {
+        assert_eq!(
+            terms[i]["matchExpressions"],
+            serde_json::json!([
+                {"key": "zone", "operator": "In", "values": [zone]},
+                {"key": "nvidia.com/gpu.count", "operator": "Gt", "values": ["1"]}
+            ])
+        );
+    }
+    let ds0 = one(&merged, "DaemonSet", "-agent-gpu0");
+    assert_eq!(
+        ds0["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+            ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+            ["matchExpressions"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    // Refused: one agent per GPU without GPUs, ports past 65535.
+    let e = template_in(
+        &path,
+        &chart(),
+        &["--set", "agent.gpu.count=2,agent.gpu.enabled=false"],
+    )
+    .unwrap_err();
+    assert!(e.contains("needs agent.gpu.enabled=true"), "{e}");
+    let e = template_in(
+        &path,
+        &chart(),
+        &["--set", "agent.gpu.count=2,agent.httpPort=65535"],
+    )
+    .unwrap_err();
+    assert!(e.contains("above 65535"), "{e}");
     // Each DaemonSet's selector picks only its own pods.
     let selectors: std::collections::BTreeSet<String> = sets
         .iter()

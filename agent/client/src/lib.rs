@@ -116,14 +116,16 @@ pub const DEFAULT_SOCKET_DIR: &str = "/run/kvfabric";
 /// (default `$KVFABRIC_SOCKET_DIR` or [`DEFAULT_SOCKET_DIR`]), the socket
 /// named after the engine's GPU, `<uuid>.sock` — served where a node runs
 /// one agent per GPU (the chart's `agent.gpu.count` > 1) — when `gpu_uuid`
-/// is given and that socket exists or `engine.sock` does not; else
-/// `engine.sock`. `gpu_uuid`: `cuDeviceGetUuid`'s UUID as text, any form
+/// is given and that socket exists, else `engine.sock` (with a `gpu_uuid`,
+/// only where it exists: which one is served is the node's choice, so
+/// with neither there yet the caller retries). `gpu_uuid`: `cuDeviceGetUuid`'s UUID as text, any form
 /// `kvfabric_core::layout::parse_gpu_uuid` takes, or "" (host engines);
 /// send it in `KvLayout::device_uuid` too (ordinals are per process).
 ///
 /// # Errors
 /// [`ClientError::InvalidArgument`] for a malformed UUID, or a
-/// `{gpu_uuid}` in the variable without one.
+/// `{gpu_uuid}` in the variable without one; [`ClientError::Connect`]
+/// with a `gpu_uuid` while neither socket exists (the agent not up).
 pub fn engine_socket(gpu_uuid: &str, dir: Option<&Path>) -> Result<PathBuf, ClientError> {
     let uuid = if gpu_uuid.is_empty() {
         None
@@ -152,13 +154,20 @@ pub fn engine_socket(gpu_uuid: &str, dir: Option<&Path>) -> Result<PathBuf, Clie
             .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET_DIR)),
     };
     let node = dir.join("engine.sock");
-    if let Some(u) = uuid {
-        let per_gpu = dir.join(format!("{u}.sock"));
-        if per_gpu.exists() || !node.exists() {
-            return Ok(per_gpu);
-        }
+    let Some(u) = uuid else {
+        return Ok(node);
+    };
+    let per_gpu = dir.join(format!("{u}.sock"));
+    match (per_gpu.exists(), node.exists()) {
+        (true, _) => Ok(per_gpu),
+        (false, true) => Ok(node),
+        (false, false) => Err(ClientError::Connect {
+            path: dir,
+            reason: format!(
+                "no agent socket for GPU {u} yet (neither {u}.sock, one agent per GPU, nor engine.sock, one agent per node)"
+            ),
+        }),
     }
-    Ok(node)
 }
 
 /// Bytes of a pool laid out as `layout` says:
@@ -809,10 +818,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let u = "5a2b1c3d-0e4f-4a1b-9c8d-7e6f5a4b3c2d";
         let sock = |uuid: &str| super::engine_socket(uuid, Some(&dir)).unwrap();
-        // No agent up yet: the per-GPU socket for a GPU engine.
-        assert_eq!(
-            sock(&format!("GPU-{}", u.to_uppercase())),
-            dir.join(format!("{u}.sock"))
+        // No agent up yet: no guess for a GPU engine.
+        let e = super::engine_socket(u, Some(&dir)).unwrap_err();
+        assert!(
+            matches!(e, super::ClientError::Connect { .. }) && e.to_string().contains("neither"),
+            "{e}"
         );
         assert_eq!(sock(""), dir.join("engine.sock"));
         // One agent per node.
@@ -821,6 +831,10 @@ mod tests {
         // One agent per GPU.
         std::fs::write(dir.join(format!("{u}.sock")), b"").unwrap();
         assert_eq!(sock(&u.replace('-', "")), dir.join(format!("{u}.sock")));
+        assert_eq!(
+            sock(&format!("GPU-{}", u.to_uppercase())),
+            dir.join(format!("{u}.sock"))
+        );
         let e = super::engine_socket("GPU-12", Some(&dir)).unwrap_err();
         assert!(
             matches!(e, super::ClientError::InvalidArgument(_)) && e.to_string().contains("GPU-12"),

@@ -30,6 +30,7 @@ from .errors import (
     ProtocolError,
     SessionClosed,
     Timeout,
+    Unavailable,
     from_rpc_error,
 )
 from .layout import Layout, canonical_gpu_uuid
@@ -45,7 +46,7 @@ DEFAULT_TIMEOUT = 5.0
 DEFAULT_SOCKET_DIR = "/run/kvfabric"
 
 
-def engine_socket(gpu_uuid: str = "", directory: Optional[str] = None) -> str:
+def engine_socket(gpu_uuid: str = "", directory: Optional[str] = None, timeout: float = 0.0) -> str:
     """The agent socket an engine connects to.
 
     ``$KVFABRIC_ENGINE_SOCKET`` when set (a ``{gpu_uuid}`` in it becomes
@@ -53,12 +54,14 @@ def engine_socket(gpu_uuid: str = "", directory: Optional[str] = None) -> str:
     ``$KVFABRIC_SOCKET_DIR`` or /run/kvfabric): the socket named after the
     engine's GPU, ``<uuid>.sock`` — served where a node runs one agent per
     GPU (the chart's ``agent.gpu.count`` > 1) — when ``gpu_uuid`` is given
-    and that socket exists or ``engine.sock`` does not (an engine that
-    starts before its agent keeps the right path: the client reconnects);
-    else ``engine.sock``. A GPU engine that reaches another GPU's agent is
-    refused at attach with both UUIDs named. ``gpu_uuid``: any form
-    :func:`canonical_gpu_uuid` takes (``kvfabric.gpu_uuid(d)`` with torch);
-    InvalidArgument for another."""
+    and that socket exists, else ``engine.sock`` where it exists. With a
+    ``gpu_uuid`` and neither socket there yet (the agent not up), waits up
+    to ``timeout`` seconds for one, then raises Unavailable naming both:
+    which one will be served is the node's choice, not a guess. Without a
+    ``gpu_uuid``: ``engine.sock``. A GPU engine that reaches another GPU's
+    agent is refused at attach with both UUIDs named. ``gpu_uuid``: any
+    form :func:`canonical_gpu_uuid` takes (``kvfabric.gpu_uuid(d)`` with
+    torch); InvalidArgument for another."""
     uuid = canonical_gpu_uuid(gpu_uuid) if gpu_uuid else ""
     explicit = os.environ.get("KVFABRIC_ENGINE_SOCKET", "")
     if explicit:
@@ -72,11 +75,21 @@ def engine_socket(gpu_uuid: str = "", directory: Optional[str] = None) -> str:
         return explicit
     d = directory or os.environ.get("KVFABRIC_SOCKET_DIR", "") or DEFAULT_SOCKET_DIR
     node = os.path.join(d, "engine.sock")
-    if uuid:
-        per_gpu = os.path.join(d, uuid + ".sock")
-        if os.path.exists(per_gpu) or not os.path.exists(node):
-            return per_gpu
-    return node
+    if not uuid:
+        return node
+    per_gpu = os.path.join(d, uuid + ".sock")
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        for p in (per_gpu, node):
+            if os.path.exists(p):
+                return p
+        if time.monotonic() >= deadline:
+            raise Unavailable(
+                f"no agent socket for GPU {uuid} in {d} within {timeout:.1f} s "
+                f"(neither {uuid}.sock, one agent per GPU, nor engine.sock, one agent per node)",
+                call="engine_socket",
+            )
+        time.sleep(0.05)
 
 
 #: Extra bound for Transfer / AwaitArrival when they leave the timeout to the

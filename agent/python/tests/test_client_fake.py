@@ -235,7 +235,7 @@ def test_socket_garbage_does_not_hurt_the_client(fake, client):
         assert s.is_open
 
 
-def test_gpu_layout_carries_the_device_uuid(fake, client):
+def test_gpu_layout_carries_the_device_uuid(fake, client, monkeypatch):
     """A GPU layout reaches the agent with its GPU's UUID: the one given, or
     torch's for that device where torch and the device exist; else none
     (the agent then matches by ordinal)."""
@@ -256,4 +256,13 @@ def test_gpu_layout_carries_the_device_uuid(fake, client):
         got = [x.layout for x in fake.sessions.values() if x.engine_id == "g7"][0]
     assert got.device_uuid == (kvfabric.gpu_uuid(7) if have else "")
     assert s.layout.device_uuid == got.device_uuid
+    s.detach()
+    # The fill itself (torch stood in for): the UUID of that device.
+    import kvfabric.torch_pool as tp
+
+    monkeypatch.setattr(tp, "gpu_uuid", lambda d: f"{d:08x}-0e4f-4a1b-9c8d-7e6f5a4b3c2d")
+    s = client.attach("g5", "", "decode", LAYOUT.with_(device=5))
+    with fake.lock:
+        got = [x.layout for x in fake.sessions.values() if x.engine_id == "g5"][0]
+    assert (got.device, got.device_uuid) == (5, "00000005-0e4f-4a1b-9c8d-7e6f5a4b3c2d")
     s.detach()

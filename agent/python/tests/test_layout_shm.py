@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -74,8 +75,11 @@ def test_engine_socket_by_gpu_uuid(tmp_path, monkeypatch):
     monkeypatch.delenv("KVFABRIC_SOCKET_DIR", raising=False)
     assert kvfabric.engine_socket() == "/run/kvfabric/engine.sock"
     d = str(tmp_path)
-    # Neither socket yet (the agent not up): the per-GPU one.
-    assert kvfabric.engine_socket("GPU-" + UUID, d) == os.path.join(d, UUID + ".sock")
+    # Neither socket yet (the agent not up): no guess; waits, bounded.
+    t0 = time.monotonic()
+    with pytest.raises(kvfabric.Unavailable, match="neither"):
+        kvfabric.engine_socket("GPU-" + UUID, d, timeout=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 5
     assert kvfabric.engine_socket("", d) == os.path.join(d, "engine.sock")
     # One agent per node: its socket.
     (tmp_path / "engine.sock").touch()
