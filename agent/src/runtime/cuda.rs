@@ -643,9 +643,11 @@ impl IpcMapping {
     /// allocation (`cuIpcOpenMemHandle`, lazy peer access).
     ///
     /// # Errors
-    /// [`CudaError::Invalid`] for a handle that is not 64 bytes or a zero
-    /// length; the driver's error when the handle does not open (wrong
-    /// device, exporter gone, same process).
+    /// [`CudaError::Invalid`] for a handle that is not 64 bytes, a zero
+    /// length, a pool past the exported allocation, or memory on another
+    /// GPU than `gpu` (it would be mapped through peer access: an engine on
+    /// another GPU than the agent's, whatever UUID it named); the driver's
+    /// error when the handle does not open (exporter gone, same process).
     pub fn open(
         gpu: &Arc<CudaGpu>,
         handle: &[u8],
@@ -692,6 +694,30 @@ impl IpcMapping {
                 "CUDA IPC pool of {len} bytes at offset {offset} does not fit the exported \
                  allocation of {range_len} bytes (driver: {r:?})"
             )));
+        }
+        // Which GPU the memory is on (in this process's ordinals): only
+        // the agent's own; unknown (the query failed) is let through.
+        let mut on: std::ffi::c_int = -1;
+        // SAFETY: out-pointer to a local c_int, the size this attribute
+        // writes; `base` is a live mapping.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut on as *mut std::ffi::c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                base,
+            )
+        };
+        if r == sys::CUresult::CUDA_SUCCESS && on >= 0 && on as usize != gpu.info.ordinal {
+            // SAFETY: opened above; closed once.
+            unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(CudaError::Invalid(format!(
+                "the CUDA IPC pool is on CUDA device {on} of this agent's process, its arena on device {}: \
+                 the engine runs on another GPU than this agent's (attach to the agent of that GPU)",
+                gpu.info.ordinal
+            )));
+        }
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(driver = ?r, "cuPointerGetAttribute(DEVICE_ORDINAL) failed: the pool's GPU is not checked");
         }
         Ok(Self {
             gpu: gpu.clone(),
