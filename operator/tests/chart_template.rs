@@ -999,20 +999,16 @@ fn chart_one_agent_per_gpu() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     // Refused: one agent per GPU without GPUs, ports past 65535.
-    let e = template_in(
-        &path,
-        &chart(),
-        &["--set", "agent.gpu.count=2,agent.gpu.enabled=false"],
-    )
-    .unwrap_err();
-    assert!(e.contains("needs agent.gpu.enabled=true"), "{e}");
-    let e = template_in(
-        &path,
-        &chart(),
-        &["--set", "agent.gpu.count=2,agent.httpPort=65535"],
-    )
-    .unwrap_err();
-    assert!(e.contains("above 65535"), "{e}");
+    for (set, says) in [
+        (
+            "agent.gpu.count=2,agent.gpu.enabled=false",
+            "needs agent.gpu.enabled=true",
+        ),
+        ("agent.gpu.count=2,agent.httpPort=65535", "above 65535"),
+    ] {
+        let e = template_in(&path, &chart(), &["--set", set]).unwrap_err();
+        assert!(e.contains(says), "{set}: {e}");
+    }
     // Each DaemonSet's selector picks only its own pods.
     let selectors: std::collections::BTreeSet<String> = sets
         .iter()

@@ -307,6 +307,10 @@ pub fn check_device(
         }
         ArenaDevice::Gpu { ordinal, uuid } => (ordinal, uuid),
     };
+    let here = match uuid {
+        Some(u) => format!("GPU {} (ordinal {ordinal} here)", format_gpu_uuid(&u)),
+        None => format!("GPU {ordinal}"),
+    };
     let given = if layout.device_uuid.is_empty() {
         None
     } else {
@@ -314,14 +318,12 @@ pub fn check_device(
     };
     match (given, uuid) {
         (Some(g), Some(u)) if g == u => Ok(()),
-        (Some(g), Some(u)) => Err(format!(
-            "layout.device_uuid {} (device {} in the engine's process): this agent's arena is on \
-             GPU {} (ordinal {ordinal} here); attach to the agent of GPU {} (with the chart, the \
-             socket named after that UUID: kvfabric.engine_socket)",
-            format_gpu_uuid(&g),
+        (Some(g), Some(_)) => Err(format!(
+            "layout.device_uuid {g} (device {} in the engine's process): this agent's arena is on \
+             {here}; attach to the agent of GPU {g} (with the chart, the socket named after that \
+             UUID: kvfabric.engine_socket)",
             layout.device,
-            format_gpu_uuid(&u),
-            format_gpu_uuid(&g)
+            g = format_gpu_uuid(&g),
         )),
         (None, Some(u)) if require_uuid => Err(format!(
             "layout.device_uuid missing: this agent (GPU {}, one agent per GPU) matches GPU engines \
@@ -332,15 +334,13 @@ pub fn check_device(
         (_, _) if layout.device == ordinal => Ok(()),
         (Some(_), None) => Err(format!(
             "layout.device {}: this agent's driver reported no GPU UUID, so engines are matched by \
-             ordinal, and its arena is on GPU {ordinal}",
+             ordinal, and its arena is on {here}",
             layout.device
         )),
-        (None, u) => Err(format!(
-            "layout.device {}: this agent's arena is on GPU {}{ordinal}{} (one agent serves one GPU; \
-             ordinals are per process, so send layout.device_uuid and attach to the agent of your GPU)",
-            layout.device,
-            u.map(|u| format!("{} (ordinal ", format_gpu_uuid(&u))).unwrap_or_default(),
-            if u.is_some() { " here)" } else { "" }
+        (None, _) => Err(format!(
+            "layout.device {}: this agent's arena is on {here} (one agent serves one GPU; ordinals \
+             are per process, so send layout.device_uuid and attach to the agent of your GPU)",
+            layout.device
         )),
     }
 }

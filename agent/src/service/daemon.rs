@@ -343,15 +343,13 @@ impl AgentConfig {
                     "json" => self.log_format = LogFormat::Json,
                     _ => bad("text or json"),
                 },
-                "DEBUG_API" => match v.to_ascii_lowercase().as_str() {
-                    "1" | "true" | "on" | "yes" => self.debug_api = true,
-                    "0" | "false" | "off" | "no" => self.debug_api = false,
-                    _ => bad("1/0/true/false/on/off/yes/no"),
+                "DEBUG_API" => match parse_switch(v) {
+                    Some(on) => self.debug_api = on,
+                    None => bad(SWITCH_VALUES),
                 },
-                "REQUIRE_DEVICE_UUID" => match v.to_ascii_lowercase().as_str() {
-                    "1" | "true" | "on" | "yes" => self.require_device_uuid = true,
-                    "0" | "false" | "off" | "no" => self.require_device_uuid = false,
-                    _ => bad("1/0/true/false/on/off/yes/no"),
+                "REQUIRE_DEVICE_UUID" => match parse_switch(v) {
+                    Some(on) => self.require_device_uuid = on,
+                    None => bad(SWITCH_VALUES),
                 },
                 // KVFABRIC_BOUNCE_* and the deprecated names of two of them.
                 _ if is_config_env(k) => bounce.push((k.to_string(), v.to_string())),
@@ -553,16 +551,11 @@ impl AgentConfig {
                     .into(),
             );
         }
-        let socket = &self.engine_socket;
-        let placeholder = super::engines::GPU_UUID_PLACEHOLDER;
-        if socket.contains(placeholder) && self.gpu.is_none() {
-            errs.push(format!(
-                "engineSocket {socket:?}: {placeholder} names the agent's GPU; set gpu (a host-memory agent has none)"
-            ));
-        } else if socket.replace(placeholder, "").contains(['{', '}']) {
-            errs.push(format!(
-                "engineSocket {socket:?}: the only placeholder is {placeholder}"
-            ));
+        // The path's rules, checked with a stand-in for the GPU's UUID
+        // (known only once the GPU is open).
+        let stand_in = self.gpu.map(|_| "00000000-0000-0000-0000-000000000000");
+        if let Err(e) = super::engines::socket_path(&self.engine_socket, stand_in) {
+            errs.push(e);
         }
         if self.require_device_uuid && self.gpu.is_none() {
             errs.push(
@@ -1348,6 +1341,19 @@ pub fn run(
         tracing::info!("exit");
     }
     result
+}
+
+/// What an on/off environment variable accepts.
+const SWITCH_VALUES: &str = "1/0/true/false/on/off/yes/no";
+
+/// An on/off environment value ([`SWITCH_VALUES`], any case); `None`
+/// for anything else.
+fn parse_switch(v: &str) -> Option<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
