@@ -28,6 +28,11 @@ pub struct ArrivalArgs {
     /// Seed of --rate's Poisson arrivals (same seed, same schedule).
     #[arg(long, default_value_t = DEFAULT_SEED, requires = "rate")]
     pub seed: u64,
+    /// Hand off N requests (the slice's first, cycled; closed loop at up
+    /// to --concurrency) before each path's measured phase, left out of
+    /// the report: the numbers of a warm fabric, as a serving one is.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warmup: usize,
 }
 
 impl ArrivalArgs {

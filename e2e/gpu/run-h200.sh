@@ -145,7 +145,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           boost_start "$cfg"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" ${KVF_BENCH_ARGS:-} \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" ${KVF_WARMUP:+--warmup $KVF_WARMUP} ${KVF_BENCH_ARGS:-} \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           boost_stop
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
@@ -158,7 +158,8 @@ for step in ${KVF_STEPS:-engines model vram}; do
       # requests, at most 128 in flight, MPS on, TCP control; KVF_CONFIGS
       # as in load, plus "before" (the build in .gpu/before.xz).
       # KVF_BENCH_ARGS (load and openloop): more bench flags, e.g.
-      # --timeline (a "before" build must know them).
+      # --timeline (a "before" build must know them). KVF_WARMUP=N: N
+      # warm-up requests before each measured run (--warmup).
       mps_on
       for r in ${KVF_RATES:-13}; do
         for cfg in ${KVF_CONFIGS:--}; do
@@ -174,7 +175,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
           # (e2e/gpu/thread_cpu.py) through the run, into open_threads_*.txt.
           tp=""; [ -n "${KVF_OL_CPUPROF:-}" ] && { python3 e2e/gpu/thread_cpu.py --pattern kvfabric-gpu \
             --delay 0.5 --window 0.5 --windows 400 --top 8 > "$out/open_threads_$tag.txt" 2>&1 & tp=$!; }
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" ${KVF_BENCH_ARGS:-} \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" ${KVF_WARMUP:+--warmup $KVF_WARMUP} ${KVF_BENCH_ARGS:-} \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           boost_stop
           [ -z "$tp" ] || { wait $tp; grep '^window' "$out/open_threads_$tag.txt" | awk '{print $14, $22}' | sort -n | tail -n 1 | sed 's/^/  busiest window: CPUs busy, runnable mean: /'; }

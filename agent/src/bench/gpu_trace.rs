@@ -49,6 +49,9 @@ pub struct GpuReplayOptions {
     /// How requests arrive (closed loop, trace timestamps / speed, or
     /// Poisson at a rate).
     pub arrivals: Arrivals,
+    /// Warm-up requests before each path's measured phase
+    /// ([`ReplayOptions::warmup`]).
+    pub warmup: usize,
     /// Bytes of each KV pool (rounded down to whole blocks).
     pub pool_bytes: u64,
     /// The prefill agent's GPU.
@@ -102,6 +105,15 @@ impl HandOff for GpuHandOff<'_> {
 
     fn sender(&self) -> String {
         self.prefill.name().to_string()
+    }
+
+    /// The warm-up's timelines and verifications are not the phase's
+    /// (a failed warm-up request already ended the replay).
+    fn warmed_up(&self) {
+        if let Some(t) = &self.timelines {
+            t.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+        self.verified.store(0, Ordering::Relaxed);
     }
 
     fn hand_off(
@@ -333,6 +345,7 @@ fn run_in(
             pool_blocks,
             paths: opts.paths.clone(),
             progress: opts.progress,
+            warmup: opts.warmup,
         },
     );
     println!(
@@ -386,6 +399,8 @@ pub struct GpuBenchArgs {
     /// How requests arrive (`--speed`, `--rate`/`--seed`, else closed
     /// loop).
     pub arrivals: Arrivals,
+    /// `--warmup`: requests before each path's measured phase.
+    pub warmup: usize,
     /// Model geometry (a preset).
     pub model: ModelGeometry,
     /// Tensor-parallel degree (KV heads per rank = heads / tp).
@@ -435,6 +450,7 @@ pub fn run_cli(a: &GpuBenchArgs) -> Result<(), String> {
             layout,
             concurrency: a.concurrency.max(1),
             arrivals: a.arrivals,
+            warmup: a.warmup,
             pool_bytes: a.pool_bytes,
             device: a.device,
             peer_device: a.peer_device,

@@ -277,6 +277,14 @@ pub struct ReplayOptions {
     pub paths: Vec<BenchPath>,
     /// Progress bar on stderr (drawn only when stderr is a terminal).
     pub progress: bool,
+    /// Requests handed off before each path's measured phase and left
+    /// out of the report (`--warmup`; 0: none): the slice's first
+    /// requests, cycled, closed loop at up to `concurrency` in flight. A
+    /// serving fabric is warm; a cold one pays its first transfers' setup
+    /// (connections, first posts, lazily loaded kernels) in the first
+    /// tens of ms of an open loop (docs/benchmarks.md, "Issue 18, twelfth
+    /// session").
+    pub warmup: usize,
 }
 
 /// A request of a phase that failed or did not verify.
@@ -376,11 +384,73 @@ pub struct ArrivalLatency {
     pub late_p50_ms: f64,
     /// 99th percentile lateness of the worker (ms).
     pub late_p99_ms: f64,
+    /// The run cut by scheduled arrival into [`ARRIVAL_WINDOW_MS`]
+    /// windows, in time order (all requests only; empty for the smallest
+    /// quarter): whether the tail came from a few stretches of the run —
+    /// a stall and the backlog it left — or from everywhere.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub windows: Vec<ArrivalWindow>,
+}
+
+/// Width of an [`ArrivalWindow`], ms of scheduled arrivals.
+pub const ARRIVAL_WINDOW_MS: f64 = 50.0;
+
+/// The requests of one open-loop run scheduled to arrive in one
+/// [`ARRIVAL_WINDOW_MS`] window.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ArrivalWindow {
+    /// Window start, ms after the run's start.
+    pub start_ms: f64,
+    /// Completed requests scheduled in the window.
+    pub requests: usize,
+    /// Their median latency from arrival (ms).
+    pub p50_ms: f64,
+    /// Their largest latency from arrival (ms).
+    pub max_ms: f64,
+    /// Requests of the whole run arrived but not yet resolved at the
+    /// window's end (the backlog the window leaves behind).
+    pub backlog_at_end: usize,
+}
+
+impl ArrivalWindow {
+    /// The windows of `samples` (any order), from the first arrival's
+    /// window to the last's; windows without arrivals are left out.
+    pub fn of(samples: &[ArrivalSample]) -> Vec<ArrivalWindow> {
+        let mut by_window: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+        for s in samples {
+            let w = (s.arrival_ms.max(0.0) / ARRIVAL_WINDOW_MS) as u64;
+            by_window
+                .entry(w)
+                .or_default()
+                .push(s.queue_ms + s.service_ms);
+        }
+        by_window
+            .into_iter()
+            .map(|(w, mut lat)| {
+                lat.sort_by(|a, b| a.total_cmp(b));
+                let end = (w + 1) as f64 * ARRIVAL_WINDOW_MS;
+                ArrivalWindow {
+                    start_ms: w as f64 * ARRIVAL_WINDOW_MS,
+                    requests: lat.len(),
+                    p50_ms: percentile(&lat, 50.0),
+                    max_ms: lat.last().copied().unwrap_or(0.0),
+                    backlog_at_end: samples
+                        .iter()
+                        .filter(|s| {
+                            s.arrival_ms < end && s.arrival_ms + s.queue_ms + s.service_ms >= end
+                        })
+                        .count(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// One completed open-loop request's times, ms.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ArrivalSample {
+    /// Scheduled arrival, ms after the run's start.
+    pub arrival_ms: f64,
     /// Scheduled arrival → a worker took it (0 if before the arrival).
     pub late_ms: f64,
     /// Scheduled arrival → submit (`late_ms`, plus a late request's
@@ -418,6 +488,15 @@ impl ArrivalLatency {
             queue_max_ms: queue.last().copied().unwrap_or(0.0),
             late_p50_ms: percentile(&late, 50.0),
             late_p99_ms: percentile(&late, 99.0),
+            windows: Vec::new(),
+        })
+    }
+
+    /// [`ArrivalLatency::of`] with its [`ArrivalWindow`]s.
+    pub fn with_windows(samples: &[ArrivalSample]) -> Option<Self> {
+        Self::of(samples).map(|a| Self {
+            windows: ArrivalWindow::of(samples),
+            ..a
         })
     }
 
@@ -488,6 +567,37 @@ pub struct ReplayReport {
     /// [`FailedRequest::request_id`]: `rid` (embedded mode) or `request`
     /// (distributed mode: the engine's request id, beside `engine`).
     pub request_id_key: &'static str,
+}
+
+/// The three windows of `a` with the slowest requests, as one table
+/// line; `None` without windows.
+fn slowest_windows(a: &ArrivalLatency) -> Option<String> {
+    if a.windows.is_empty() {
+        return None;
+    }
+    let mut w: Vec<&ArrivalWindow> = a.windows.iter().collect();
+    w.sort_by(|x, y| y.max_ms.total_cmp(&x.max_ms));
+    let parts: Vec<String> = w
+        .iter()
+        .take(3)
+        .map(|w| {
+            format!(
+                "{:.0}-{:.0} ms: {} request{}, p50 {:.1} max {:.1} ms, backlog {}",
+                w.start_ms,
+                w.start_ms + ARRIVAL_WINDOW_MS,
+                w.requests,
+                if w.requests == 1 { "" } else { "s" },
+                w.p50_ms,
+                w.max_ms,
+                w.backlog_at_end
+            )
+        })
+        .collect();
+    Some(format!(
+        "slowest {:.0} ms windows of arrivals: {}",
+        ARRIVAL_WINDOW_MS,
+        parts.join("; ")
+    ))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -574,6 +684,11 @@ pub trait HandOff: Sync {
     fn request_id_key(&self) -> &'static str {
         "rid"
     }
+
+    /// Called once a path's warm-up requests are done, before its measured
+    /// phase: drop whatever the hand-offs recorded about them (default:
+    /// nothing recorded).
+    fn warmed_up(&self) {}
 
     /// Fills each source `k` of `descs` with [`fill_fast`]`(seed, k)`,
     /// writes `descs` (src on the prefill side, dst on the decode side;
@@ -751,6 +866,15 @@ pub fn replay_with(
     let mut stats = Vec::new();
     for (pi, &path) in opts.paths.iter().enumerate() {
         hand_off.check_path(path)?;
+        warm_up(
+            hand_off,
+            prefill_pool,
+            decode_pool,
+            &requests,
+            opts,
+            path,
+            (pi as u64 + 1) << 40 | 1 << 39,
+        )?;
         stats.push(run_phase(
             hand_off,
             prefill_pool,
@@ -920,6 +1044,53 @@ struct Request<'a> {
 /// Most failed requests the summary table lists (the report has all).
 const TABLE_FAILURES: usize = 10;
 
+/// Hands off `opts.warmup` requests through `path` before its measured
+/// phase (the first of `requests`, cycled; closed loop, at most
+/// `opts.concurrency` in flight) and tells `hand_off` they are done.
+///
+/// # Errors
+/// A warm-up request that failed (the first failure, with how many):
+/// the measured phase would start on a broken path.
+fn warm_up(
+    hand_off: &dyn HandOff,
+    ppool: &BlockPool,
+    dpool: &BlockPool,
+    requests: &[Request<'_>],
+    opts: &ReplayOptions,
+    path: BenchPath,
+    seed_base: u64,
+) -> Result<(), String> {
+    if opts.warmup == 0 || requests.is_empty() {
+        return Ok(());
+    }
+    let warm: Vec<Request<'_>> = requests
+        .iter()
+        .cycle()
+        .take(opts.warmup)
+        .map(|r| Request {
+            arrival_s: None,
+            ..*r
+        })
+        .collect();
+    let closed = ReplayOptions {
+        concurrency: opts.concurrency.min(opts.warmup),
+        arrivals: Arrivals::Closed,
+        progress: false,
+        ..opts.clone()
+    };
+    let stats = run_phase(hand_off, ppool, dpool, &warm, &closed, path, seed_base)?;
+    if let Some(f) = stats.failed_requests.first() {
+        return Err(format!(
+            "--warmup: {} of {} warm-up requests failed on the {path:?} path; the first: {}",
+            stats.failed_requests.len(),
+            opts.warmup,
+            f.error
+        ));
+    }
+    hand_off.warmed_up();
+    Ok(())
+}
+
 fn run_phase(
     hand_off: &dyn HandOff,
     ppool: &BlockPool,
@@ -1087,6 +1258,7 @@ fn run_phase(
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .push(ArrivalSample {
+                                arrival_ms: arrival.unwrap_or(0.0) * 1e3,
                                 late_ms: l,
                                 queue_ms: q,
                                 service_ms: ms,
@@ -1156,7 +1328,7 @@ fn run_phase(
             l.iter().sum::<f64>() / l.len() as f64
         },
         requests_per_s: l.len() as f64 / wall,
-        from_arrival: ArrivalLatency::of(&samples),
+        from_arrival: ArrivalLatency::with_windows(&samples),
         from_arrival_small: ArrivalLatency::of_smallest_quarter(&samples),
         failed_requests,
     })
@@ -1238,6 +1410,11 @@ impl ReplayReport {
                         );
                     }
                     None => s += &format!("{name:>9} (no completed request)\n"),
+                }
+            }
+            for p in &self.paths {
+                if let Some(line) = p.from_arrival.as_ref().and_then(slowest_windows) {
+                    s += &format!("{:>9} {line}\n", format!("{:?}", p.path).to_lowercase());
                 }
             }
             for p in &self.paths {
@@ -1408,7 +1585,72 @@ mod tests {
             pool_blocks,
             paths: vec![BenchPath::Bounce, BenchPath::Standard],
             progress: false,
+            warmup: 0,
         }
+    }
+
+    /// [`FakeHandOff`] that counts its `warmed_up` calls.
+    struct WarmCounting(FakeHandOff, AtomicUsize);
+
+    impl HandOff for WarmCounting {
+        fn check_path(&self, p: BenchPath) -> Result<(), String> {
+            self.0.check_path(p)
+        }
+        fn sender(&self) -> String {
+            self.0.sender()
+        }
+        fn warmed_up(&self) {
+            // The warm-up of this phase is over: its requests are all seen.
+            self.1.fetch_add(1, Ordering::Relaxed);
+        }
+        fn hand_off(
+            &self,
+            path: BenchPath,
+            seed: u64,
+            blocks: RequestBlocks<'_>,
+            descs: Vec<Descriptor>,
+        ) -> HandOffResult {
+            self.0.hand_off(path, seed, blocks, descs)
+        }
+    }
+
+    #[test]
+    fn warmup_requests_run_before_each_phase_and_are_not_reported() {
+        let layout = llama8b();
+        let trace = [rec(100), rec(33)];
+        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
+        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let fake = |fail| FakeHandOff {
+            fail,
+            seen: Mutex::new(Vec::new()),
+        };
+        let h = WarmCounting(fake(vec![]), AtomicUsize::new(0));
+        let o = ReplayOptions {
+            warmup: 5,
+            arrivals: Arrivals::Poisson {
+                rate_per_s: 1000.0,
+                seed: 1,
+            },
+            ..opts(&layout, 64)
+        };
+        let r = replay_with(&h, &p, &d, &trace, &o).unwrap();
+        assert_eq!(h.1.load(Ordering::Relaxed), 2, "once per path");
+        let mut seen = h.0.seen.into_inner().unwrap();
+        seen.sort_unstable();
+        // Per path: 5 warm-up (0, 1 cycled) + the 2 measured.
+        assert_eq!(seen, [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]);
+        for p in &r.paths {
+            assert_eq!((p.requests, p.failures), (2, 0));
+            assert_eq!(p.from_arrival.as_ref().unwrap().windows[0].requests, 2);
+        }
+        // A failed warm-up request ends the replay, naming the flag.
+        let h = WarmCounting(fake(vec![1]), AtomicUsize::new(0));
+        let e = replay_with(&h, &p, &d, &trace, &o).unwrap_err();
+        assert!(
+            e.starts_with("--warmup: 2 of 5 warm-up requests failed"),
+            "{e}"
+        );
+        assert_eq!(h.1.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -1704,8 +1946,50 @@ mod tests {
     }
 
     #[test]
+    fn arrival_windows_show_where_the_tail_came_from() {
+        let at = |arrival_ms, service_ms| ArrivalSample {
+            arrival_ms,
+            late_ms: 0.0,
+            queue_ms: 0.0,
+            service_ms,
+            prompt_tokens: 8192,
+        };
+        // Window 0-50: two quick requests; 50-100: a stall (one request
+        // resolved at 130 ms, one at 101); 100-150 none; 150-200: one.
+        let v = [
+            at(60.0, 70.0),
+            at(1.0, 2.0),
+            at(160.0, 1.0),
+            at(10.0, 3.0),
+            at(70.0, 31.0),
+        ];
+        let w = ArrivalWindow::of(&v);
+        let starts: Vec<f64> = w.iter().map(|w| w.start_ms).collect();
+        assert_eq!(starts, [0.0, 50.0, 150.0]);
+        assert_eq!(
+            (w[0].requests, w[0].max_ms, w[0].backlog_at_end),
+            (2, 3.0, 0)
+        );
+        // Both arrived before 100 and resolve at 101 and 130.
+        assert_eq!(
+            (w[1].requests, w[1].max_ms, w[1].backlog_at_end),
+            (2, 70.0, 2)
+        );
+        assert_eq!((w[2].requests, w[2].backlog_at_end), (1, 0));
+        let a = ArrivalLatency::with_windows(&v).unwrap();
+        assert_eq!(a.windows, w);
+        let line = slowest_windows(&a).unwrap();
+        assert!(
+            line.contains("50-100 ms: 2 requests, p50 70.0 max 70.0 ms, backlog 2"),
+            "{line}"
+        );
+        assert!(ArrivalLatency::of(&v).unwrap().windows.is_empty());
+    }
+
+    #[test]
     fn smallest_quarter_of_arrivals_is_by_prompt_rank() {
         let at = |prompt_tokens, service_ms| ArrivalSample {
+            arrival_ms: 0.0,
             late_ms: 0.0,
             queue_ms: 0.5,
             service_ms,

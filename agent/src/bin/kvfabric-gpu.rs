@@ -369,6 +369,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 fixed_prompt: arrival.fixed_prompt,
                 concurrency,
                 arrivals: arrival.arrivals(),
+                warmup: arrival.warmup,
                 model,
                 tp,
                 block,

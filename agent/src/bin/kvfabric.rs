@@ -671,6 +671,7 @@ impl BenchArgs {
             pool_blocks,
             paths: self.paths.clone(),
             progress: !self.quiet,
+            warmup: self.arrival.warmup,
         }
     }
 }
