@@ -9,7 +9,7 @@
 use crate::bench::arrivals::{Arrivals, DEFAULT_SEED};
 use crate::bench::cli::positive_finite;
 
-/// `--fixed-prompt`, `--speed`, `--rate` and `--seed`.
+/// `--fixed-prompt`, `--speed`, `--rate`, `--seed` and `--warmup`.
 #[derive(clap::Args, Clone, Debug, PartialEq)]
 pub struct ArrivalArgs {
     /// Synthetic workload instead of a trace: every request TOKENS prompt
@@ -31,8 +31,21 @@ pub struct ArrivalArgs {
     /// Hand off N requests (the slice's first, cycled; closed loop at up
     /// to --concurrency) before each path's measured phase, left out of
     /// the report: the numbers of a warm fabric, as a serving one is.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// At most 10,000,000.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = warmup_count)]
     pub warmup: usize,
+}
+
+/// Parses `--warmup`: a whole number of requests up to
+/// [`MAX_WARMUP`](crate::bench::trace::MAX_WARMUP).
+fn warmup_count(v: &str) -> Result<usize, String> {
+    let max = crate::bench::trace::MAX_WARMUP;
+    match v.parse::<usize>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(format!(
+            "expected a whole number of requests from 0 to {max}, got {v:?}"
+        )),
+    }
 }
 
 impl ArrivalArgs {
@@ -73,6 +86,20 @@ mod tests {
     #[test]
     fn definition_is_consistent() {
         Host::command().debug_assert();
+    }
+
+    #[test]
+    fn warmup_is_a_bounded_count() {
+        assert_eq!(parse(&[]).unwrap().warmup, 0);
+        assert_eq!(parse(&["--warmup", "256"]).unwrap().warmup, 256);
+        assert!(parse(&["--warmup", "10000000"]).is_ok());
+        for bad in ["10000001", "many"] {
+            let e = parse(&["--warmup", bad]).unwrap_err().to_string();
+            assert!(
+                e.contains("--warmup") && e.contains("from 0 to 10000000"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

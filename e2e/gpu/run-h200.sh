@@ -65,6 +65,14 @@ boost_start() {
 # are then the default's).
 boost_stop() { [ -z "$boost_pid" ] || { wait "$boost_pid" || rc=1; boost_pid=""; }; }
 cfg_tag() { [ "$1" = - ] && echo default || echo "$1" | tr ',=' '_-'; }
+# KVF_WARMUP=N: `--warmup N` for a build that knows it (load and openloop;
+# with the 13 req/s runs' standard path too, ≈ 0.3 s a warm-up request
+# there); a "before" build without it runs cold, with a warning.
+warmup_args() {
+  [ -n "${KVF_WARMUP:-}" ] || return 0
+  if "$1" bench --help 2>&1 | grep -q -- --warmup; then echo "--warmup $KVF_WARMUP"
+  else echo "warning: $1 has no --warmup: this run is cold" >&2; fi
+}
 for step in ${KVF_STEPS:-engines model vram}; do
   case "$step" in
     uuid)
@@ -142,10 +150,11 @@ for step in ${KVF_STEPS:-engines model vram}; do
           [ $v = before ] && { exe=$(before_exe); cfg=-; b=before; }
           # A "before" build older than --verify-every checks every hand-off.
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
+          wu=$(warmup_args $exe)
           tag="${b}_$(cfg_tag "$cfg")_c$c"
           boost_start "$cfg"
           env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 150 $exe "${seed_args[@]}" \
-            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" ${KVF_WARMUP:+--warmup $KVF_WARMUP} ${KVF_BENCH_ARGS:-} \
+            --requests ${KVF_REQUESTS:-256} --concurrency $c --paths bounce "${va[@]}" $wu ${KVF_BENCH_ARGS:-} \
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           boost_stop
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
@@ -168,6 +177,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
           va=(--verify-every "${KVF_VERIFY_EVERY:-1}")
           [ "$cfg" = before ] && { exe=$(before_exe); cfg=-; b=before_; }
           $exe bench --help 2>&1 | grep -q -- --verify-every || va=()
+          wu=$(warmup_args $exe)
           tag="$b$(cfg_tag "$cfg")_r$r"
           paths=bounce; [ "$r" = 13 ] && paths=${KVF_OL_PATHS:-bounce,standard}
           boost_start "$cfg"
@@ -175,12 +185,12 @@ for step in ${KVF_STEPS:-engines model vram}; do
           # (e2e/gpu/thread_cpu.py) through the run, into open_threads_*.txt.
           tp=""; [ -n "${KVF_OL_CPUPROF:-}" ] && { python3 e2e/gpu/thread_cpu.py --pattern kvfabric-gpu \
             --delay 0.5 --window 0.5 --windows 400 --top 8 > "$out/open_threads_$tag.txt" 2>&1 & tp=$!; }
-          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" ${KVF_WARMUP:+--warmup $KVF_WARMUP} ${KVF_BENCH_ARGS:-} \
+          env $(cfg_env "$cfg") KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp timeout 200 $exe "${seed_args[@]}" --requests ${KVF_OL_REQUESTS:-500} --rate $r --concurrency 128 "${va[@]}" $wu ${KVF_BENCH_ARGS:-} \
             --paths $paths --json "$out/open_$tag.json" > "$out/open_$tag.log" 2>&1 || rc=1
           boost_stop
           [ -z "$tp" ] || { wait $tp; grep '^window' "$out/open_threads_$tag.txt" | awk '{print $14, $22}' | sort -n | tail -n 1 | sed 's/^/  busiest window: CPUs busy, runnable mean: /'; }
-          echo "open $tag:"; grep -E '^ *(bounce|standard)' "$out/open_$tag.log" | tail -n 4
-          grep -E '^(all \(|slowest )' "$out/open_$tag.log" | cut -c1-400
+          echo "open $tag:"; grep -E '^ *(bounce|standard) ' "$out/open_$tag.log" | grep -v 'slowest 50' | tail -n 4
+          grep -E '^(all \(|slowest )|slowest 50 ms windows' "$out/open_$tag.log" | cut -c1-400
         done
       done
       mps_off ;;

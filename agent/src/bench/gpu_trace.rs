@@ -25,8 +25,8 @@ use super::arrivals::{fixed_prompt_trace, Arrivals};
 use super::dataplane::{read_descriptor, write_descs, PeerProcess};
 use super::timeline::{BounceTimeline, TimelineSummary, TracedRequest};
 use super::trace::{
-    check_prefill_path, logged_request_id, replay_with, BenchPath, BlockPool, HandOff,
-    HandOffResult, ReplayOptions, ReplayReport, RequestBlocks,
+    check_prefill_path, is_warmup_seed, logged_request_id, replay_with, BenchPath, BlockPool,
+    HandOff, HandOffResult, ReplayOptions, ReplayReport, RequestBlocks, WARMUP_SEED_BIT,
 };
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
@@ -107,15 +107,6 @@ impl HandOff for GpuHandOff<'_> {
         self.prefill.name().to_string()
     }
 
-    /// The warm-up's timelines and verifications are not the phase's
-    /// (a failed warm-up request already ended the replay).
-    fn warmed_up(&self) {
-        if let Some(t) = &self.timelines {
-            t.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        }
-        self.verified.store(0, Ordering::Relaxed);
-    }
-
     fn hand_off(
         &self,
         path: BenchPath,
@@ -142,10 +133,14 @@ impl GpuHandOff<'_> {
         descs: Vec<Descriptor>,
         request_id: &mut Option<u64>,
     ) -> Result<f64, String> {
-        // `replay_with` seeds request i of path p with ((p + 1) << 40) + i:
-        // the low 40 bits are the request's index, so every path verifies
-        // requests 0, N, 2N, ….
-        let verify = (seed & ((1 << 40) - 1)) % self.verify_every.max(1) == 0;
+        // `replay_with` seeds request i of path p with ((p + 1) << 40) + i,
+        // its warm-up request k with ((p + 1) << 40) | WARMUP_SEED_BIT | k:
+        // the bits below WARMUP_SEED_BIT are the position, so every path
+        // (and its warm-up) verifies requests 0, N, 2N, …. Warm-up requests
+        // are neither traced nor counted as verified (a failed check fails
+        // the warm-up).
+        let warmup = is_warmup_seed(seed);
+        let verify = (seed & (WARMUP_SEED_BIT - 1)) % self.verify_every.max(1) == 0;
         if verify {
             let table: Vec<PatDesc> = descs
                 .iter()
@@ -167,7 +162,7 @@ impl GpuHandOff<'_> {
         // check (36,900 of them, 885 KB, for the seed's shape: copying
         // them cost ≈ 0.1 ms of each request's service time).
         let kept = verify.then(|| descs.clone());
-        let traced = self.timelines.is_some() && path == BenchPath::Bounce;
+        let traced = self.timelines.is_some() && path == BenchPath::Bounce && !warmup;
         let in_flight = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         let handle = match path {
             BenchPath::Bounce => {
@@ -224,7 +219,9 @@ impl GpuHandOff<'_> {
             .command(&format!("CHECK {seed} {}", file.display()));
         let _ = std::fs::remove_file(&file);
         r.map_err(|e| format!("verification on the decode GPU: {e}"))?;
-        self.verified.fetch_add(1, Ordering::Relaxed);
+        if !warmup {
+            self.verified.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(ms)
     }
 }

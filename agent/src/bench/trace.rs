@@ -278,8 +278,11 @@ pub struct ReplayOptions {
     /// Progress bar on stderr (drawn only when stderr is a terminal).
     pub progress: bool,
     /// Requests handed off before each path's measured phase and left
-    /// out of the report (`--warmup`; 0: none): the slice's first
-    /// requests, cycled, closed loop at up to `concurrency` in flight. A
+    /// out of the report (`--warmup`; 0: none; at most [`MAX_WARMUP`]):
+    /// the slice's requests from its first, cycled, closed loop at up to
+    /// `concurrency` in flight, seeded with [`WARMUP_SEED_BIT`] set
+    /// ([`is_warmup_seed`]: a [`HandOff`] that counts or traces requests
+    /// leaves them out). A
     /// serving fabric is warm; a cold one pays its first transfers' setup
     /// (connections, first posts, lazily loaded kernels) in the first
     /// tens of ms of an open loop (docs/benchmarks.md, "Issue 18, twelfth
@@ -392,6 +395,19 @@ pub struct ArrivalLatency {
     pub windows: Vec<ArrivalWindow>,
 }
 
+/// Most warm-up requests (`--warmup`): 10,000,000, as `--requests`.
+pub const MAX_WARMUP: usize = 10_000_000;
+
+/// Set in the seed of every warm-up request (below it: the request's
+/// position in the warm-up; above it: the path, as for measured requests,
+/// whose seeds never have it: a slice's index stays below 2^39).
+pub const WARMUP_SEED_BIT: u64 = 1 << 39;
+
+/// Whether `seed` ([`HandOff::hand_off`]'s) is a warm-up request's.
+pub fn is_warmup_seed(seed: u64) -> bool {
+    seed & WARMUP_SEED_BIT != 0
+}
+
 /// Width of an [`ArrivalWindow`], ms of scheduled arrivals.
 pub const ARRIVAL_WINDOW_MS: f64 = 50.0;
 
@@ -407,15 +423,28 @@ pub struct ArrivalWindow {
     pub p50_ms: f64,
     /// Their largest latency from arrival (ms).
     pub max_ms: f64,
-    /// Requests of the whole run arrived but not yet resolved at the
-    /// window's end (the backlog the window leaves behind).
+    /// Completed requests of the whole run scheduled to arrive before the
+    /// window's end and resolved after it (scheduled arrival + queueing +
+    /// service time as the hand-off measured it): the backlog the window
+    /// leaves behind.
     pub backlog_at_end: usize,
 }
 
 impl ArrivalWindow {
     /// The windows of `samples` (any order), from the first arrival's
     /// window to the last's; windows without arrivals are left out.
+    /// O(n log n) in the samples.
     pub fn of(samples: &[ArrivalSample]) -> Vec<ArrivalWindow> {
+        // A request resolves at or after its arrival, so the backlog at t
+        // is (arrived before t) − (resolved before t).
+        let sorted = |f: fn(&ArrivalSample) -> f64| {
+            let mut v: Vec<f64> = samples.iter().map(f).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            v
+        };
+        let arrived = sorted(|s| s.arrival_ms);
+        let resolved = sorted(|s| s.arrival_ms + s.queue_ms + s.service_ms);
+        let before = |v: &[f64], t: f64| v.partition_point(|&x| x < t);
         let mut by_window: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
         for s in samples {
             let w = (s.arrival_ms.max(0.0) / ARRIVAL_WINDOW_MS) as u64;
@@ -434,12 +463,7 @@ impl ArrivalWindow {
                     requests: lat.len(),
                     p50_ms: percentile(&lat, 50.0),
                     max_ms: lat.last().copied().unwrap_or(0.0),
-                    backlog_at_end: samples
-                        .iter()
-                        .filter(|s| {
-                            s.arrival_ms < end && s.arrival_ms + s.queue_ms + s.service_ms >= end
-                        })
-                        .count(),
+                    backlog_at_end: before(&arrived, end) - before(&resolved, end),
                 }
             })
             .collect()
@@ -555,6 +579,9 @@ pub struct ReplayReport {
     pub fixed_prompt_tokens: Option<u64>,
     /// Pool blocks per side.
     pub pool_blocks: u32,
+    /// Warm-up requests handed off before each path's measured phase
+    /// (`--warmup`; not in any number of the report).
+    pub warmup: usize,
     /// Per-path statistics.
     pub paths: Vec<PathStats>,
     /// p99(bounce) / p99(standard), when both ran and completed requests.
@@ -685,11 +712,6 @@ pub trait HandOff: Sync {
         "rid"
     }
 
-    /// Called once a path's warm-up requests are done, before its measured
-    /// phase: drop whatever the hand-offs recorded about them (default:
-    /// nothing recorded).
-    fn warmed_up(&self) {}
-
     /// Fills each source `k` of `descs` with [`fill_fast`]`(seed, k)`,
     /// writes `descs` (src on the prefill side, dst on the decode side;
     /// they are `blocks.src` → `blocks.dst`, every layer and K/V tensor,
@@ -807,7 +829,9 @@ pub fn replay(
 ///
 /// # Errors
 /// Setup failures: invalid options (`concurrency` 0, a speed or rate that
-/// is not finite and positive, no path), a slice without a request that has
+/// is not finite and positive, no path, `warmup` above [`MAX_WARMUP`]), a
+/// failed warm-up request (no report: the paths measured before it are
+/// lost too), a slice without a request that has
 /// prompt tokens, a request larger than the pool ([`check_pool`]), a path
 /// that cannot run, no worker thread could start. Transfer failures and
 /// verification mismatches are counted per path (and listed in
@@ -873,7 +897,7 @@ pub fn replay_with(
             &requests,
             opts,
             path,
-            (pi as u64 + 1) << 40 | 1 << 39,
+            (pi as u64 + 1) << 40 | WARMUP_SEED_BIT,
         )?;
         stats.push(run_phase(
             hand_off,
@@ -906,6 +930,7 @@ pub fn replay_with(
         arrival_rate_per_s: schedule.as_deref().and_then(achieved_rate),
         fixed_prompt_tokens: None,
         pool_blocks: opts.pool_blocks,
+        warmup: opts.warmup,
         p99_ratio_bounce_over_standard: ratio(|s| s.p99_ms),
         p50_ratio_bounce_over_standard: ratio(|s| s.p50_ms),
         paths: stats,
@@ -1045,12 +1070,14 @@ struct Request<'a> {
 const TABLE_FAILURES: usize = 10;
 
 /// Hands off `opts.warmup` requests through `path` before its measured
-/// phase (the first of `requests`, cycled; closed loop, at most
-/// `opts.concurrency` in flight) and tells `hand_off` they are done.
+/// phase: `requests` from the first, cycled, each at its position in the
+/// warm-up (`seed_base` + position: no two in flight share a seed); closed
+/// loop, at most `opts.concurrency` in flight.
 ///
 /// # Errors
-/// A warm-up request that failed (the first failure, with how many):
-/// the measured phase would start on a broken path.
+/// `--warmup` above [`MAX_WARMUP`]; a warm-up request that failed (the
+/// first failure, with how many): the measured phase would start on a
+/// broken path.
 fn warm_up(
     hand_off: &dyn HandOff,
     ppool: &BlockPool,
@@ -1063,15 +1090,28 @@ fn warm_up(
     if opts.warmup == 0 || requests.is_empty() {
         return Ok(());
     }
+    if opts.warmup > MAX_WARMUP {
+        return Err(format!(
+            "--warmup: expected at most {MAX_WARMUP} requests, got {}",
+            opts.warmup
+        ));
+    }
     let warm: Vec<Request<'_>> = requests
         .iter()
         .cycle()
         .take(opts.warmup)
-        .map(|r| Request {
+        .enumerate()
+        .map(|(k, r)| Request {
+            index: k,
             arrival_s: None,
             ..*r
         })
         .collect();
+    eprintln!(
+        "warm-up: {} requests through the {} path (not reported)",
+        opts.warmup,
+        format!("{path:?}").to_lowercase()
+    );
     let closed = ReplayOptions {
         concurrency: opts.concurrency.min(opts.warmup),
         arrivals: Arrivals::Closed,
@@ -1087,7 +1127,6 @@ fn warm_up(
             f.error
         ));
     }
-    hand_off.warmed_up();
     Ok(())
 }
 
@@ -1358,6 +1397,12 @@ impl ReplayReport {
         if let Some(r) = self.arrival_rate_per_s {
             s += &format!("arrival rate achieved by the schedule: {r:.2} req/s\n");
         }
+        if self.warmup > 0 {
+            s += &format!(
+                "after {} warm-up requests per path (not counted below)\n",
+                self.warmup
+            );
+        }
         let open = self.arrivals.is_open_loop();
         s += &format!(
             "{:>9} {:>5} {:>5} {:>9} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9}\n",
@@ -1589,42 +1634,48 @@ mod tests {
         }
     }
 
-    /// [`FakeHandOff`] that counts its `warmed_up` calls.
-    struct WarmCounting(FakeHandOff, AtomicUsize);
+    /// A hand-off that records every seed it is given, in order; warm-up
+    /// requests at the positions in `fail` fail.
+    #[derive(Default)]
+    struct SeedRecorder {
+        fail: Vec<u64>,
+        seeds: Mutex<Vec<u64>>,
+    }
 
-    impl HandOff for WarmCounting {
-        fn check_path(&self, p: BenchPath) -> Result<(), String> {
-            self.0.check_path(p)
+    impl HandOff for SeedRecorder {
+        fn check_path(&self, _: BenchPath) -> Result<(), String> {
+            Ok(())
         }
         fn sender(&self) -> String {
-            self.0.sender()
-        }
-        fn warmed_up(&self) {
-            // The warm-up of this phase is over: its requests are all seen.
-            self.1.fetch_add(1, Ordering::Relaxed);
+            "recorder".into()
         }
         fn hand_off(
             &self,
-            path: BenchPath,
+            _: BenchPath,
             seed: u64,
-            blocks: RequestBlocks<'_>,
-            descs: Vec<Descriptor>,
+            _: RequestBlocks<'_>,
+            _: Vec<Descriptor>,
         ) -> HandOffResult {
-            self.0.hand_off(path, seed, blocks, descs)
+            self.seeds.lock().unwrap().push(seed);
+            let position = seed & (WARMUP_SEED_BIT - 1) & 0xff_ffff;
+            let failed = is_warmup_seed(seed) && self.fail.contains(&position);
+            HandOffResult {
+                request_id: Some(seed),
+                outcome: if failed {
+                    Err("transfer failed: injected".into())
+                } else {
+                    Ok(1.0)
+                },
+            }
         }
     }
 
     #[test]
-    fn warmup_requests_run_before_each_phase_and_are_not_reported() {
+    fn warmup_requests_run_before_each_phase_with_their_own_seeds() {
         let layout = llama8b();
         let trace = [rec(100), rec(33)];
         let p = BlockPool::new(&layout, 64, 1 << 30, 1);
         let d = BlockPool::new(&layout, 64, 2 << 30, 2);
-        let fake = |fail| FakeHandOff {
-            fail,
-            seen: Mutex::new(Vec::new()),
-        };
-        let h = WarmCounting(fake(vec![]), AtomicUsize::new(0));
         let o = ReplayOptions {
             warmup: 5,
             arrivals: Arrivals::Poisson {
@@ -1633,24 +1684,53 @@ mod tests {
             },
             ..opts(&layout, 64)
         };
+        let h = SeedRecorder::default();
         let r = replay_with(&h, &p, &d, &trace, &o).unwrap();
-        assert_eq!(h.1.load(Ordering::Relaxed), 2, "once per path");
-        let mut seen = h.0.seen.into_inner().unwrap();
-        seen.sort_unstable();
-        // Per path: 5 warm-up (0, 1 cycled) + the 2 measured.
-        assert_eq!(seen, [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]);
+        let seeds = h.seeds.into_inner().unwrap();
+        assert_eq!(seeds.len(), 2 * (5 + 2));
+        for (pi, phase) in seeds.chunks(7).enumerate() {
+            let base = (pi as u64 + 1) << 40;
+            // The warm-up first, all five before any measured request,
+            // each at its own position (no two in flight share a seed).
+            let mut warm: Vec<u64> = phase[..5].to_vec();
+            warm.sort_unstable();
+            let want: Vec<u64> = (0..5).map(|k| base | WARMUP_SEED_BIT | k).collect();
+            assert_eq!(warm, want, "path {pi}: {phase:?}");
+            let mut measured: Vec<u64> = phase[5..].to_vec();
+            measured.sort_unstable();
+            assert_eq!(measured, [base, base + 1], "path {pi}: {phase:?}");
+            assert!(measured.iter().all(|&s| !is_warmup_seed(s)));
+        }
+        assert_eq!(r.warmup, 5);
         for p in &r.paths {
             assert_eq!((p.requests, p.failures), (2, 0));
             assert_eq!(p.from_arrival.as_ref().unwrap().windows[0].requests, 2);
         }
-        // A failed warm-up request ends the replay, naming the flag.
-        let h = WarmCounting(fake(vec![1]), AtomicUsize::new(0));
+        let t = r.table();
+        assert!(t.contains("after 5 warm-up requests per path"), "{t}");
+        // A failed warm-up request ends the replay, naming the flag, before
+        // any measured request.
+        let h = SeedRecorder {
+            fail: vec![3],
+            ..Default::default()
+        };
         let e = replay_with(&h, &p, &d, &trace, &o).unwrap_err();
         assert!(
-            e.starts_with("--warmup: 2 of 5 warm-up requests failed"),
+            e.starts_with("--warmup: 1 of 5 warm-up requests failed"),
             "{e}"
         );
-        assert_eq!(h.1.load(Ordering::Relaxed), 0);
+        assert!(h
+            .seeds
+            .into_inner()
+            .unwrap()
+            .iter()
+            .all(|&s| is_warmup_seed(s)));
+        let too_many = ReplayOptions {
+            warmup: MAX_WARMUP + 1,
+            ..o.clone()
+        };
+        let e = replay_with(&SeedRecorder::default(), &p, &d, &trace, &too_many).unwrap_err();
+        assert!(e.starts_with("--warmup: expected at most"), "{e}");
     }
 
     #[test]
@@ -1983,7 +2063,6 @@ mod tests {
             line.contains("50-100 ms: 2 requests, p50 70.0 max 70.0 ms, backlog 2"),
             "{line}"
         );
-        assert!(ArrivalLatency::of(&v).unwrap().windows.is_empty());
     }
 
     #[test]

@@ -157,7 +157,7 @@ enum Cmd {
         /// requests, at most 10,000,000).
         #[arg(long, default_value_t = 500, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         requests: usize,
-        /// --fixed-prompt, --speed, --rate, --seed (shared with `kvfabric bench`).
+        /// --fixed-prompt, --speed, --rate, --seed, --warmup (shared with `kvfabric bench`).
         #[command(flatten)]
         arrival: ArrivalArgs,
         /// Requests in flight (1 to 4096): closed loop, the number in

@@ -126,7 +126,7 @@ struct BenchArgs {
     /// --fixed-prompt: synthetic requests, at most 10,000,000).
     #[arg(long, default_value = "40")]
     requests: NonZeroUsize,
-    /// --fixed-prompt, --speed, --rate, --seed (shared with `kvfabric-gpu bench`).
+    /// --fixed-prompt, --speed, --rate, --seed, --warmup (shared with `kvfabric-gpu bench`).
     #[command(flatten)]
     arrival: ArrivalArgs,
     /// Model preset: Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, gpt-oss-120b.
