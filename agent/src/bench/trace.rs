@@ -1585,11 +1585,15 @@ mod tests {
         }
     }
 
-    /// A hand-off that moves nothing: requests whose seed (index) is in
-    /// `fail` fail with an agent id of 100 + index; the rest succeed.
+    /// A hand-off that moves nothing: requests whose seed (index, or
+    /// warm-up position) is in `fail` fail with an agent id of 100 +
+    /// index; the rest succeed. `seen` records the indices, `seeds` the
+    /// whole seeds, in the order given.
+    #[derive(Default)]
     struct FakeHandOff {
         fail: Vec<u64>,
         seen: Mutex<Vec<u64>>,
+        seeds: Mutex<Vec<u64>>,
     }
 
     impl HandOff for FakeHandOff {
@@ -1610,6 +1614,7 @@ mod tests {
             assert_eq!(blocks.src.len(), blocks.dst.len());
             assert_eq!(descs.len() % blocks.src.len(), 0);
             self.seen.lock().unwrap().push(i);
+            self.seeds.lock().unwrap().push(seed);
             assert!(!descs.is_empty());
             HandOffResult {
                 request_id: Some(100 + i),
@@ -1634,42 +1639,6 @@ mod tests {
         }
     }
 
-    /// A hand-off that records every seed it is given, in order; warm-up
-    /// requests at the positions in `fail` fail.
-    #[derive(Default)]
-    struct SeedRecorder {
-        fail: Vec<u64>,
-        seeds: Mutex<Vec<u64>>,
-    }
-
-    impl HandOff for SeedRecorder {
-        fn check_path(&self, _: BenchPath) -> Result<(), String> {
-            Ok(())
-        }
-        fn sender(&self) -> String {
-            "recorder".into()
-        }
-        fn hand_off(
-            &self,
-            _: BenchPath,
-            seed: u64,
-            _: RequestBlocks<'_>,
-            _: Vec<Descriptor>,
-        ) -> HandOffResult {
-            self.seeds.lock().unwrap().push(seed);
-            let position = seed & (WARMUP_SEED_BIT - 1) & 0xff_ffff;
-            let failed = is_warmup_seed(seed) && self.fail.contains(&position);
-            HandOffResult {
-                request_id: Some(seed),
-                outcome: if failed {
-                    Err("transfer failed: injected".into())
-                } else {
-                    Ok(1.0)
-                },
-            }
-        }
-    }
-
     #[test]
     fn warmup_requests_run_before_each_phase_with_their_own_seeds() {
         let layout = llama8b();
@@ -1684,7 +1653,7 @@ mod tests {
             },
             ..opts(&layout, 64)
         };
-        let h = SeedRecorder::default();
+        let h = FakeHandOff::default();
         let r = replay_with(&h, &p, &d, &trace, &o).unwrap();
         let seeds = h.seeds.into_inner().unwrap();
         assert_eq!(seeds.len(), 2 * (5 + 2));
@@ -1710,7 +1679,7 @@ mod tests {
         assert!(t.contains("after 5 warm-up requests per path"), "{t}");
         // A failed warm-up request ends the replay, naming the flag, before
         // any measured request.
-        let h = SeedRecorder {
+        let h = FakeHandOff {
             fail: vec![3],
             ..Default::default()
         };
@@ -1729,7 +1698,7 @@ mod tests {
             warmup: MAX_WARMUP + 1,
             ..o.clone()
         };
-        let e = replay_with(&SeedRecorder::default(), &p, &d, &trace, &too_many).unwrap_err();
+        let e = replay_with(&FakeHandOff::default(), &p, &d, &trace, &too_many).unwrap_err();
         assert!(e.starts_with("--warmup: expected at most"), "{e}");
     }
 
@@ -1741,7 +1710,7 @@ mod tests {
         let d = BlockPool::new(&layout, 64, 2 << 30, 2);
         let h = FakeHandOff {
             fail: vec![2],
-            seen: Mutex::new(Vec::new()),
+            ..Default::default()
         };
         let r = replay_with(&h, &p, &d, &trace, &opts(&layout, 64)).unwrap();
         let mut seen = h.seen.into_inner().unwrap();
@@ -1787,7 +1756,7 @@ mod tests {
         let d = BlockPool::new(&layout, 8, 1 << 30, 2);
         let h = FakeHandOff {
             fail: vec![],
-            seen: Mutex::new(Vec::new()),
+            ..Default::default()
         };
         let run = |o: &ReplayOptions, t: &[TraceRecord]| replay_with(&h, &p, &d, t, o);
         let e = run(&opts(&layout, 8), &trace).unwrap_err();
