@@ -282,11 +282,10 @@ pub struct ReplayOptions {
     /// the slice's requests from its first, cycled, closed loop at up to
     /// `concurrency` in flight, seeded with [`WARMUP_SEED_BIT`] set
     /// ([`is_warmup_seed`]: a [`HandOff`] that counts or traces requests
-    /// leaves them out). A
-    /// serving fabric is warm; a cold one pays its first transfers' setup
-    /// (connections, first posts, lazily loaded kernels) in the first
-    /// tens of ms of an open loop (docs/benchmarks.md, "Issue 18, twelfth
-    /// session").
+    /// leaves them out). A serving fabric is warm; a cold one pays its
+    /// first transfers' setup (connections, first posts, lazily loaded
+    /// kernels) in the first tens of ms of an open loop
+    /// (docs/benchmarks.md, "Issue 18, twelfth session").
     pub warmup: usize,
 }
 
@@ -831,8 +830,7 @@ pub fn replay(
 /// Setup failures: invalid options (`concurrency` 0, a speed or rate that
 /// is not finite and positive, no path, `warmup` above [`MAX_WARMUP`]), a
 /// failed warm-up request (no report: the paths measured before it are
-/// lost too), a slice without a request that has
-/// prompt tokens, a request larger than the pool ([`check_pool`]), a path
+/// lost too), a slice without a request that has prompt tokens, a request larger than the pool ([`check_pool`]), a path
 /// that cannot run, no worker thread could start. Transfer failures and
 /// verification mismatches are counted per path (and listed in
 /// [`PathStats::failed_requests`]) and make the caller's exit status
