@@ -1625,6 +1625,15 @@ mod tests {
         }
     }
 
+    /// A prefill and a decode pool of 64 blocks (at 1 GiB and 2 GiB of
+    /// a pretend address space), ids 1 and 2.
+    fn pools(layout: &KvLayout) -> (BlockPool, BlockPool) {
+        (
+            BlockPool::new(layout, 64, 1 << 30, 1),
+            BlockPool::new(layout, 64, 2 << 30, 2),
+        )
+    }
+
     fn opts(layout: &KvLayout, pool_blocks: u32) -> ReplayOptions {
         ReplayOptions {
             layout: layout.clone(),
@@ -1641,8 +1650,7 @@ mod tests {
     fn warmup_requests_run_before_each_phase_with_their_own_seeds() {
         let layout = llama8b();
         let trace = [rec(100), rec(33)];
-        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
-        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let (p, d) = pools(&layout);
         let o = ReplayOptions {
             warmup: 5,
             arrivals: Arrivals::Poisson {
@@ -1704,8 +1712,7 @@ mod tests {
     fn failed_requests_carry_the_agents_request_id_and_empty_ones_are_skipped() {
         let layout = llama8b();
         let trace = [rec(100), rec(0), rec(33), rec(16), rec(0)];
-        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
-        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let (p, d) = pools(&layout);
         let h = FakeHandOff {
             fail: vec![2],
             ..Default::default()
@@ -1846,8 +1853,7 @@ mod tests {
         // not late at all and its blocks are taken before the arrival.
         let layout = llama8b();
         let trace: Vec<TraceRecord> = (0..12).map(|_| rec(16)).collect();
-        let p = BlockPool::new(&layout, 64, 1 << 30, 1);
-        let d = BlockPool::new(&layout, 64, 2 << 30, 2);
+        let (p, d) = pools(&layout);
         let o = ReplayOptions {
             concurrency: 8,
             arrivals: Arrivals::Poisson {
