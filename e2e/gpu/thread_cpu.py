@@ -9,8 +9,12 @@ one core busy the whole window), busiest first, with the share of the
 window it spent runnable but waiting for a CPU (run queue delay, from
 /proc/.../schedstat: a thread that spins needs a core of its own, so a
 large wait on the IO threads means the host is oversubscribed), and the
-whole host's busy CPUs and runnable threads (/proc/stat). Used on the GPU
-machine during a closed-loop run to see which thread saturates first.
+whole host's busy CPUs and runnable threads (/proc/stat), and each thread's
+context switches a second, voluntary (it blocked or yielded: a wake-up
+later) and involuntary (preempted), from /proc/.../status, with their sum
+by thread name. Used on the GPU machine during a closed-loop run to see
+which thread saturates first and which threads' hand-overs cost the
+wake-ups.
 
     python3 thread_cpu.py --pattern kvfabric-gpu --delay 1 --window 1.5 --windows 20
 """
@@ -57,8 +61,24 @@ def sched(pid: int, tid: str) -> tuple[int, int]:
         return 0, 0
 
 
-def sample(pattern: str) -> dict[tuple[int, int], tuple[str, int, int]]:
-    """(pid, tid) -> (thread name, utime + stime ticks, run-queue wait ns)."""
+def switches(pid: int, tid: str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of one thread so far."""
+    vol = invol = 0
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    vol = int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    invol = int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return vol, invol
+
+
+def sample(pattern: str) -> dict[tuple[int, int], tuple]:
+    """(pid, tid) -> (thread name, utime + stime ticks, run-queue wait ns,
+    voluntary switches, involuntary switches)."""
     res = {}
     for pid in pids(pattern):
         try:
@@ -74,7 +94,8 @@ def sample(pattern: str) -> dict[tuple[int, int], tuple[str, int, int]]:
             # The name is in parentheses and may hold spaces.
             name = s[s.index("(") + 1 : s.rindex(")")]
             rest = s[s.rindex(")") + 2 :].split()
-            res[(pid, int(tid))] = (name, int(rest[11]) + int(rest[12]), sched(pid, tid)[1])
+            vol, invol = switches(pid, tid)
+            res[(pid, int(tid))] = (name, int(rest[11]) + int(rest[12]), sched(pid, tid)[1], vol, invol)
     return res
 
 
@@ -103,16 +124,21 @@ def main() -> None:
             break
         rows = []
         waits = {}
-        for key, (name, ticks, wait) in s1.items():
+        cs = {}
+        dt = t1 - t0
+        for key, (name, ticks, wait, vol, invol) in s1.items():
             # A thread born inside the window: all its ticks are new.
-            before, wait0 = (s0[key][1], s0[key][2]) if key in s0 else (0, 0)
-            share = (ticks - before) / hz / (t1 - t0) * 100
-            waited = (wait - wait0) / 1e9 / (t1 - t0) * 100
-            rows.append((share, waited, key[0], key[1], name))
-            # Run-queue wait summed by thread name with numbers masked
-            # (workers, process ids).
+            before, wait0, vol0, invol0 = s0[key][1:5] if key in s0 else (0, 0, 0, 0)
+            share = (ticks - before) / hz / dt * 100
+            waited = (wait - wait0) / 1e9 / dt * 100
+            vps, ips = (vol - vol0) / dt, (invol - invol0) / dt
+            rows.append((share, waited, key[0], key[1], name, vps, ips))
+            # Run-queue wait and switches summed by thread name with
+            # numbers masked (workers, process ids).
             group = re.sub(r"\d+", "#", name)
             waits[group] = waits.get(group, 0.0) + waited
+            v, i = cs.get(group, (0.0, 0.0))
+            cs[group] = (v + vps, i + ips)
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
         busy = (h1[0] - h0[0]) / max(1, h1[1] - h0[1]) * os.cpu_count()
@@ -122,10 +148,19 @@ def main() -> None:
             f"host {busy:.1f} of {os.cpu_count()} CPUs busy, runnable threads mean {mean_run:.1f} "
             f"max {max(runnable, default=0)}"
         )
-        for share, waited, pid, tid, name in rows[: a.top]:
-            print(f"  {share:6.1f} %  wait {waited:5.1f} %  pid {pid:>7} tid {tid:>7}  {name}")
+        for share, waited, pid, tid, name, vps, ips in rows[: a.top]:
+            print(
+                f"  {share:6.1f} %  wait {waited:5.1f} %  switches/s {vps:8.0f} vol {ips:7.0f} invol"
+                f"  pid {pid:>7} tid {tid:>7}  {name}"
+            )
         top_waits = sorted(waits.items(), key=lambda kv: -kv[1])[:6]
         print("  run-queue wait by name: " + ", ".join(f"{n} {v:.0f} %" for n, v in top_waits))
+        total_cs = sum(v + i for v, i in cs.values())
+        top_cs = sorted(cs.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:8]
+        print(
+            f"  context switches/s {total_cs:.0f}, by name: "
+            + ", ".join(f"{n} {v:.0f}+{i:.0f}" for n, (v, i) in top_cs)
+        )
         t0, s0, h0 = t1, s1, h1
 
 
