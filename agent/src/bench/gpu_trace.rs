@@ -96,6 +96,8 @@ pub struct GpuHandOff<'a> {
     pub timelines: Option<Mutex<Vec<TracedRequest>>>,
     /// Bounce requests submitted and not yet resolved.
     pub in_flight: AtomicUsize,
+    /// Traced requests submitted so far ([`TracedRequest::seq`]).
+    pub traced_seq: AtomicUsize,
 }
 
 impl HandOff for GpuHandOff<'_> {
@@ -164,6 +166,11 @@ impl GpuHandOff<'_> {
         let kept = verify.then(|| descs.clone());
         let traced = self.timelines.is_some() && path == BenchPath::Bounce && !warmup;
         let in_flight = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        let seq = if traced {
+            self.traced_seq.fetch_add(1, Ordering::Relaxed)
+        } else {
+            0
+        };
         let handle = match path {
             BenchPath::Bounce => {
                 let transport = self.prefill.transport();
@@ -192,6 +199,7 @@ impl GpuHandOff<'_> {
                     t.lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .push(TracedRequest {
+                            seq,
                             ms,
                             in_flight,
                             stages,
@@ -329,6 +337,7 @@ fn run_in(
         verified: AtomicU64::new(0),
         timelines: opts.timeline.then(|| Mutex::new(Vec::new())),
         in_flight: AtomicUsize::new(0),
+        traced_seq: AtomicUsize::new(0),
     };
     let report = replay_with(
         &hand_off,

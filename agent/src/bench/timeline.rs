@@ -142,6 +142,9 @@ impl BounceTimeline {
 /// One traced bounce request of `--timeline`.
 #[derive(Clone, Debug, Serialize)]
 pub struct TracedRequest {
+    /// Order of submission among the traced requests (0: the first the
+    /// process submitted: a cold fabric's first use).
+    pub seq: usize,
     /// Submit → SUCCESS seen by the caller, ms.
     pub ms: f64,
     /// Bounce requests of this process in flight when it was submitted
@@ -176,6 +179,9 @@ pub struct TimelineSummary {
     pub slowest_in_flight: f64,
     /// The [`TimelineSummary::WORST`] slowest requests, slowest first.
     pub worst: Vec<TracedRequest>,
+    /// The [`TimelineSummary::FIRST`] first submitted requests, in
+    /// submission order (what a cold fabric's first hand-offs pay).
+    pub first: Vec<TracedRequest>,
     /// Requests whose stage events were cut short
     /// ([`TracedRequest::dropped_events`] > 0).
     pub truncated_requests: usize,
@@ -184,9 +190,13 @@ pub struct TimelineSummary {
 impl TimelineSummary {
     /// Requests listed one by one.
     pub const WORST: usize = 5;
+    /// First submitted requests listed one by one.
+    pub const FIRST: usize = 5;
 
     /// The summary of `all` (any order).
     pub fn of(mut all: Vec<TracedRequest>) -> Self {
+        all.sort_by_key(|t| t.seq);
+        let first = all.iter().take(Self::FIRST).cloned().collect();
         all.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         let slow = all.len().div_ceil(100).min(all.len());
         let med_in_flight = |r: &[TracedRequest]| {
@@ -205,6 +215,7 @@ impl TimelineSummary {
             slowest: stages(&all[..slow]),
             slowest_in_flight: med_in_flight(&all[..slow]),
             worst: all.iter().take(Self::WORST).cloned().collect(),
+            first,
             truncated_requests: all.iter().filter(|t| t.dropped_events > 0).count(),
         }
     }
@@ -245,6 +256,15 @@ impl TimelineSummary {
                 r.stages.line_of("one request")
             );
         }
+        for r in &self.first {
+            s += &format!(
+                "submitted #{} {:.2} ms ({} in flight at submit): {}\n",
+                r.seq + 1,
+                r.ms,
+                r.in_flight,
+                r.stages.line_of("one request")
+            );
+        }
         s
     }
 }
@@ -261,6 +281,8 @@ mod tests {
 
     fn traced(ms: f64, in_flight: usize) -> TracedRequest {
         TracedRequest {
+            // Submitted in order of their latency, slowest last.
+            seq: (ms * 10.0) as usize,
             ms,
             in_flight,
             dropped_events: u32::from(ms > 249.0),
@@ -292,6 +314,10 @@ mod tests {
         assert!(s.lines().contains("slowest #1 250.00 ms (100 in flight"));
         assert_eq!(s.truncated_requests, 1);
         assert!(s.lines().contains("warning: 1 requests"));
+        // The first submitted, in submission order whatever their latency.
+        let first: Vec<f64> = s.first.iter().map(|r| r.ms).collect();
+        assert_eq!(first, vec![1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!(s.lines().contains("submitted #11 1.00 ms (2 in flight"));
     }
 
     #[test]
@@ -299,6 +325,7 @@ mod tests {
         let s = TimelineSummary::of(Vec::new());
         assert_eq!((s.requests, s.slowest_requests), (0, 0));
         assert!(s.all.is_none() && s.slowest.is_none() && s.worst.is_empty());
+        assert!(s.first.is_empty());
         let s = TimelineSummary::of(vec![traced(3.0, 1)]);
         assert_eq!(s.slowest_requests, 1);
         assert_eq!(s.worst.len(), 1);
