@@ -410,6 +410,13 @@ pub fn is_warmup_seed(seed: u64) -> bool {
 /// Width of an [`ArrivalWindow`], ms of scheduled arrivals.
 pub const ARRIVAL_WINDOW_MS: f64 = 50.0;
 
+/// Open loop: a free worker builds its next request (takes its blocks,
+/// builds its descriptors) at most this long before the request's
+/// scheduled arrival, 2 ms — enough for the seed's shape (36,900
+/// descriptors) on a busy host, short enough that workers do not all
+/// build at once when a run starts (issue 18, thirteenth session).
+pub const PREPARE_LEAD: Duration = Duration::from_millis(2);
+
 /// The requests of one open-loop run scheduled to arrive in one
 /// [`ARRIVAL_WINDOW_MS`] window.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -1231,6 +1238,17 @@ fn run_phase(
                     }
                 }
             };
+            // Not earlier than PREPARE_LEAD before the arrival: at the
+            // start every worker is free, and all of them building their
+            // first request at once (the seed's shape: 36,900 descriptors,
+            // 885 KB each) ran ≈ 20 threads on the H200 host's 16 CPUs
+            // for the run's first 100 ms, preempting the agents' threads.
+            if let Some(due) = due {
+                let now = start.elapsed();
+                if due > now + PREPARE_LEAD {
+                    std::thread::sleep(due - PREPARE_LEAD - now);
+                }
+            }
             let early = due.is_some_and(|d| d > start.elapsed());
             let ready = if early {
                 match (ppool.try_allocate(nblocks), dpool.try_allocate(nblocks)) {
@@ -1872,6 +1890,43 @@ mod tests {
         // Every block is back in both pools.
         assert_eq!(p.try_allocate(64).map(|b| b.len()), Some(64));
         assert_eq!(d.try_allocate(64).map(|b| b.len()), Some(64));
+    }
+
+    #[test]
+    fn a_request_is_prepared_no_earlier_than_its_lead_before_arrival() {
+        // Two requests, at 0 and 300 ms, two workers: the second worker is
+        // free from the start but takes its request's blocks only
+        // PREPARE_LEAD before 300 ms, so at 150 ms every block is free.
+        let layout = llama8b();
+        let mut late = rec(16);
+        late.timestamp = 300;
+        let trace = vec![rec(16), late];
+        let (p, d) = pools(&layout);
+        let o = ReplayOptions {
+            concurrency: 2,
+            arrivals: Arrivals::Trace { speed: 1.0 },
+            paths: vec![BenchPath::Bounce],
+            ..opts(&layout, 64)
+        };
+        let free_at_150ms = std::thread::scope(|s| {
+            let probe = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(150));
+                let got = p.try_allocate(64);
+                let all = got.as_ref().map(|b| b.len());
+                if let Some(b) = got {
+                    p.release(b);
+                }
+                all
+            });
+            let r = replay_with(&SlowHandOff { ms: 1 }, &p, &d, &trace, &o).unwrap();
+            assert_eq!((r.paths[0].requests, r.paths[0].failures), (2, 0));
+            probe.join().unwrap()
+        });
+        assert_eq!(
+            free_at_150ms,
+            Some(64),
+            "blocks taken long before the arrival"
+        );
     }
 
     #[test]
