@@ -50,7 +50,7 @@ before_exe() {
 # KVF_CONFIGS entries: "GRANT_POLICY=oldestFirst,ARENA_SIZE_BYTES=1GiB" →
 # the KVFABRIC_BOUNCE_ variables (cfg_env) and a file-name tag (cfg_tag);
 # SPIN_ keys are the spin experiment switches (KVFABRIC_SPIN_ADAPTIVE,
-# KVFABRIC_SPIN_WORKERS; agent/src/runtime/spin.rs).
+# KVFABRIC_SPIN_WORKERS, KVFABRIC_SPIN_WAITERS; agent/src/runtime/spin.rs).
 # A BOOST=POLICY entry (nice:-15, fifo:10) is no variable: boost_start runs
 # e2e/gpu/boost_threads.py beside the bench (the agents' IO threads and
 # copy workers get that priority), boost_stop waits for it.
@@ -158,7 +158,7 @@ for step in ${KVF_STEPS:-engines model vram}; do
             --json "$out/load_$tag.json" > "$out/load_$tag.log" 2>&1 || rc=1
           boost_stop
           echo "load $tag: $(grep -E '^ *bounce' "$out/load_$tag.log" | tail -n 1 | tr -s ' ')"
-          grep -E '^(all \(|slowest )' "$out/load_$tag.log" | cut -c1-400
+          grep -E '^(all \(|slowest |submitted #)' "$out/load_$tag.log" | cut -c1-400
         done
       done
       mps_off ;;

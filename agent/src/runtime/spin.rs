@@ -35,6 +35,12 @@
 //!   (`kvfabric-gpu bench --timeline`, docs/benchmarks.md, "Issue 18,
 //!   ninth session"). A yield returns at once when nothing else wants
 //!   the CPU, so an idle host keeps the spin's latency.
+//! * At most one caller of `wait` in the process spins at a time
+//!   ([`MAX_SPINNING_WAITERS`](crate::runtime::transport::MAX_SPINNING_WAITERS),
+//!   `KVFABRIC_SPIN_WAITERS`; was four): on a busy host each yield of a
+//!   spinning caller is a context switch, and four of them made ≈ 60 k a
+//!   second under the open loop, taking cores from the agents' threads
+//!   (issue 18, thirteenth session).
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -200,7 +206,8 @@ impl SpinSlots {
 /// spinning at once, default
 /// [`DEFAULT_SPINNING_WORKERS`](crate::runtime::transport::DEFAULT_SPINNING_WORKERS);
 /// `all`: no cap). A value that does not parse is warned about and the
-/// default used.
+/// default used. `KVFABRIC_SPIN_WAITERS` is read by the transport itself
+/// ([`parse_spin_waiters`]: the cap is process-wide).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpinEnv {
     /// [`TransportSettings::spin_adaptive`](crate::runtime::transport::TransportSettings::spin_adaptive).
@@ -269,9 +276,42 @@ impl SpinEnv {
     }
 }
 
+/// `KVFABRIC_SPIN_WAITERS` (an experiment switch, issue 18): the most
+/// callers of [`TransferHandle::wait`](crate::runtime::transport::TransferHandle::wait)
+/// in the process that spin at once (the others block at once). `None`
+/// (unset): [`MAX_SPINNING_WAITERS`](crate::runtime::transport::MAX_SPINNING_WAITERS);
+/// `all`: no cap; `0`: no caller spins. Anything else is warned about and
+/// the default used.
+pub fn parse_spin_waiters(value: Option<&str>) -> usize {
+    let default = crate::runtime::transport::MAX_SPINNING_WAITERS;
+    match value.map(str::trim) {
+        None => default,
+        Some("all") => usize::MAX,
+        Some(v) => v.parse::<usize>().unwrap_or_else(|_| {
+            tracing::warn!(
+                value = v,
+                default,
+                "KVFABRIC_SPIN_WAITERS: expected a count or `all`; using the default"
+            );
+            default
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spin_waiters_parse_counts_all_and_fall_back_on_nonsense() {
+        let default = crate::runtime::transport::MAX_SPINNING_WAITERS;
+        assert_eq!(parse_spin_waiters(None), default);
+        assert_eq!(parse_spin_waiters(Some("0")), 0);
+        assert_eq!(parse_spin_waiters(Some(" 2 ")), 2);
+        assert_eq!(parse_spin_waiters(Some("all")), usize::MAX);
+        assert_eq!(parse_spin_waiters(Some("-1")), default);
+        assert_eq!(parse_spin_waiters(Some("many")), default);
+    }
 
     #[test]
     fn eleven_waits_past_the_window_stop_spinning_and_two_inside_restart_it() {

@@ -340,9 +340,29 @@ impl Completion {
 /// Callers of [`TransferHandle::wait`] spinning now (process-wide).
 static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Most callers that spin in [`TransferHandle::wait`] at once; the rest
-/// block at once.
-pub const MAX_SPINNING_WAITERS: usize = 4;
+/// Most callers that spin in [`TransferHandle::wait`] at once (process-
+/// wide); the rest block at once. One (issue 18, thirteenth session; was
+/// 4): on the H200 host under the open loop the four spinning callers
+/// yielded ≈ 55–65 k times a second — ≈ 86 k context switches a second
+/// in all against ≈ 9 k with one — and their cores were taken from the
+/// agents' threads; with one, p99 from arrival was lower in 7 of 8 paired
+/// runs (2,100–3,200 req/s) and no run collapsed (2 of 8 with four),
+/// while an isolated request (one caller: it still spins) and the closed
+/// loop stayed within the noise (docs/benchmarks.md, "Issue 18,
+/// thirteenth session"). `KVFABRIC_SPIN_WAITERS` overrides it for the
+/// process ([`crate::runtime::spin::parse_spin_waiters`]).
+pub const MAX_SPINNING_WAITERS: usize = 1;
+
+/// This process's cap on spinning callers: `KVFABRIC_SPIN_WAITERS`, read
+/// once, else [`MAX_SPINNING_WAITERS`].
+fn max_spinning_waiters() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        crate::runtime::spin::parse_spin_waiters(
+            std::env::var("KVFABRIC_SPIN_WAITERS").ok().as_deref(),
+        )
+    })
+}
 
 /// Default of [`TransportSettings::spinning_workers`]: no cap (every
 /// worker may spin). A cap of 2 measured on the H200 (issue 18, eighth
@@ -427,11 +447,12 @@ impl TransferHandle {
         // At most MAX_SPINNING_WAITERS callers of the process spin at once
         // (a replay with 128 waiting threads must not take 128 cores); the
         // others block at once.
+        let cap = max_spinning_waiters();
         if !spin.is_zero()
             && !self.completion.resolved.load(Ordering::Acquire)
             && SPINNING_WAITERS
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < MAX_SPINNING_WAITERS).then_some(n + 1)
+                    (n < cap).then_some(n + 1)
                 })
                 .is_ok()
         {
