@@ -10,8 +10,9 @@ window it spent runnable but waiting for a CPU (run queue delay, from
 /proc/.../schedstat: a thread that spins needs a core of its own, so a
 large wait on the IO threads means the host is oversubscribed), and the
 whole host's busy CPUs and runnable threads (/proc/stat), and each thread's
-context switches a second, voluntary (it blocked or yielded: a wake-up
-later) and involuntary (preempted), from /proc/.../status, with their sum
+context switches a second, voluntary (it blocked: a wake-up later) and
+involuntary (preempted, or a sched_yield that let another thread run: the
+task stays runnable), from /proc/.../status, with their sum
 by thread name. Used on the GPU machine during a closed-loop run to see
 which thread saturates first and which threads' hand-overs cost the
 wake-ups.

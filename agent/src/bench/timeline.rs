@@ -142,8 +142,10 @@ impl BounceTimeline {
 /// One traced bounce request of `--timeline`.
 #[derive(Clone, Debug, Serialize)]
 pub struct TracedRequest {
-    /// Order of submission among the traced requests (0: the first the
-    /// process submitted: a cold fabric's first use).
+    /// Order in which the traced requests entered the bench's hand-off
+    /// (0: the first measured bounce request — a cold fabric's first use
+    /// unless `--warmup` ran before; warm-up requests are not traced).
+    /// Only successes are kept, so a failed request leaves a gap.
     pub seq: usize,
     /// Submit → SUCCESS seen by the caller, ms.
     pub ms: f64,
@@ -179,8 +181,9 @@ pub struct TimelineSummary {
     pub slowest_in_flight: f64,
     /// The [`TimelineSummary::WORST`] slowest requests, slowest first.
     pub worst: Vec<TracedRequest>,
-    /// The [`TimelineSummary::FIRST`] first submitted requests, in
-    /// submission order (what a cold fabric's first hand-offs pay).
+    /// The [`TimelineSummary::FIRST`] traced requests that entered first
+    /// ([`TracedRequest::seq`]), in that order (what a cold fabric's first
+    /// hand-offs pay).
     pub first: Vec<TracedRequest>,
     /// Requests whose stage events were cut short
     /// ([`TracedRequest::dropped_events`] > 0).
@@ -281,8 +284,9 @@ mod tests {
 
     fn traced(ms: f64, in_flight: usize) -> TracedRequest {
         TracedRequest {
-            // Submitted in order of their latency, slowest last.
-            seq: (ms * 10.0) as usize,
+            // Entry order unrelated to latency (a permutation of 0..250
+            // for the 250 requests of the first test).
+            seq: (ms as usize * 7) % 250,
             ms,
             in_flight,
             dropped_events: u32::from(ms > 249.0),
@@ -314,10 +318,12 @@ mod tests {
         assert!(s.lines().contains("slowest #1 250.00 ms (100 in flight"));
         assert_eq!(s.truncated_requests, 1);
         assert!(s.lines().contains("warning: 1 requests"));
-        // The first submitted, in submission order whatever their latency.
+        // The first to enter, in entry order, neither the fastest nor
+        // the slowest (7 k mod 250 = 0, 1, 2, 3, 4).
         let first: Vec<f64> = s.first.iter().map(|r| r.ms).collect();
-        assert_eq!(first, vec![1.0, 2.0, 3.0, 4.0, 5.0]);
-        assert!(s.lines().contains("submitted #11 1.00 ms (2 in flight"));
+        assert_eq!(first, vec![250.0, 143.0, 36.0, 179.0, 72.0]);
+        assert!(s.lines().contains("submitted #1 250.00 ms (100 in flight"));
+        assert!(s.lines().contains("submitted #2 143.00 ms (2 in flight"));
     }
 
     #[test]

@@ -355,9 +355,10 @@ pub struct PathStats {
 /// each request's scheduled arrival: the wait for a free worker (all
 /// `concurrency` busy) and for free KV blocks, plus the service time
 /// (submit → transfer resolution). A worker free before the arrival
-/// prepares the request's blocks and descriptors before it (a prefill
-/// engine's block table exists before it asks for the hand-off); a late
-/// worker's preparation counts in the queueing. The bench's own fill of
+/// prepares the request's blocks and descriptors in the last
+/// [`PREPARE_LEAD`] before it (a prefill engine's block table exists
+/// before it asks for the hand-off); a late worker's preparation, and a
+/// preparation that outlasts the lead, count in the queueing. The bench's own fill of
 /// the source blocks (standing in for prefill) and the verification after
 /// the transfer are in neither, as in closed loop.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -412,9 +413,11 @@ pub const ARRIVAL_WINDOW_MS: f64 = 50.0;
 
 /// Open loop: a free worker builds its next request (takes its blocks,
 /// builds its descriptors) at most this long before the request's
-/// scheduled arrival, 2 ms — enough for the seed's shape (36,900
-/// descriptors) on a busy host, short enough that workers do not all
-/// build at once when a run starts (issue 18, thirteenth session).
+/// scheduled arrival: 2 ms, so that the workers do not all build at once
+/// when a run starts (issue 18, thirteenth session). A building that
+/// takes longer (the seed's shape: 36,900 descriptors, 885 KB in all;
+/// not timed separately) delays the hand-off past the arrival, and that
+/// delay counts in the latency from arrival, as a late worker's does.
 pub const PREPARE_LEAD: Duration = Duration::from_millis(2);
 
 /// The requests of one open-loop run scheduled to arrive in one
@@ -1241,8 +1244,8 @@ fn run_phase(
             // Not earlier than PREPARE_LEAD before the arrival: at the
             // start every worker is free, and all of them building their
             // first request at once (the seed's shape: 36,900 descriptors,
-            // 885 KB each) ran ≈ 20 threads on the H200 host's 16 CPUs
-            // for the run's first 100 ms, preempting the agents' threads.
+            // 885 KB in all) was part of a start with ≈ 20 runnable
+            // threads for the H200 host's 16 CPUs.
             if let Some(due) = due {
                 let now = start.elapsed();
                 if due > now + PREPARE_LEAD {

@@ -298,7 +298,8 @@ pub struct FabricAgent {
     /// paid (`KVFABRIC_SPIN_ADAPTIVE`, [`crate::runtime::spin::SpinHistory`]).
     std_wait_history: Option<Arc<crate::runtime::spin::SpinHistory>>,
     /// The spin switches (`KVFABRIC_SPIN_*`), read once at start-up: the
-    /// standard path's waiters and every bounce transport built use them.
+    /// standard path's waiters and every bounce transport built use them
+    /// (`KVFABRIC_SPIN_WAITERS` once per process: the cap is process-wide).
     spin_env: crate::runtime::spin::SpinEnv,
     /// Next standard-path request id.
     std_next_rid: AtomicU64,

@@ -38,8 +38,8 @@
 //! * At most one caller of `wait` in the process spins at a time
 //!   ([`MAX_SPINNING_WAITERS`](crate::runtime::transport::MAX_SPINNING_WAITERS),
 //!   `KVFABRIC_SPIN_WAITERS`; was four): on a busy host each yield of a
-//!   spinning caller is a context switch, and four of them made ≈ 60 k a
-//!   second under the open loop, taking cores from the agents' threads
+//!   spinning caller is a context switch, and four of them made 54–124 k
+//!   a second under the open loop, taking cores from the agents' threads
 //!   (issue 18, thirteenth session).
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -206,8 +206,9 @@ impl SpinSlots {
 /// spinning at once, default
 /// [`DEFAULT_SPINNING_WORKERS`](crate::runtime::transport::DEFAULT_SPINNING_WORKERS);
 /// `all`: no cap). A value that does not parse is warned about and the
-/// default used. `KVFABRIC_SPIN_WAITERS` is read by the transport itself
-/// ([`parse_spin_waiters`]: the cap is process-wide).
+/// default used. `KVFABRIC_SPIN_WAITERS` ([`parse_spin_waiters`]) is
+/// process-wide: [`SpinEnv::waiters`] reports the cap the first agent of
+/// the process read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpinEnv {
     /// [`TransportSettings::spin_adaptive`](crate::runtime::transport::TransportSettings::spin_adaptive).
@@ -217,16 +218,24 @@ pub struct SpinEnv {
     /// [`TransportSettings::spin_relax`](crate::runtime::transport::TransportSettings::spin_relax)
     /// (`KVFABRIC_SPIN_YIELD`: 1 yield, the default; 0 spin).
     pub relax: Relax,
+    /// Most callers of `wait` spinning at once in the process
+    /// ([`spin_waiters_cap`](crate::runtime::transport::spin_waiters_cap):
+    /// `KVFABRIC_SPIN_WAITERS`, read once per process).
+    pub waiters: usize,
 }
 
 impl SpinEnv {
-    /// From the process environment.
+    /// From the process environment (the spinning-callers cap is read
+    /// here the first time in the process, so a bad value is warned about
+    /// when the first agent starts).
     pub fn read() -> Self {
-        Self::parse(
+        let mut env = Self::parse(
             std::env::var("KVFABRIC_SPIN_ADAPTIVE").ok().as_deref(),
             std::env::var("KVFABRIC_SPIN_WORKERS").ok().as_deref(),
         )
-        .with_yield(std::env::var("KVFABRIC_SPIN_YIELD").ok().as_deref())
+        .with_yield(std::env::var("KVFABRIC_SPIN_YIELD").ok().as_deref());
+        env.waiters = crate::runtime::transport::spin_waiters_cap();
+        env
     }
 
     /// From the first two variables' values (`None`: unset; pausing with
@@ -236,6 +245,7 @@ impl SpinEnv {
             adaptive: true,
             workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS,
             relax: Relax::Yield,
+            waiters: crate::runtime::transport::MAX_SPINNING_WAITERS,
         };
         match adaptive.map(str::trim) {
             None => {}
@@ -380,6 +390,7 @@ mod tests {
                 adaptive: true,
                 workers: crate::runtime::transport::DEFAULT_SPINNING_WORKERS,
                 relax: Relax::Yield,
+                waiters: crate::runtime::transport::MAX_SPINNING_WAITERS,
             }
         );
         assert_eq!(
@@ -388,6 +399,7 @@ mod tests {
                 adaptive: false,
                 workers: usize::MAX,
                 relax: Relax::Yield,
+                waiters: crate::runtime::transport::MAX_SPINNING_WAITERS,
             }
         );
         assert_eq!(SpinEnv::parse(Some(" 1 "), Some("3")).workers, 3);

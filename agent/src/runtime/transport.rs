@@ -96,8 +96,10 @@ pub struct TransportSettings {
     /// waiting for GRANT/ACK, granted regions waiting for DATA, copies),
     /// the IO thread keeps polling without blocking for up to this long
     /// after its last event; so do the copy workers after each job (and
-    /// when primed by a submit or WANT) and up to
-    /// [`MAX_SPINNING_WAITERS`] callers in [`TransferHandle::wait`]. A
+    /// when primed by a submit or WANT) and up to the process's cap of
+    /// spinning callers in [`TransferHandle::wait`]
+    /// ([`MAX_SPINNING_WAITERS`] unless `KVFABRIC_SPIN_WAITERS` says
+    /// otherwise). A
     /// blocked IO thread pays a wake-up per control message — measured
     /// 100–400 µs per ZMQ hop on the H200 host (docs/benchmarks.md) — which
     /// at GPU speeds costs more than the data.
@@ -107,8 +109,8 @@ pub struct TransportSettings {
     /// Callers of [`TransferHandle::wait`] (bounce and standard path)
     /// spin only while a quarter of the recent waits ended inside the
     /// busy-poll window
-    /// ([`SpinHistory`]; issue 18). Off: every wait spins (up to
-    /// [`MAX_SPINNING_WAITERS`] at once).
+    /// ([`SpinHistory`]; issue 18). Off: every wait spins (up to the
+    /// process's cap, [`spin_waiters_cap`], at once).
     pub spin_adaptive: bool,
     /// Most copy workers that spin between jobs at once
     /// ([`crate::runtime::spin::SpinSlots`]; issue 18).
@@ -342,20 +344,25 @@ static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 
 /// Most callers that spin in [`TransferHandle::wait`] at once (process-
 /// wide); the rest block at once. One (issue 18, thirteenth session; was
-/// 4): on the H200 host under the open loop the four spinning callers
-/// yielded ≈ 55–65 k times a second — ≈ 86 k context switches a second
-/// in all against ≈ 9 k with one — and their cores were taken from the
-/// agents' threads; with one, p99 from arrival was lower in 7 of 8 paired
-/// runs (2,100–3,200 req/s) and no run collapsed (2 of 8 with four),
-/// while an isolated request (one caller: it still spins) and the closed
-/// loop stayed within the noise (docs/benchmarks.md, "Issue 18,
-/// thirteenth session"). `KVFABRIC_SPIN_WAITERS` overrides it for the
-/// process ([`crate::runtime::spin::parse_spin_waiters`]).
+/// 4): on the H200 host under the open loop, with four, the host ran
+/// 88–162 k context switches a second, 54–124 k of them the waiting
+/// callers' yields (against 9–13 k in all with one), and their cores
+/// were taken from the agents' threads; with one, p99 from arrival was
+/// lower in 7 of 8 paired runs (2,100–3,200 req/s) and no run collapsed
+/// (2 of 8 with four), while an isolated request (one caller: it still
+/// spins) and the closed loop stayed within the noise
+/// (docs/benchmarks.md, "Issue 18, thirteenth session").
+/// `KVFABRIC_SPIN_WAITERS` overrides it for the process
+/// ([`spin_waiters_cap`]).
 pub const MAX_SPINNING_WAITERS: usize = 1;
 
-/// This process's cap on spinning callers: `KVFABRIC_SPIN_WAITERS`, read
-/// once, else [`MAX_SPINNING_WAITERS`].
-fn max_spinning_waiters() -> usize {
+/// This process's cap on callers spinning at once in
+/// [`TransferHandle::wait`]: `KVFABRIC_SPIN_WAITERS`
+/// ([`crate::runtime::spin::parse_spin_waiters`]), else
+/// [`MAX_SPINNING_WAITERS`]. Read once, when the first agent of the
+/// process starts ([`crate::runtime::spin::SpinEnv::read`]) — a bad value
+/// is warned about then.
+pub fn spin_waiters_cap() -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CAP.get_or_init(|| {
         crate::runtime::spin::parse_spin_waiters(
@@ -403,8 +410,8 @@ impl TransferHandle {
     ///
     /// With a busy-poll window (see [`TransportSettings::busy_poll`]) the
     /// caller's thread polls for up to that long (never past `timeout`)
-    /// before it blocks — if fewer than [`MAX_SPINNING_WAITERS`] callers
-    /// are spinning already.
+    /// before it blocks — if fewer than the process's cap
+    /// ([`spin_waiters_cap`]) of callers are spinning already.
     ///
     /// Under [`TransportSettings::spin_adaptive`] the caller spins only
     /// while at least a quarter of the transport's recent waits ended
@@ -447,7 +454,7 @@ impl TransferHandle {
         // At most MAX_SPINNING_WAITERS callers of the process spin at once
         // (a replay with 128 waiting threads must not take 128 cores); the
         // others block at once.
-        let cap = max_spinning_waiters();
+        let cap = spin_waiters_cap();
         if !spin.is_zero()
             && !self.completion.resolved.load(Ordering::Acquire)
             && SPINNING_WAITERS
