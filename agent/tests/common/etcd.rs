@@ -65,8 +65,21 @@ impl Etcd {
             peer_port: free_port(),
             child: None,
         };
-        e.spawn();
-        Some(e)
+        // A free port can be taken by another test's connection before
+        // etcd binds it (the tests run in parallel): etcd then exits at
+        // once, and a fresh pair of ports is tried (at most three).
+        for attempt in 1..=3 {
+            match e.try_spawn() {
+                Ok(()) => return Some(e),
+                Err(why) if attempt < 3 => {
+                    eprintln!("etcd did not start ({why}); retrying on other ports");
+                    e.client_port = free_port();
+                    e.peer_port = free_port();
+                }
+                Err(why) => panic!("etcd did not start three times; the last: {why}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
     }
 
     pub fn endpoint(&self) -> String {
@@ -74,8 +87,16 @@ impl Etcd {
     }
 
     /// (Re)starts the process on the same ports and data dir; waits (≤ 20 s)
-    /// until `/health` says true.
+    /// until `/health` says true; panics with the reason otherwise.
     pub fn spawn(&mut self) {
+        if let Err(why) = self.try_spawn() {
+            panic!("{why}");
+        }
+    }
+
+    /// [`spawn`](Self::spawn), returning why etcd did not become healthy
+    /// (it exited, naming its status, or 20 s passed).
+    fn try_spawn(&mut self) -> Result<(), String> {
         assert!(self.child.is_none());
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
@@ -106,9 +127,20 @@ impl Etcd {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !self.healthy() {
-            assert!(Instant::now() < deadline, "etcd not healthy within 20 s");
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                self.child = None;
+                return Err(format!(
+                    "etcd exited with {status} (ports {} / {})",
+                    self.client_port, self.peer_port
+                ));
+            }
+            if Instant::now() >= deadline {
+                self.kill();
+                return Err("etcd not healthy within 20 s".into());
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
+        Ok(())
     }
 
     pub fn healthy(&self) -> bool {
