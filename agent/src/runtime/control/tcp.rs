@@ -18,9 +18,15 @@
 //! Sends never block: frames queue per peer (at most
 //! [`SEND_QUEUE_BYTES`]; beyond that a message is dropped with a warning,
 //! like ZMQ's high-water mark) and are written whenever the socket takes
-//! them — at once in the common case. A connection that fails is retried
-//! after [`RECONNECT_BACKOFF`]; a frame cut by a broken connection is lost
-//! (counted as dropped; its request times out, as with any lost message).
+//! them — at once in the common case. The connection to a peer is opened
+//! when its route is added (as ZMQ's DEALER connects at `add_peer`), so
+//! the first message to a newly loaded peer does not pay the connect and
+//! hello: on the H200 the first hand-off's WANT left 0.27–0.34 ms after
+//! submit against 0.05–0.13 ms later (docs/benchmarks.md, "Issue 18,
+//! thirteenth session"). A connection that fails is retried after
+//! [`RECONNECT_BACKOFF`] once something is queued for the peer; a frame
+//! cut by a broken connection is lost (counted as dropped; its request
+//! times out, as with any lost message).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -508,7 +514,13 @@ impl TcpControlChannel {
         // Whole milliseconds, rounded up; a route waiting to reconnect
         // bounds the wait by its backoff.
         let mut ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-        if !accepting || self.routes.values().any(|r| r.retry_at.is_some()) {
+        // (A route with nothing queued is not retried: see `flush`.)
+        if !accepting
+            || self
+                .routes
+                .values()
+                .any(|r| r.retry_at.is_some() && !r.frames.is_empty())
+        {
             ms = ms.min(RECONNECT_BACKOFF.as_millis() as i32);
         }
         // SAFETY: fds is a valid array of fds.len() pollfd entries.
@@ -530,8 +542,10 @@ impl ControlChannel for TcpControlChannel {
         self.endpoint.as_bytes().to_vec()
     }
 
-    /// Validates the endpoint (as ZMQ's, plus: an IP literal) and records
-    /// the route; the connection is made on the first send. The same
+    /// Validates the endpoint (as ZMQ's, plus: an IP literal), records the
+    /// route and starts a non-blocking connect to it (the hello goes out
+    /// once it completes, whenever the channel is pumped). A connect that
+    /// fails at once is left to the first send, which retries it. The same
     /// endpoint again is a no-op; a new one replaces the route (and drops
     /// what was queued for the old one).
     fn add_peer(&mut self, peer: &str, endpoint: &[u8]) -> Result<(), ControlError> {
@@ -545,13 +559,20 @@ impl ControlChannel for TcpControlChannel {
             return Ok(());
         }
         tracing::debug!(peer, %endpoint, "TCP control route added");
+        let (stream, hello) = match connect_nonblocking(addr) {
+            Ok(s) => (Some(s), self.hello.clone()),
+            Err(e) => {
+                tracing::debug!(peer, %endpoint, error = %e, "control connect failed; the first send retries it");
+                (None, Vec::new())
+            }
+        };
         self.routes.insert(
             peer.to_string(),
             Route {
                 endpoint,
                 addr,
-                stream: None,
-                hello: Vec::new(),
+                stream,
+                hello,
                 frames: VecDeque::new(),
                 head_written: 0,
                 queued_bytes: 0,
@@ -719,6 +740,31 @@ mod tests {
             recv_within(&mut a, Duration::from_secs(5)),
             Some(("b".to_string(), b"back".to_vec()))
         );
+    }
+
+    /// Issue 18: the connection (and its hello) is made when the route is
+    /// added, before any message — the first message does not pay it.
+    #[test]
+    fn adding_a_route_connects_before_the_first_message() {
+        let (mut a, mut b) = pair();
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        while !b.conns.iter().any(|c| c.peer.as_deref() == Some("a")) {
+            assert!(Instant::now() < end, "no connection from a within 5 s");
+            // `a` writes its hello once the connect completes; `b` accepts
+            // and reads it. No message is sent.
+            assert_eq!(a.recv(Duration::from_millis(5)).unwrap(), None);
+            assert_eq!(b.recv(Duration::from_millis(5)).unwrap(), None);
+        }
+        assert!(a.routes["b"].hello.is_empty(), "hello written");
+        assert!(a.routes["b"].frames.is_empty());
+        // The first message goes out on that connection.
+        a.send_to("b", b"first").unwrap();
+        assert_eq!(
+            recv_within(&mut b, Duration::from_secs(5)),
+            Some(("a".to_string(), b"first".to_vec()))
+        );
+        assert_eq!(b.conns.len(), 1, "no second connection");
     }
 
     #[test]
