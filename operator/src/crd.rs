@@ -14,7 +14,10 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::CustomResource;
-use kvfabric_core::config::{BounceConfig, MAX_GRANT_SIZE_WEIGHT, REGION_ALIGNMENT_BYTES};
+use kvfabric_core::config::{
+    BounceConfig, ByteSize, MAX_GRANT_SIZE_WEIGHT, REGION_ALIGNMENT_BYTES, SEED_ARENA_SIZE_BYTES,
+    SEED_MAX_CHUNK_SIZE_BYTES,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -214,11 +217,24 @@ impl KvFabric {
 /// would switch bounce off fleet-wide on upgrade). `grantPolicy` is
 /// ignored: its default was `roundRobin`, then `oldestFirst` for a few
 /// commits of issue 18's ninth session, now `shortestFirst`, so any value
-/// may be stored. Pure.
+/// may be stored. The arena and chunk sizes may be today's defaults or the
+/// seed's pair (256 MiB, 32 MiB; the defaults before issue 18's fourteenth
+/// session), not a mix. Pure.
 pub fn is_stored_default(bounce: &BounceConfig) -> bool {
+    let today = BounceConfig::default();
+    let sizes = (bounce.arena_size_bytes, bounce.max_chunk_size_bytes);
+    let seed = (
+        ByteSize(SEED_ARENA_SIZE_BYTES),
+        ByteSize(SEED_MAX_CHUNK_SIZE_BYTES),
+    );
+    if sizes != (today.arena_size_bytes, today.max_chunk_size_bytes) && sizes != seed {
+        return false;
+    }
     let defaults = BounceConfig {
         grant_policy: bounce.grant_policy,
-        ..BounceConfig::default()
+        arena_size_bytes: bounce.arena_size_bytes,
+        max_chunk_size_bytes: bounce.max_chunk_size_bytes,
+        ..today
     };
     *bounce == defaults
 }
@@ -340,6 +356,35 @@ mod tests {
             ..BounceConfig::default()
         };
         assert!(!is_stored_default(&b));
+    }
+
+    /// Issue 18, fourteenth session: the arena and chunk defaults moved
+    /// from the seed's 256 / 32 MiB to 512 / 64 MiB. What the earlier CRD
+    /// stored for an unset `spec.bounce` is still no request to manage
+    /// (else upgrading would roll out `enabled: false` fleet-wide); a mix
+    /// of the two pairs was never a default and is one.
+    #[test]
+    fn stored_defaults_with_the_seeds_sizes_are_not_managed() {
+        let old = BounceConfig {
+            arena_size_bytes: ByteSize(256 << 20),
+            max_chunk_size_bytes: ByteSize(32 << 20),
+            ..BounceConfig::default()
+        };
+        assert!(is_stored_default(&old));
+        assert!(is_stored_default(&BounceConfig::default()));
+        for (arena, chunk) in [(256u64 << 20, 64u64 << 20), (512 << 20, 32 << 20)] {
+            let mixed = BounceConfig {
+                arena_size_bytes: ByteSize(arena),
+                max_chunk_size_bytes: ByteSize(chunk),
+                ..BounceConfig::default()
+            };
+            assert!(!is_stored_default(&mixed), "{arena} / {chunk}");
+        }
+        let enabled_old = BounceConfig {
+            enabled: true,
+            ..old
+        };
+        assert!(!is_stored_default(&enabled_old));
     }
 
     #[test]
