@@ -65,6 +65,27 @@ fn scrape(n: &Node) -> String {
     t
 }
 
+/// `POST /v1/debug/faults` of `n` with JSON `body`: (status, body).
+fn arm_faults(n: &Node, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&n.http, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/debug/faults HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut t = String::new();
+    s.read_to_string(&mut t).unwrap();
+    let code = t
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, t)
+}
+
 /// Sum of the samples of `name` in `text` (every label set).
 fn sample(text: &str, name: &str) -> f64 {
     text.lines()
@@ -80,15 +101,29 @@ fn spawn_agent(
     role: &str,
     dir: &std::path::Path,
 ) -> Option<Node> {
+    spawn_agent_env(etcd, fabric, logical, role, dir, &[])
+}
+
+/// [`spawn_agent`] with more environment (`env`).
+fn spawn_agent_env(
+    etcd: &Etcd,
+    fabric: &str,
+    logical: &str,
+    role: &str,
+    dir: &std::path::Path,
+    env: &[(&str, &str)],
+) -> Option<Node> {
     let socket = dir.join(format!("{logical}.sock"));
     let sock = socket.to_string_lossy().into_owned();
+    let mut all = vec![("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")];
+    all.extend_from_slice(env);
     let mut agent = Agent::spawn_with(
         &etcd.endpoint(),
         fabric,
         logical,
         role,
         &["--engine-socket", &sock],
-        &[("KVFABRIC_BOUNCE_MIN_DESCRIPTOR_COUNT", "1")],
+        &all,
     );
     let http = match agent.addr.recv_timeout(Duration::from_secs(30)) {
         Ok(a) => a,
@@ -831,6 +866,107 @@ async fn a_hand_off_into_a_re_attached_engine_is_refused_by_incarnation() {
     again.detach().await.unwrap();
     drop(client);
     tokio::time::sleep(Duration::from_millis(200)).await;
+    a.agent.terminate();
+    b.agent.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Cancel that comes while its request is listed in flight but still
+/// being routed (path "pending": here held there 1 s by the test fault
+/// hook) is accepted, and the Transfer resolves CANCELLED as soon as it is
+/// submitted — not SUCCESS, and not after the hold plus a transfer. Once
+/// resolved, the request is not in flight: a second Cancel says so. The
+/// next hand-off between the same engines lands byte-exact.
+#[tokio::test(flavor = "current_thread")]
+async fn a_cancel_while_the_request_is_being_routed_cancels_it() {
+    let Some(etcd) = Etcd::start("engines-cancel") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvf-engines-cancel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fabric = format!("engcan-{}", std::process::id());
+    let faults = [("KVFABRIC_TEST_FAULTS", "1")];
+    let Some(mut a) = spawn_agent_env(&etcd, &fabric, "node-a", "prefill", &dir, &faults) else {
+        return;
+    };
+    let mut b = spawn_agent(&etcd, &fabric, "node-b", "decode", &dir).expect("agent b");
+    let l = layout(0, 1, 32);
+    let (prefill, mut ppool) = attach(&a, "prefill-0", pb::Role::Prefill, l.clone()).await;
+    let (decode, dpool) = attach(&b, "decode-0", pb::Role::Decode, l.clone()).await;
+    for (i, x) in ppool.as_mut_slice().iter_mut().enumerate() {
+        *x = pattern(i);
+    }
+    let r = until_found(|| prefill.transfer_blocks(1, "decode-0", &[0], &[0]))
+        .await
+        .expect("transfer");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+
+    let (code, body) = arm_faults(&a, r#"{"route_delay_ms": 1000, "delayed_routes": 1}"#);
+    assert_eq!(code, 200, "{body}");
+    let t0 = Instant::now();
+    let transfer = prefill.transfer(pb::TransferRequest {
+        request_id: 2,
+        dst_engine: "decode-0".into(),
+        src_blocks: vec![1, 2],
+        dst_blocks: vec![1, 2],
+        path: pb::Path::Bounce as i32,
+        timeout_ms: 20_000,
+        ..Default::default()
+    });
+    let cancel = async {
+        // Listed in flight, not routed yet.
+        loop {
+            let st = prefill.status().await.expect("status");
+            if st
+                .in_flight
+                .iter()
+                .any(|f| f.request_id == 2 && f.path == "pending")
+            {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_millis(900),
+                "request 2 never listed as pending: {st:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        prefill.cancel(2).await.expect("cancel")
+    };
+    let (r, cancelled) = tokio::join!(transfer, cancel);
+    let r = r.expect("transfer 2");
+    assert!(cancelled, "a request listed in flight was not cancelled");
+    assert_eq!(r.outcome(), pb::Outcome::Cancelled, "{r:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "cancelled only after {:?}",
+        t0.elapsed()
+    );
+    assert!(!prefill.cancel(2).await.expect("cancel again"));
+    let st = prefill.status().await.expect("status");
+    assert!(st.in_flight.is_empty(), "{st:?}");
+    // The decode side learns it failed; the engines keep working.
+    let arr = decode
+        .await_arrival(2, "prefill-0", Duration::from_secs(5))
+        .await
+        .expect("await");
+    assert_ne!(arr.outcome(), pb::Outcome::Success, "{arr:?}");
+    let r = prefill
+        .transfer_blocks(3, "decode-0", &[3], &[3])
+        .await
+        .expect("transfer 3");
+    assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
+    let bb = l.block_bytes as usize;
+    for layer in 0..3 {
+        for plane in 0..2 {
+            let off = block_offset(&l, layer, plane, 3);
+            assert!(
+                dpool.as_slice()[off..off + bb] == ppool.as_slice()[off..off + bb],
+                "layer {layer} plane {plane}"
+            );
+        }
+    }
+    prefill.detach().await.unwrap();
+    decode.detach().await.unwrap();
     a.agent.terminate();
     b.agent.terminate();
     let _ = std::fs::remove_dir_all(&dir);

@@ -576,7 +576,11 @@ impl Session {
         .await
     }
 
-    /// Cancels in-flight request `request_id`; `false` when none was.
+    /// Cancels in-flight request `request_id`; `false` when none was, or
+    /// when it is on the standard path (a write that cannot be recalled).
+    /// A request still being routed ([`Session::status`] lists it with
+    /// path `pending`) is cancelled once submitted: it resolves
+    /// `CANCELLED`.
     ///
     /// # Errors
     /// [`ClientError::Rpc`] for an unknown session.

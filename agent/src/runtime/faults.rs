@@ -1,13 +1,14 @@
 //! Test-only fault hooks (issue 13: the real-model hand-off's in-flight
-//! negative control and the prefill engine killed mid-hand-off).
+//! negative control and the prefill engine killed mid-hand-off; a Cancel
+//! that finds its request still being routed).
 //!
 //! Off unless the agent starts with `KVFABRIC_TEST_FAULTS=1` **and** its
 //! debug API (`--debug-api`, loopback only): an agent given the variable
 //! without the debug API refuses to start (see `AgentConfig::validate`), so
 //! a production agent never has them. Once enabled they are armed at run
 //! time through `POST /v1/debug/faults` (JSON [`FaultArm`]); nothing fires
-//! until armed. Two hooks, both on the copy workers of the bounce path
-//! (`exec::run_job`):
+//! until armed. Two hooks on the copy workers of the bounce path
+//! (`exec::run_job`) and one in the engine API:
 //!
 //! * `flip_scatter_bytes: N` — the next N scatters first flip (XOR 0xFF)
 //!   the first byte of their first non-empty run in the arena, i.e. one
@@ -15,7 +16,11 @@
 //!   sender's gather and this receiver's scatter;
 //! * `gather_delay_ms: D, delayed_gathers: N` — the next N gathers each
 //!   wait D ms before copying, so a hand-off stays in flight long enough to
-//!   kill its prefill engine halfway.
+//!   kill its prefill engine halfway;
+//! * `route_delay_ms: D, delayed_routes: N` — the next N engine Transfers
+//!   to another agent's engine each wait D ms after they are listed in
+//!   flight and before they are submitted to a path (`Status` shows them
+//!   with path `pending` meanwhile).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -31,6 +36,9 @@ struct Hooks {
     delay_ms: AtomicU64,
     delays_armed: AtomicU32,
     delayed: AtomicU64,
+    route_delay_ms: AtomicU64,
+    routes_armed: AtomicU32,
+    routes_delayed: AtomicU64,
 }
 
 static HOOKS: Hooks = Hooks::new();
@@ -66,6 +74,11 @@ pub struct FaultArm {
     pub gather_delay_ms: Option<u64>,
     /// Gathers to delay.
     pub delayed_gathers: Option<u32>,
+    /// Delay of each delayed engine Transfer before it is routed (ms, at
+    /// most 60,000).
+    pub route_delay_ms: Option<u64>,
+    /// Engine Transfers (to another agent's engine) to delay.
+    pub delayed_routes: Option<u32>,
 }
 
 /// The hooks' state (armed counts left, and what fired so far).
@@ -83,6 +96,12 @@ pub struct FaultState {
     pub delays_armed: u32,
     /// Gathers delayed so far.
     pub delayed: u64,
+    /// Route delay (ms).
+    pub route_delay_ms: u64,
+    /// Delayed routes still armed.
+    pub routes_armed: u32,
+    /// Engine Transfers delayed before routing so far.
+    pub routes_delayed: u64,
 }
 
 /// The current state.
@@ -102,6 +121,15 @@ pub fn arm(a: FaultArm) -> Result<FaultState, String> {
 pub fn before_gather() {
     if let Some(ms) = HOOKS.take_delay() {
         tracing::warn!(ms, "TEST FAULT: gather delayed");
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
+
+/// Before an engine Transfer to another agent's engine is routed: waits
+/// the armed delay if one is armed.
+pub fn before_route() {
+    if let Some(ms) = HOOKS.take_route_delay() {
+        tracing::warn!(ms, "TEST FAULT: engine transfer routing delayed");
         std::thread::sleep(Duration::from_millis(ms));
     }
 }
@@ -135,6 +163,9 @@ impl Hooks {
             delay_ms: AtomicU64::new(0),
             delays_armed: AtomicU32::new(0),
             delayed: AtomicU64::new(0),
+            route_delay_ms: AtomicU64::new(0),
+            routes_armed: AtomicU32::new(0),
+            routes_delayed: AtomicU64::new(0),
         }
     }
 
@@ -150,6 +181,9 @@ impl Hooks {
             gather_delay_ms: self.delay_ms.load(Ordering::SeqCst),
             delays_armed: self.delays_armed.load(Ordering::SeqCst),
             delayed: self.delayed.load(Ordering::SeqCst),
+            route_delay_ms: self.route_delay_ms.load(Ordering::SeqCst),
+            routes_armed: self.routes_armed.load(Ordering::SeqCst),
+            routes_delayed: self.routes_delayed.load(Ordering::SeqCst),
         }
     }
 
@@ -160,6 +194,9 @@ impl Hooks {
         if a.gather_delay_ms.is_some_and(|d| d > 60_000) {
             return Err("gather_delay_ms: at most 60000".into());
         }
+        if a.route_delay_ms.is_some_and(|d| d > 60_000) {
+            return Err("route_delay_ms: at most 60000".into());
+        }
         if let Some(n) = a.flip_scatter_bytes {
             self.flips_armed.store(n, Ordering::SeqCst);
         }
@@ -168,6 +205,12 @@ impl Hooks {
         }
         if let Some(n) = a.delayed_gathers {
             self.delays_armed.store(n, Ordering::SeqCst);
+        }
+        if let Some(d) = a.route_delay_ms {
+            self.route_delay_ms.store(d, Ordering::SeqCst);
+        }
+        if let Some(n) = a.delayed_routes {
+            self.routes_armed.store(n, Ordering::SeqCst);
         }
         tracing::warn!(?a, "TEST FAULTS armed");
         Ok(self.state())
@@ -180,6 +223,16 @@ impl Hooks {
         }
         self.delayed.fetch_add(1, Ordering::SeqCst);
         Some(self.delay_ms.load(Ordering::SeqCst))
+    }
+
+    /// The delay to wait before routing this engine Transfer, when one is
+    /// armed.
+    fn take_route_delay(&self) -> Option<u64> {
+        if !self.is_on() || !take(&self.routes_armed) {
+            return None;
+        }
+        self.routes_delayed.fetch_add(1, Ordering::SeqCst);
+        Some(self.route_delay_ms.load(Ordering::SeqCst))
     }
 
     fn take_flip(&self) -> bool {
@@ -208,6 +261,8 @@ mod tests {
             flip_scatter_bytes: Some(2),
             gather_delay_ms: Some(7),
             delayed_gathers: Some(1),
+            route_delay_ms: Some(9),
+            delayed_routes: Some(1),
         })
         .unwrap();
         assert!(h.take_flip());
@@ -216,9 +271,18 @@ mod tests {
         assert_eq!(h.take_delay(), Some(7));
         assert_eq!(h.take_delay(), None);
         assert_eq!(h.state().delayed, 1);
+        assert_eq!(h.take_route_delay(), Some(9));
+        assert_eq!(h.take_route_delay(), None);
+        assert_eq!(h.state().routes_delayed, 1);
         assert!(h
             .arm(FaultArm {
                 gather_delay_ms: Some(60_001),
+                ..FaultArm::default()
+            })
+            .is_err());
+        assert!(h
+            .arm(FaultArm {
+                route_delay_ms: Some(60_001),
                 ..FaultArm::default()
             })
             .is_err());

@@ -280,6 +280,12 @@ struct InFlight {
     started: Instant,
     /// Transport request id and path, for cancellation.
     handle: Option<(PathKind, TransferHandle)>,
+    /// A request to another agent's engine not on an explicit STANDARD
+    /// path: a Cancel that finds it still being routed (`handle` not set
+    /// yet) is accepted and carried out once it is submitted.
+    cancellable: bool,
+    /// Cancel accepted while the request was being routed.
+    cancel_requested: bool,
 }
 
 /// One attached engine.
@@ -1451,8 +1457,14 @@ impl EngineHub {
                     bytes,
                     started: Instant::now(),
                     handle: None,
+                    cancellable: matches!(target, Target::Remote { .. })
+                        && req.path != pb::Path::Standard as i32,
+                    cancel_requested: false,
                 },
             );
+        }
+        if matches!(target, Target::Remote { .. }) {
+            crate::runtime::faults::before_route();
         }
         let result = match target {
             #[cfg(feature = "cuda")]
@@ -1733,14 +1745,23 @@ impl EngineHub {
         let submitted = Instant::now();
         let submit_us = submitted.duration_since(received).as_micros() as u64;
         let path_name = crate::service::metrics::path_label(path);
-        if let Some(f) = s
+        let cancel_requested = s
             .in_flight
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get_mut(&req.request_id)
-        {
-            f.path = path_name;
-            f.handle = Some((path, handle.clone()));
+            .is_some_and(|f| {
+                f.path = path_name;
+                f.handle = Some((path, handle.clone()));
+                f.cancel_requested
+            });
+        // A Cancel that came while the request was being routed: carried
+        // out now (bounce: the receiver reclaims the flow; a standard-path
+        // write cannot be recalled and resolves CANCELLED below).
+        if cancel_requested && path == PathKind::Bounce {
+            if let Some(t) = self.agent.transport() {
+                t.cancel(handle.request_id, "cancelled by the engine");
+            }
         }
         let t0 = Instant::now();
         let (outcome, reason) = match handle.wait(timeout) {
@@ -1770,6 +1791,10 @@ impl EngineHub {
         // not the engine's KV — a failure, on both sides.
         let (outcome, reason) = match (outcome, self.pool_truncated(s)) {
             (pb::Outcome::Success, Some(why)) => (pb::Outcome::Failure, why),
+            (pb::Outcome::Success, None) if cancel_requested => (
+                pb::Outcome::Cancelled,
+                "cancelled by the engine while the request was being routed; the standard-path write was not recalled (its bytes may have landed)".into(),
+            ),
             (o, _) => (o, reason),
         };
         let resolved = Instant::now();
@@ -2045,12 +2070,18 @@ impl EngineApi for EngineService {
         let caller = caller_of(&req);
         let req = req.into_inner();
         let s = self.hub.session_for(&req.session, caller)?;
-        let h = s
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&req.request_id)
-            .and_then(|f| f.handle.clone());
+        let h = {
+            let mut inf = s.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            match inf.get_mut(&req.request_id) {
+                // Still being routed (listed in flight, not submitted yet):
+                // accepted, carried out by the transfer once submitted.
+                Some(f) if f.handle.is_none() && f.cancellable => {
+                    f.cancel_requested = true;
+                    return Ok(Response::new(pb::CancelResponse { cancelled: true }));
+                }
+                f => f.and_then(|f| f.handle.clone()),
+            }
+        };
         // Bounce requests are cancelled in the transport (the receiver
         // reclaims the flow); a standard-path write cannot be recalled and
         // resolves by itself within the request timeout.

@@ -109,7 +109,11 @@ class EngineApiServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancels an in-flight Transfer of this session.
+        """Cancels an in-flight Transfer of this session: cancelled = false when
+        it is not in flight (resolved, or unknown) or on the standard path (a
+        write that cannot be recalled). A request that Status lists as in flight
+        but still being routed (path "pending") is cancelled once submitted, and
+        its Transfer resolves CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
