@@ -51,6 +51,13 @@ pub const ALIGN: u64 = 32;
 /// in GRANT / DATA / ACK (see [`crate::wire`]).
 pub const MAX_CHUNKS: u64 = u32::MAX as u64;
 
+/// Most pieces in one chunk (1,048,576 = [`crate::wire::MAX_ENTRIES`]): a
+/// chunk's unmerged DATA has a run a piece, and a DATA of more entries
+/// would be refused by its receiver. A chunk closes at this many pieces
+/// even with region space left; only pieces averaging under 64 bytes in a
+/// 64 MiB chunk reach it.
+pub const MAX_CHUNK_PIECES: u64 = crate::wire::MAX_ENTRIES as u64;
+
 /// Why [`TransferPlan::build`] rejected its input. Each variant names the
 /// offending value or descriptor index so the caller can report it.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -450,7 +457,7 @@ fn validate_and_measure_checked(
 fn uniform_bounds(n: usize, len: u64, max: u64) -> Result<Vec<ChunkBound>, PlanError> {
     debug_assert!(len > 0 && len <= max);
     let stride = align_up(len);
-    let k = (max - len) / stride + 1;
+    let k = ((max - len) / stride + 1).min(MAX_CHUNK_PIECES);
     let n = n as u64;
     let chunks = n.div_ceil(k);
     if chunks > u64::from(u32::MAX) + 1 {
@@ -489,7 +496,8 @@ trait PackSink {
 /// [`TransferPlan::chunk_bounds`] and [`TransferPlan::build_chunk`] so they
 /// can never disagree: pieces at 32-byte aligned offsets; a descriptor that
 /// fits a fresh chunk is never split; a larger one is split at chunk
-/// boundaries; zero-length ones are skipped. Starts a fresh chunk at
+/// boundaries; zero-length ones are skipped; a chunk holds at most
+/// [`MAX_CHUNK_PIECES`] pieces. Starts a fresh chunk at
 /// descriptor `first_desc`, `first_done` bytes into it.
 fn pack(
     descs: &[Descriptor],
@@ -509,7 +517,7 @@ fn pack(
         while done < d.len {
             let remaining = d.len - done;
             let mut off = align_up(cursor);
-            if off >= max {
+            if off >= max || pieces == MAX_CHUNK_PIECES {
                 if !sink.close(cursor)? {
                     return Ok(());
                 }
@@ -948,6 +956,39 @@ mod tests {
     use super::*;
 
     const KIB: u64 = 1024;
+
+    /// A chunk closes at [`MAX_CHUNK_PIECES`] pieces even with region space
+    /// left (64 MiB chunks of 32-byte pieces would hold 2,097,152, more
+    /// entries than an unmerged DATA may carry), in the uniform sizing
+    /// pass, the packer and the full build alike; every chunk's unmerged
+    /// DATA then fits the wire.
+    #[test]
+    fn a_chunk_holds_at_most_max_chunk_pieces() {
+        let max = 64 * 1024 * KIB;
+        let n = MAX_CHUNK_PIECES + 3;
+        // Scattered destinations: nothing merges.
+        let uniform: Vec<Descriptor> = (0..n)
+            .map(|i| Descriptor::new(i * 32, i * 64, 32))
+            .collect();
+        // Not one length (16 and 32 bytes): the packer's path.
+        let mixed: Vec<Descriptor> = (0..n)
+            .map(|i| Descriptor::new(i * 32, i * 64, 16 + 16 * (i % 2)))
+            .collect();
+        for descs in [&uniform, &mixed] {
+            let bounds = TransferPlan::chunk_bounds(descs, max).unwrap();
+            assert_eq!(bounds.len(), 2, "{:?}", &bounds[..bounds.len().min(3)]);
+            assert_eq!(bounds[0].pieces, MAX_CHUNK_PIECES);
+            assert_eq!(bounds[1].pieces, 3);
+            assert_eq!(bounds[1].first_desc as u64, MAX_CHUNK_PIECES);
+            let plan = TransferPlan::build(descs, max, false).unwrap();
+            assert_eq!(plan.chunk_count(), 2);
+            for (c, b) in plan.chunks().iter().zip(&bounds) {
+                assert!(c.scatter_runs.len() as u64 <= MAX_CHUNK_PIECES);
+                let one = TransferPlan::build_chunk(descs, b, max, false).unwrap();
+                assert_eq!(&one, c);
+            }
+        }
+    }
 
     fn dense(n: u64, len: u64) -> Vec<Descriptor> {
         (0..n)

@@ -84,9 +84,11 @@ pub const WIRE_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 16;
 
 /// Largest entry count any message may carry (1,048,576). Covers an unmerged
-/// DATA of a 32 MiB chunk of 32-byte pieces (seed §10 default
-/// `maxChunkSizeBytes`), a WANT of a million chunks, or a GRANT of a million
-/// credits; larger counts are [`WireError::TooManyEntries`].
+/// DATA of any chunk (a chunk holds at most this many pieces,
+/// [`crate::plan::MAX_CHUNK_PIECES`]; a 32 MiB chunk of 32-byte pieces, the
+/// seed's §10 default, is exactly this many), a WANT of a million chunks,
+/// or a GRANT of a million credits; larger counts are
+/// [`WireError::TooManyEntries`].
 pub const MAX_ENTRIES: u32 = 1 << 20;
 
 /// Largest endpoint (WANT / handshake trailer) in bytes: 64 KiB. A ZMQ
