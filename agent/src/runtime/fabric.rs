@@ -623,6 +623,10 @@ impl FabricAgent {
         let settings = TransportSettings {
             granularity_bytes: cfg.granularity_bytes(),
             max_chunk_size_bytes: cfg.max_chunk_size_bytes(),
+            solo_chunk_size_bytes: crate::runtime::transport::parse_solo_chunk(
+                std::env::var("KVFABRIC_SOLO_CHUNK_BYTES").ok().as_deref(),
+                cfg.max_chunk_size_bytes(),
+            ),
             max_inflight_chunks: cfg.max_inflight_chunks_per_request() as usize,
             copy_contexts: cfg.copy_stream_count() as usize,
             copy_workers: cfg.scatter_worker_count() as usize,

@@ -28,7 +28,7 @@
 //! call `acquireLocal` directly).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -60,6 +60,14 @@ pub struct TransportSettings {
     pub granularity_bytes: u64,
     /// Per-chunk cap (bytes, multiple of 32, ≤ max allocation).
     pub max_chunk_size_bytes: u64,
+    /// Chunk cap (bytes) of a request submitted while this transport has
+    /// no other request in flight; 0 (the default): off, every request
+    /// uses `max_chunk_size_bytes`. A lone request pipelines more, smaller
+    /// chunks; under load fewer, larger chunks cost less host time each
+    /// (issue 18, fourteenth session). Sender-local: a receiver sizes its
+    /// regions from the WANT, so peers need not agree. From the experiment
+    /// switch `KVFABRIC_SOLO_CHUNK_BYTES` ([`parse_solo_chunk`]).
+    pub solo_chunk_size_bytes: u64,
     /// Per-flow in-flight cap W.
     pub max_inflight_chunks: usize,
     /// Exec contexts (concurrent copies).
@@ -145,6 +153,7 @@ impl Default for TransportSettings {
         Self {
             granularity_bytes: 1 << 20,
             max_chunk_size_bytes: 32 << 20,
+            solo_chunk_size_bytes: 0,
             max_inflight_chunks: 8,
             copy_contexts: 8,
             copy_workers: 4,
@@ -283,6 +292,47 @@ pub struct Completion {
     /// Stage events, for a traced request only (`None`: one branch on the
     /// IO thread, nothing recorded).
     timeline: Option<Mutex<Timeline>>,
+    /// The transport's count of requests in flight: taken one off when
+    /// this resolves (or is dropped unresolved).
+    live: LiveCount,
+}
+
+/// One request's place in its transport's count of requests in flight:
+/// given back once, at [`LiveCount::release`] or when dropped.
+#[derive(Default)]
+struct LiveCount {
+    count: Option<Arc<AtomicUsize>>,
+    released: AtomicBool,
+}
+
+impl LiveCount {
+    /// Counts one more request in `count`; returns the place and how many
+    /// were in flight before it.
+    fn take(count: &Arc<AtomicUsize>) -> (Self, usize) {
+        let before = count.fetch_add(1, Ordering::AcqRel);
+        (
+            Self {
+                count: Some(count.clone()),
+                released: AtomicBool::new(false),
+            },
+            before,
+        )
+    }
+
+    /// Gives the place back (once; later calls do nothing).
+    fn release(&self) {
+        if let Some(c) = &self.count {
+            if !self.released.swap(true, Ordering::AcqRel) {
+                c.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+impl Drop for LiveCount {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 impl Completion {
@@ -314,6 +364,9 @@ impl Completion {
             return false;
         }
         s.outcome = Some(outcome);
+        // Before the waiter can see it: its next submit counts this one
+        // gone.
+        self.live.release();
         self.resolved.store(true, Ordering::Release);
         self.cv.notify_all();
         true
@@ -355,6 +408,40 @@ static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 /// `KVFABRIC_SPIN_WAITERS` overrides it for the process
 /// ([`spin_waiters_cap`]).
 pub const MAX_SPINNING_WAITERS: usize = 1;
+
+/// The experiment switch `KVFABRIC_SOLO_CHUNK_BYTES` (issue 18): the chunk
+/// cap of a request submitted while its transport has no other in flight
+/// ([`TransportSettings::solo_chunk_size_bytes`]), in bytes with an
+/// optional suffix (`32MiB`). `None` (unset) or `0`: off. A value that
+/// does not parse, is not a multiple of 32 bytes, or exceeds
+/// `max_chunk_size_bytes` is warned about (naming the variable) and
+/// leaves it off.
+pub fn parse_solo_chunk(value: Option<&str>, max_chunk_size_bytes: u64) -> u64 {
+    let Some(v) = value.map(str::trim) else {
+        return 0;
+    };
+    match kvfabric_core::config::parse_byte_size(v) {
+        Ok(0) => 0,
+        Ok(n) if n % kvfabric_core::plan::ALIGN == 0 && n <= max_chunk_size_bytes => n,
+        Ok(n) => {
+            tracing::warn!(
+                value = v,
+                bytes = n,
+                max_chunk_size_bytes,
+                "KVFABRIC_SOLO_CHUNK_BYTES: expected a multiple of 32 bytes, at most the max chunk size; off"
+            );
+            0
+        }
+        Err(e) => {
+            tracing::warn!(
+                value = v,
+                error = %e,
+                "KVFABRIC_SOLO_CHUNK_BYTES: expected a byte size (e.g. 32MiB); off"
+            );
+            0
+        }
+    }
+}
 
 /// This process's cap on callers spinning at once in
 /// [`TransferHandle::wait`]: `KVFABRIC_SPIN_WAITERS`
@@ -687,6 +774,8 @@ enum Command {
         descs: Vec<Descriptor>,
         /// From `TransferPlan::chunk_bounds`, run by the submitting thread.
         chunks: Vec<ChunkBound>,
+        /// The chunk cap `chunks` were cut with (bytes).
+        chunk_cap: u64,
         completion: Arc<Completion>,
     },
     AddPeer {
@@ -768,6 +857,10 @@ pub struct BounceTransport {
     spin_relax: Relax,
     /// The plan's chunk cap, bytes (for the sizing pass in `submit`).
     max_chunk_size_bytes: u64,
+    /// [`TransportSettings::solo_chunk_size_bytes`] (0: off).
+    solo_chunk_size_bytes: u64,
+    /// Requests submitted and not resolved yet.
+    live: Arc<AtomicUsize>,
     /// Wakes idle copy workers when a request is submitted.
     primer: WorkerPrimer,
     /// The per-request in-flight cap `W`, chunks.
@@ -871,6 +964,7 @@ impl BounceTransport {
         while m.poll().is_some() {}
         let busy_poll = settings.busy_poll;
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
+        let settings_solo_chunk = settings.solo_chunk_size_bytes;
         let max_inflight = settings.max_inflight_chunks.max(1);
         let first_request_id = settings.first_request_id.max(1);
         let initial_sink = settings.notice_sink.clone();
@@ -963,6 +1057,8 @@ impl BounceTransport {
             wait_history,
             spin_relax,
             max_chunk_size_bytes,
+            solo_chunk_size_bytes: settings_solo_chunk,
+            live: Arc::new(AtomicUsize::new(0)),
             primer,
             max_inflight,
             batched_piece_max,
@@ -1242,6 +1338,14 @@ impl BounceTransport {
         if traced {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
+        // Counted in flight until its completion resolves (or is dropped).
+        let (live, others) = LiveCount::take(&self.live);
+        completion.live = live;
+        let chunk_cap = if self.solo_chunk_size_bytes != 0 && others == 0 {
+            self.solo_chunk_size_bytes
+        } else {
+            self.max_chunk_size_bytes
+        };
         let completion = Arc::new(completion);
         completion.note(Stage::Entered, 0, Instant::now());
         let handle = TransferHandle {
@@ -1259,7 +1363,7 @@ impl BounceTransport {
             }
             let estimate = (descs.len() as u64)
                 .saturating_mul(descs[0].len)
-                .div_ceil(self.max_chunk_size_bytes)
+                .div_ceil(chunk_cap)
                 .clamp(1, self.max_inflight as u64);
             // One job takes a batched request's first gathers.
             let wanted = if descs[0].len <= self.batched_piece_max {
@@ -1270,7 +1374,7 @@ impl BounceTransport {
             self.primer.prime(wanted);
         }
         let t_size = Instant::now();
-        let chunks = match TransferPlan::chunk_bounds(&descs, self.max_chunk_size_bytes) {
+        let chunks = match TransferPlan::chunk_bounds(&descs, chunk_cap) {
             Ok(b) => b,
             Err(e) => {
                 self.stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -1293,6 +1397,7 @@ impl BounceTransport {
                 scope,
                 descs,
                 chunks,
+                chunk_cap,
                 completion,
             })
             .is_ok();
@@ -1369,6 +1474,9 @@ struct ReqIo {
     /// The peer took DATA_UNIFORM at submit: uniform chunks are described
     /// by their destinations, not planned runs.
     uniform_data: bool,
+    /// The chunk cap the request was cut with (bytes; its chunks are
+    /// planned with it).
+    chunk_cap: u64,
 }
 
 /// A posted write (of a live request, or orphaned: its request resolved).
@@ -1742,7 +1850,7 @@ impl Io {
                     chunk: ChunkGather {
                         descs: r.descs.clone(),
                         bound,
-                        max_chunk_size_bytes: self.settings.max_chunk_size_bytes,
+                        max_chunk_size_bytes: r.chunk_cap,
                         merge_runs: self.settings.merge_runs,
                         uniform_data: r.uniform_data,
                     },
@@ -2102,9 +2210,10 @@ impl Io {
                 scope,
                 descs,
                 chunks,
+                chunk_cap,
                 completion,
             } => {
-                tracing::trace!(rid, scope, descriptors = descs.len(), "submit");
+                tracing::trace!(rid, scope, descriptors = descs.len(), chunk_cap, "submit");
                 let traced = completion.timeline.is_some();
                 if traced {
                     completion.note(Stage::Received, 0, Instant::now());
@@ -2118,6 +2227,7 @@ impl Io {
                         descs: Arc::new(descs),
                         remote_kind,
                         uniform_data,
+                        chunk_cap,
                     },
                 );
                 let now = self.now();
@@ -2435,6 +2545,54 @@ impl Io {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn solo_chunk_switch_parses_sizes_and_refuses_what_cannot_cut_chunks() {
+        let max = 64 << 20;
+        assert_eq!(parse_solo_chunk(None, max), 0);
+        assert_eq!(parse_solo_chunk(Some("0"), max), 0);
+        assert_eq!(parse_solo_chunk(Some(" 32MiB "), max), 32 << 20);
+        assert_eq!(parse_solo_chunk(Some("65536"), max), 65536);
+        assert_eq!(parse_solo_chunk(Some("64MiB"), max), max);
+        // Over the cap, not a multiple of 32, not a size: off.
+        assert_eq!(parse_solo_chunk(Some("128MiB"), max), 0);
+        assert_eq!(parse_solo_chunk(Some("1000"), max), 0);
+        assert_eq!(parse_solo_chunk(Some("lots"), max), 0);
+    }
+
+    #[test]
+    fn a_live_count_is_given_back_once_resolved_or_dropped() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let (a, before) = LiveCount::take(&count);
+        assert_eq!(before, 0);
+        let (b, before) = LiveCount::take(&count);
+        assert_eq!(before, 1);
+        a.release();
+        a.release();
+        assert_eq!(count.load(Ordering::SeqCst), 1, "released once");
+        drop(a);
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            1,
+            "a released place is not given back again"
+        );
+        drop(b);
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            0,
+            "dropped unreleased: given back"
+        );
+        let c = Completion {
+            live: LiveCount::take(&count).0,
+            ..Completion::default()
+        };
+        assert_eq!(count.load(Ordering::SeqCst), 1);
+        assert!(c.resolve(TransferOutcome::Success));
+        assert_eq!(count.load(Ordering::SeqCst), 0, "resolved: given back");
+        assert!(!c.resolve(TransferOutcome::Success));
+        drop(c);
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+    }
 
     #[test]
     fn a_spinning_wait_sees_the_outcome_and_honours_its_timeout() {
