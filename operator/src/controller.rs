@@ -732,7 +732,7 @@ async fn fabric_task(client: Client, fabric: KvFabric, metrics: Arc<Metrics>) {
             EventType::Warning,
             "BounceConfigNotManaged",
             "Validate",
-            "spec.bounce equals the agent defaults with bounce disabled (what the previous CRD stored for an unset field): not rolled out; set enabled: true (or any key but grantPolicy) to have the operator manage it, or remove spec.bounce".into(),
+            "spec.bounce equals the agent defaults with bounce disabled (what the previous CRD stored for an unset field; either default arena/chunk pair, the seed's 256/32 MiB or today's 512/64 MiB, counts as default): not rolled out; set enabled: true (or any other key but grantPolicy to a non-default value) to have the operator manage it, or remove spec.bounce".into(),
         )
         .await;
     }

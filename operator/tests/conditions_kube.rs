@@ -69,6 +69,9 @@ fn agent(
         ])
         .arg(socket)
         .env("KVFABRIC_BOUNCE_ENABLE", "1")
+        // Small arenas (the default, 512 MiB, is pre-faulted host memory).
+        .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "16MiB")
+        .env("KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES", "4MiB")
         .env("KVFABRIC_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -6,7 +6,8 @@
 //! event queue; every gather, write and scatter completes as soon as the
 //! queue reaches it (no device, no sockets, no clock: `now` advances 1 µs
 //! per event). `C` requests are kept in flight until `REQUESTS` have
-//! resolved. Geometry as the GPU bench's seed-shaped load: 151 MB requests
+//! resolved. Geometry as the GPU bench's seed-shaped load with the seed's
+//! sizes: 151 MB requests
 //! (36,900 × 4 KiB descriptors) in 32 MiB chunks, arena 256 MiB with 1 MiB
 //! granularity, W = 8, 8 copy contexts, uniform DATA (8 bytes a piece).
 //!

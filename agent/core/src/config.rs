@@ -685,7 +685,8 @@ pub struct BounceConfig {
     /// requests a second at 8 and 128 in flight on two slower instances
     /// (once equal) and kept Poisson loads of 2,600–3,000 req/s at p99
     /// 4.7–16.8 ms where the seed's sizes reached 10–228 ms; one request
-    /// alone took up to 12 % longer (fewer chunks to pipeline).
+    /// at a time moved 11–16 % fewer a second (fewer chunks to pipeline;
+    /// see the sender-local experiment switch `KVFABRIC_SOLO_CHUNK_BYTES`).
     /// Env `KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES`.
     #[serde(deserialize_with = "de_max_chunk_size_bytes")]
     pub max_chunk_size_bytes: ByteSize,

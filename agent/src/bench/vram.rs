@@ -598,7 +598,7 @@ pub struct VramBenchArgs {
     /// also runs the other two paths); at least one.
     pub chunks: Vec<u64>,
     /// Bounce arena size of both agents (default:
-    /// `KVFABRIC_BOUNCE_ARENA_SIZE_BYTES`, else 256 MiB).
+    /// `KVFABRIC_BOUNCE_ARENA_SIZE_BYTES`, else the bounce default, 512 MiB).
     pub arena: Option<u64>,
     /// Per-request in-flight chunk cap W (default:
     /// `KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST`, else 8).

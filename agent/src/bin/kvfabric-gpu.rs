@@ -229,7 +229,7 @@ struct VramArgs {
     /// process each; the first also runs the other two paths).
     #[arg(long, default_value = "4M", value_delimiter = ',', value_parser = byte_size)]
     chunks: Vec<u64>,
-    /// Bounce arena size of both agents [default: KVFABRIC_BOUNCE_ARENA_SIZE_BYTES, else 256M].
+    /// Bounce arena size of both agents [default: KVFABRIC_BOUNCE_ARENA_SIZE_BYTES, else 512M].
     #[arg(long, value_parser = nonzero_byte_size)]
     arena: Option<u64>,
     /// Per-request in-flight chunk cap W [default: KVFABRIC_BOUNCE_MAX_INFLIGHT_CHUNKS_PER_REQUEST, else 8].

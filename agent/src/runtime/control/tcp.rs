@@ -20,10 +20,12 @@
 //! like ZMQ's high-water mark) and are written whenever the socket takes
 //! them — at once in the common case. The connection to a peer is opened
 //! when its route is added (as ZMQ's DEALER connects at `add_peer`), so
-//! the first message to a newly loaded peer does not pay the connect and
-//! hello: on the H200 the first hand-off's WANT left 0.27–0.34 ms after
-//! submit against 0.05–0.13 ms later (docs/benchmarks.md, "Issue 18,
-//! thirteenth session"). A connection that fails is retried after
+//! the first message to a newly loaded peer does not wait for the connect
+//! and hello. (On the H200 the first hand-off's WANT left 0.27–0.34 ms
+//! after submit against 0.05–0.13 ms later; connecting early did not
+//! change that measurably — docs/benchmarks.md, "Issue 18, fourteenth
+//! session": the first request's extra time is elsewhere.) A connection
+//! that fails is retried after
 //! [`RECONNECT_BACKOFF`] once something is queued for the peer; a frame
 //! cut by a broken connection is lost (counted as dropped; its request
 //! times out, as with any lost message).
