@@ -80,9 +80,9 @@ fn a_lone_request_is_cut_into_solo_chunks_and_one_beside_another_into_max_chunks
         "a lone request: 16 solo chunks"
     );
     // Two at once: the first alone (16 solo chunks), the second beside it
-    // (4 chunks of 1 MiB) — when the first was still in flight after the
-    // second's submit returned (4 MiB in 16 chunks takes milliseconds; if
-    // this thread was held off that long, the second went alone too).
+    // (4 chunks of 1 MiB) — certainly when the first was still in flight
+    // after the second's submit returned; if it had resolved by then, the
+    // second went beside it or alone (4 or 16 chunks).
     let (_, h1) = tx.submit_write(rx.name(), descs[1].clone());
     let (_, h2) = tx.submit_write(rx.name(), descs[2].clone());
     let beside = h1.try_outcome().is_none();
@@ -95,8 +95,8 @@ fn a_lone_request_is_cut_into_solo_chunks_and_one_beside_another_into_max_chunks
             "16 solo chunks, then 16 + 4 (the second beside the first)"
         );
     } else {
-        println!("the first request resolved before the second was submitted: both alone");
-        assert_eq!(w, 48, "16 solo chunks three times");
+        println!("the first request resolved around the second's submit");
+        assert!(w == 36 || w == 48, "{w} chunks: not 16 + 16 + 4 or 16 × 3");
     }
     for (k, d) in descs.iter().enumerate() {
         verify(&dst, d, 10 + k as u64).unwrap();

@@ -576,11 +576,12 @@ impl Session {
         .await
     }
 
-    /// Cancels in-flight request `request_id`; `false` when none was, or
-    /// when it is on the standard path (a write that cannot be recalled).
-    /// A request still being routed ([`Session::status`] lists it with
-    /// path `pending`) is cancelled once submitted: it resolves
-    /// `CANCELLED`.
+    /// Cancels in-flight request `request_id`; `false` when none was, when
+    /// it is on the standard path (a write that cannot be recalled) or a
+    /// same-agent copy. A request still being routed ([`Session::status`]
+    /// lists it with path `pending`) is accepted when it can only move by
+    /// bounce (path BOUNCE, or AUTO with a GPU pool on either side) and
+    /// cancelled once submitted: it resolves `CANCELLED`.
     ///
     /// # Errors
     /// [`ClientError::Rpc`] for an unknown session.

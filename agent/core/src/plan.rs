@@ -22,6 +22,9 @@
 //!   fills the current chunk's remaining space (or a fresh chunk if the
 //!   current one is full), each further piece takes a whole fresh chunk, and
 //!   the last piece starts the next chunk at offset 0.
+//! * A chunk holds at most [`MAX_CHUNK_PIECES`] pieces (the wire's entry
+//!   cap, so its unmerged DATA always fits): the next piece starts a fresh
+//!   chunk even with region space left.
 //!
 //! # Runs
 //!
@@ -452,8 +455,8 @@ fn validate_and_measure_checked(
 
 /// [`TransferPlan::chunk_bounds`] in O(chunks) for `n` descriptors all of
 /// length `len` (0 < `len` ≤ `max`): the packing rule then puts the same
-/// number of whole descriptors, `k = (max - len) / align_up(len) + 1`, in
-/// every chunk but the last.
+/// number of whole descriptors, `k = min((max - len) / align_up(len) + 1,
+/// MAX_CHUNK_PIECES)`, in every chunk but the last.
 fn uniform_bounds(n: usize, len: u64, max: u64) -> Result<Vec<ChunkBound>, PlanError> {
     debug_assert!(len > 0 && len <= max);
     let stride = align_up(len);

@@ -941,9 +941,11 @@ class Session:
     def cancel(self, request_id: int) -> bool:
         """Cancels in-flight request ``request_id`` of this session; False
         when no such request was in flight or it cannot be recalled (the
-        standard path). A request still being routed when the cancel comes
-        (``status()`` lists it with path ``"pending"``) is cancelled once
-        submitted: its result is ``"cancelled"``."""
+        standard path, a same-agent copy). A request still being routed when
+        the cancel comes (``status()`` lists it with path ``"pending"``) is
+        accepted when it can only move by bounce (``path="bounce"``, or auto
+        with a GPU pool on either side) and cancelled once submitted: its
+        result is ``"cancelled"``."""
         r = self._core.client._unary("Cancel", pb.CancelRequest(session=self.id, request_id=request_id))
         return bool(r.cancelled)
 

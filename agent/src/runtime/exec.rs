@@ -545,8 +545,9 @@ fn describe_uniform_scatter(
     c: &ChunkGather,
     u: &kvfabric_core::plan::UniformPieces,
 ) -> Result<ScatterList, kvfabric_core::plan::PlanError> {
-    // A DATA_UNIFORM carries an entry a piece: within the decoder's cap,
-    // or the seed's (merged) runs.
+    // A DATA_UNIFORM carries an entry a piece: within the decoder's cap
+    // (always, now that a chunk holds at most `plan::MAX_CHUNK_PIECES`;
+    // kept as the guard), or the seed's (merged) runs.
     let fits = u.count <= kvfabric_core::wire::MAX_ENTRIES as usize;
     if c.uniform_data && fits {
         // DATA_UNIFORM: the destinations, nothing planned.

@@ -65,8 +65,11 @@ pub struct TransportSettings {
     /// uses `max_chunk_size_bytes`. A lone request pipelines more, smaller
     /// chunks; under load fewer, larger chunks cost less host time each
     /// (issue 18, fourteenth session). Sender-local: a receiver sizes its
-    /// regions from the WANT, so peers need not agree. From the experiment
-    /// switch `KVFABRIC_SOLO_CHUNK_BYTES` ([`parse_solo_chunk`]).
+    /// regions from the WANT, so peers need not agree. A multiple of 32
+    /// bytes within [`granularity_bytes`](Self::granularity_bytes) ..=
+    /// `max_chunk_size_bytes`; anything else is warned about at start and
+    /// off. From the experiment switch `KVFABRIC_SOLO_CHUNK_BYTES`
+    /// ([`parse_solo_chunk`]).
     pub solo_chunk_size_bytes: u64,
     /// Per-flow in-flight cap W.
     pub max_inflight_chunks: usize,
@@ -964,7 +967,33 @@ impl BounceTransport {
         while m.poll().is_some() {}
         let busy_poll = settings.busy_poll;
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
-        let settings_solo_chunk = settings.solo_chunk_size_bytes;
+        // The solo chunk cap, checked here too (a public setting): a
+        // multiple of 32 bytes within [granularity, max chunk], else off.
+        let settings_solo_chunk = match settings.solo_chunk_size_bytes {
+            0 => 0,
+            s if s % kvfabric_core::plan::ALIGN == 0
+                && s >= settings.granularity_bytes
+                && s <= max_chunk_size_bytes =>
+            {
+                tracing::info!(
+                    agent = %name,
+                    solo_chunk_size_bytes = s,
+                    max_chunk_size_bytes,
+                    "a request submitted alone is cut into solo chunks (KVFABRIC_SOLO_CHUNK_BYTES)"
+                );
+                s
+            }
+            s => {
+                tracing::warn!(
+                    agent = %name,
+                    solo_chunk_size_bytes = s,
+                    granularity_bytes = settings.granularity_bytes,
+                    max_chunk_size_bytes,
+                    "solo chunk size not a multiple of 32 bytes within [granularity, max chunk]: off"
+                );
+                0
+            }
+        };
         let max_inflight = settings.max_inflight_chunks.max(1);
         let first_request_id = settings.first_request_id.max(1);
         let initial_sink = settings.notice_sink.clone();

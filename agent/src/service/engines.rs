@@ -280,9 +280,12 @@ struct InFlight {
     started: Instant,
     /// Transport request id and path, for cancellation.
     handle: Option<(PathKind, TransferHandle)>,
-    /// A request to another agent's engine not on an explicit STANDARD
-    /// path: a Cancel that finds it still being routed (`handle` not set
-    /// yet) is accepted and carried out once it is submitted.
+    /// A request to another agent's engine that can only move by bounce
+    /// (path BOUNCE, or AUTO with a GPU pool on either side): a Cancel
+    /// that finds it still being routed (`handle` not set yet) is accepted
+    /// and carried out in the transport once it is submitted. Requests
+    /// that may take the standard path (a write that cannot be recalled)
+    /// are not.
     cancellable: bool,
     /// Cancel accepted while the request was being routed.
     cancel_requested: bool,
@@ -1457,8 +1460,15 @@ impl EngineHub {
                     bytes,
                     started: Instant::now(),
                     handle: None,
-                    cancellable: matches!(target, Target::Remote { .. })
-                        && req.path != pb::Path::Standard as i32,
+                    cancellable: match &target {
+                        Target::Remote { record, .. } => {
+                            req.path == pb::Path::Bounce as i32
+                                || (req.path == pb::Path::Auto as i32
+                                    && (record.layout.device >= 0
+                                        || src_pool.kind() == MemKind::Vram))
+                        }
+                        Target::Local(_) => false,
+                    },
                     cancel_requested: false,
                 },
             );
@@ -1755,9 +1765,9 @@ impl EngineHub {
                 f.handle = Some((path, handle.clone()));
                 f.cancel_requested
             });
-        // A Cancel that came while the request was being routed: carried
-        // out now (bounce: the receiver reclaims the flow; a standard-path
-        // write cannot be recalled and resolves CANCELLED below).
+        // A Cancel that came while the request was being routed (only
+        // requests that move by bounce accept one): carried out now, the
+        // receiver reclaims the flow.
         if cancel_requested && path == PathKind::Bounce {
             if let Some(t) = self.agent.transport() {
                 t.cancel(handle.request_id, "cancelled by the engine");
@@ -1791,9 +1801,11 @@ impl EngineHub {
         // not the engine's KV — a failure, on both sides.
         let (outcome, reason) = match (outcome, self.pool_truncated(s)) {
             (pb::Outcome::Success, Some(why)) => (pb::Outcome::Failure, why),
+            // The cancel reached the transport after the last ACK: the
+            // engine was told it was cancelled, so it is.
             (pb::Outcome::Success, None) if cancel_requested => (
                 pb::Outcome::Cancelled,
-                "cancelled by the engine while the request was being routed; the standard-path write was not recalled (its bytes may have landed)".into(),
+                "cancelled by the engine while the request was being routed; it completed before the cancel took effect (its bytes landed)".into(),
             ),
             (o, _) => (o, reason),
         };

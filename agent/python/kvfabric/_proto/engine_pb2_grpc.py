@@ -110,10 +110,12 @@ class EngineApiServicer(object):
 
     def Cancel(self, request, context):
         """Cancels an in-flight Transfer of this session: cancelled = false when
-        it is not in flight (resolved, or unknown) or on the standard path (a
-        write that cannot be recalled). A request that Status lists as in flight
-        but still being routed (path "pending") is cancelled once submitted, and
-        its Transfer resolves CANCELLED.
+        it is not in flight (resolved, or unknown), on the standard path (a
+        write that cannot be recalled) or a same-agent copy. A request that
+        Status lists as in flight but still being routed (path "pending") is
+        accepted when it can only move by bounce (path BOUNCE, or AUTO with a
+        GPU pool on either side) and cancelled once submitted: its Transfer
+        resolves CANCELLED (or FAILURE / TIMEOUT / an error if it fails first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
