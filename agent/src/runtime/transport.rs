@@ -862,7 +862,8 @@ pub struct BounceTransport {
     max_chunk_size_bytes: u64,
     /// [`TransportSettings::solo_chunk_size_bytes`] (0: off).
     solo_chunk_size_bytes: u64,
-    /// Requests submitted and not resolved yet.
+    /// Requests submitted and not resolved yet (counted only while solo
+    /// chunks are on).
     live: Arc<AtomicUsize>,
     /// Wakes idle copy workers when a request is submitted.
     primer: WorkerPrimer,
@@ -1367,13 +1368,18 @@ impl BounceTransport {
         if traced {
             completion.timeline = Some(Mutex::new(Timeline::default()));
         }
-        // Counted in flight until its completion resolves (or is dropped).
-        let (live, others) = LiveCount::take(&self.live);
-        completion.live = live;
-        let chunk_cap = if self.solo_chunk_size_bytes != 0 && others == 0 {
-            self.solo_chunk_size_bytes
-        } else {
+        // With solo chunks on, counted in flight until its completion
+        // resolves (or is dropped); off, nothing is counted.
+        let chunk_cap = if self.solo_chunk_size_bytes == 0 {
             self.max_chunk_size_bytes
+        } else {
+            let (live, others) = LiveCount::take(&self.live);
+            completion.live = live;
+            if others == 0 {
+                self.solo_chunk_size_bytes
+            } else {
+                self.max_chunk_size_bytes
+            }
         };
         let completion = Arc::new(completion);
         completion.note(Stage::Entered, 0, Instant::now());

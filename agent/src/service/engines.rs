@@ -291,6 +291,13 @@ struct InFlight {
     cancel_requested: bool,
 }
 
+/// Whether a hand-off from a pool of `src_kind` into `record`'s engine
+/// touches GPU memory on either side: it then moves by bounce only (an
+/// engine's imported CUDA memory cannot be a NIXL write target).
+fn gpu_hand_off(src_kind: MemKind, record: &EngineRecord) -> bool {
+    src_kind == MemKind::Vram || record.layout.device >= 0
+}
+
 /// One attached engine.
 struct Session {
     id: String,
@@ -1464,8 +1471,7 @@ impl EngineHub {
                         Target::Remote { record, .. } => {
                             req.path == pb::Path::Bounce as i32
                                 || (req.path == pb::Path::Auto as i32
-                                    && (record.layout.device >= 0
-                                        || src_pool.kind() == MemKind::Vram))
+                                    && gpu_hand_off(src_pool.kind(), record))
                         }
                         Target::Local(_) => false,
                     },
@@ -1686,7 +1692,7 @@ impl EngineHub {
         } else {
             MemKind::Dram
         };
-        let gpu_pools = src_kind == MemKind::Vram || dst_kind == MemKind::Vram;
+        let gpu_pools = gpu_hand_off(src_kind, record);
         // Bounce submitted here, past the routing gate: counted as the
         // gate counts its own (kvfabric_submissions_total and _bytes).
         let bounce = |t: &crate::runtime::transport::BounceTransport, descs| {
