@@ -26,7 +26,10 @@
 //! change that measurably — docs/benchmarks.md, "Issue 18, fourteenth
 //! session": the first request's extra time is elsewhere.) A connection
 //! that fails is retried after
-//! [`RECONNECT_BACKOFF`] once something is queued for the peer; a frame
+//! [`RECONNECT_BACKOFF`] once something is queued for the peer; a connect
+//! that has not completed within [`CONNECT_TIMEOUT`] (a peer address that
+//! drops SYNs: a dead pod's IP, a full accept queue) counts as failed
+//! rather than waiting out the kernel's SYN retries (≈2 min); a frame
 //! cut by a broken connection is lost (counted as dropped; its request
 //! times out, as with any lost message).
 
@@ -49,6 +52,10 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 pub const SEND_QUEUE_BYTES: usize = 128 << 20;
 /// Wait before reconnecting to a peer whose connection failed.
 pub const RECONNECT_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest a connect (and its hello) may take before it is abandoned and
+/// retried after [`RECONNECT_BACKOFF`]: long enough for one lost SYN's
+/// retransmit (Linux resends after 1 s), short of the second (3 s).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes read from one connection per receive call, so a peer streaming
 /// a backlog cannot hold the IO thread (the rest is read next tick).
 pub const READ_BUDGET_BYTES: usize = 4 << 20;
@@ -68,6 +75,9 @@ struct Route {
     head_written: usize,
     queued_bytes: usize,
     retry_at: Option<Instant>,
+    /// When the current connection's connect began, until its hello is
+    /// written (it is connected then); see [`CONNECT_TIMEOUT`].
+    connect_started: Option<Instant>,
     drop_streak: u64,
 }
 
@@ -88,6 +98,8 @@ pub struct TcpControlChannel {
     inbox: VecDeque<Inbound>,
     waker: Option<Arc<Waker>>,
     dropped: u64,
+    /// Connects abandoned after [`CONNECT_TIMEOUT`].
+    connect_timeouts: u64,
     scratch: Vec<u8>,
     /// Our hello frame, written first on every outbound connection.
     hello: Vec<u8>,
@@ -250,6 +262,7 @@ impl TcpControlChannel {
             inbox: VecDeque::new(),
             waker: None,
             dropped: 0,
+            connect_timeouts: 0,
             scratch: vec![0; 256 << 10],
             hello: Self::hello_frame(own_name),
             accept_paused_until: None,
@@ -265,6 +278,11 @@ impl TcpControlChannel {
     /// connections).
     pub fn dropped_messages(&self) -> u64 {
         self.dropped
+    }
+
+    /// Connects abandoned so far for taking longer than [`CONNECT_TIMEOUT`].
+    pub fn connect_timeouts(&self) -> u64 {
+        self.connect_timeouts
     }
 
     fn hello_frame(own_name: &str) -> Vec<u8> {
@@ -291,6 +309,7 @@ impl TcpControlChannel {
                         r.stream = Some(s);
                         r.hello = hello.clone();
                         r.retry_at = None;
+                        r.connect_started = Some(now);
                     }
                     Err(e) => {
                         tracing::debug!(peer, endpoint = %r.endpoint, error = %e, "control connect failed; retrying");
@@ -302,7 +321,14 @@ impl TcpControlChannel {
             let Some(stream) = r.stream.as_mut() else {
                 continue;
             };
+            let connect_expired = r
+                .connect_started
+                .is_some_and(|t| now.saturating_duration_since(t) >= CONNECT_TIMEOUT);
             let broken = loop {
+                if connect_expired && !r.hello.is_empty() {
+                    self.connect_timeouts += 1;
+                    break Some(std::io::Error::from(ErrorKind::TimedOut));
+                }
                 let (buf, is_hello): (&[u8], bool) = if !r.hello.is_empty() {
                     (&r.hello, true)
                 } else if let Some(f) = r.frames.front() {
@@ -314,6 +340,9 @@ impl TcpControlChannel {
                     Ok(0) => break Some(std::io::Error::from(ErrorKind::WriteZero)),
                     Ok(n) if is_hello => {
                         r.hello.drain(..n);
+                        if r.hello.is_empty() {
+                            r.connect_started = None;
+                        }
                     }
                     Ok(n) => {
                         r.head_written += n;
@@ -332,6 +361,7 @@ impl TcpControlChannel {
                 tracing::debug!(peer, endpoint = %r.endpoint, error = %e, "control connection lost; reconnecting");
                 r.stream = None;
                 r.hello.clear();
+                r.connect_started = None;
                 r.retry_at = Some(now + RECONNECT_BACKOFF);
                 if r.head_written > 0 {
                     // The receiver discards the cut frame with the connection.
@@ -525,6 +555,18 @@ impl TcpControlChannel {
         {
             ms = ms.min(RECONNECT_BACKOFF.as_millis() as i32);
         }
+        // A connect still in progress is abandoned at its deadline.
+        let now = Instant::now();
+        if let Some(left) = self
+            .routes
+            .values()
+            .filter(|r| r.stream.is_some())
+            .filter_map(|r| r.connect_started)
+            .map(|t| (t + CONNECT_TIMEOUT).saturating_duration_since(now))
+            .min()
+        {
+            ms = ms.min(left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32);
+        }
         // SAFETY: fds is a valid array of fds.len() pollfd entries.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         match (n > 0, waker_at) {
@@ -561,11 +603,11 @@ impl ControlChannel for TcpControlChannel {
             return Ok(());
         }
         tracing::debug!(peer, %endpoint, "TCP control route added");
-        let (stream, hello) = match connect_nonblocking(addr) {
-            Ok(s) => (Some(s), self.hello.clone()),
+        let (stream, hello, connect_started) = match connect_nonblocking(addr) {
+            Ok(s) => (Some(s), self.hello.clone(), Some(Instant::now())),
             Err(e) => {
                 tracing::debug!(peer, %endpoint, error = %e, "control connect failed; the first send retries it");
-                (None, Vec::new())
+                (None, Vec::new(), None)
             }
         };
         self.routes.insert(
@@ -579,6 +621,7 @@ impl ControlChannel for TcpControlChannel {
                 head_written: 0,
                 queued_bytes: 0,
                 retry_at: None,
+                connect_started,
                 drop_streak: 0,
             },
         );
@@ -635,6 +678,7 @@ impl ControlChannel for TcpControlChannel {
                     tracing::debug!(peer, endpoint = %r.endpoint, "idle control connection closed by the peer; reconnecting");
                     r.stream = None;
                     r.hello.clear();
+                    r.connect_started = None;
                     r.retry_at = None;
                 }
             }
@@ -767,6 +811,76 @@ mod tests {
             Some(("a".to_string(), b"first".to_vec()))
         );
         assert_eq!(b.conns.len(), 1, "no second connection");
+    }
+
+    /// A listening socket on 127.0.0.1 whose accept queue is full, so the
+    /// kernel drops further SYNs and a connect to it hangs. Returns the
+    /// listener's fd (closed on drop of the guard), its port and the
+    /// parked clients filling the queue.
+    fn syn_dropping_listener() -> (std::os::fd::OwnedFd, u16, Vec<TcpStream>) {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket calls on a fresh fd we own.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+        assert!(fd >= 0);
+        let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let (sa, len) = sockaddr("127.0.0.1:0".parse().unwrap());
+        assert_eq!(
+            unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_storage).cast(), len) },
+            0
+        );
+        assert_eq!(unsafe { libc::listen(fd, 0) }, 0);
+        let mut got: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        let mut got_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(
+            unsafe {
+                libc::getsockname(
+                    fd,
+                    (&mut got as *mut libc::sockaddr_in).cast(),
+                    &mut got_len,
+                )
+            },
+            0
+        );
+        let port = u16::from_be(got.sin_port);
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        // A backlog of 0 holds one connection; fill it (and then some).
+        let parked = (0..3)
+            .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+            .collect();
+        (owned, port, parked)
+    }
+
+    /// A connect that does not complete (the peer's address drops SYNs)
+    /// is abandoned after CONNECT_TIMEOUT and retried, instead of holding
+    /// the route for the kernel's ≈2 min of SYN retries; the queued
+    /// message reaches the peer once it listens there.
+    #[test]
+    fn a_connect_that_hangs_is_abandoned_at_its_deadline_and_retried() {
+        let (listener_fd, port, parked) = syn_dropping_listener();
+        let mut a = TcpControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        a.add_peer("b", format!("tcp://127.0.0.1:{port}").as_bytes())
+            .unwrap();
+        a.send_to("b", b"queued while unreachable").unwrap();
+        let start = Instant::now();
+        while a.connect_timeouts() == 0 && start.elapsed() < CONNECT_TIMEOUT * 3 {
+            let _ = a.recv(Duration::from_millis(50)).unwrap();
+        }
+        let waited = start.elapsed();
+        assert_eq!(
+            a.connect_timeouts(),
+            1,
+            "the hung connect was not abandoned"
+        );
+        assert!(
+            waited < CONNECT_TIMEOUT + Duration::from_secs(1),
+            "abandoned after {waited:?}, deadline {CONNECT_TIMEOUT:?}"
+        );
+        // The peer comes up properly on that port: the retry delivers.
+        drop(parked);
+        drop(listener_fd);
+        let mut b = listening_as("b", port);
+        let m = relay(&mut a, &mut b).expect("the queued message after the retry");
+        assert_eq!(m, ("a".to_string(), b"queued while unreachable".to_vec()));
     }
 
     #[test]
