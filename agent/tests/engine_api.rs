@@ -44,6 +44,25 @@ fn block_offset(l: &pb::KvLayout, layer: u32, plane: u64, block: u32) -> usize {
         * l.block_bytes) as usize
 }
 
+/// Asserts that, in every layer and plane of layout `l`, destination
+/// block `dst[k]` of `dpool` holds source block `src[k]` of `spool`
+/// byte for byte.
+fn assert_blocks_landed(l: &pb::KvLayout, spool: &[u8], src: &[u32], dpool: &[u8], dst: &[u32]) {
+    let bb = l.block_bytes as usize;
+    for layer in 0..l.layers {
+        for plane in 0..if l.kv_split { 2 } else { 1 } {
+            for (&s, &d) in src.iter().zip(dst) {
+                let so = block_offset(l, layer, plane, s);
+                let doff = block_offset(l, layer, plane, d);
+                assert!(
+                    dpool[doff..doff + bb] == spool[so..so + bb],
+                    "layer {layer} plane {plane}: block {d} does not hold source block {s}"
+                );
+            }
+        }
+    }
+}
+
 fn pattern(i: usize) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8 | 1
 }
@@ -746,19 +765,7 @@ async fn an_engine_truncating_its_pool_is_detached_and_the_agent_lives() {
         .await
         .expect("await");
     assert_eq!(arr.outcome(), pb::Outcome::Success, "{arr:?}");
-    let bb = l.block_bytes as usize;
-    for layer in 0..3 {
-        for plane in 0..2 {
-            for (k, &d) in dst.iter().enumerate() {
-                let so = block_offset(&l, layer, plane, src[k]);
-                let doff = block_offset(&l, layer, plane, d);
-                assert!(
-                    dpool.as_slice()[doff..doff + bb] == good_pool.as_slice()[so..so + bb],
-                    "layer {layer} plane {plane} block {d}"
-                );
-            }
-        }
-    }
+    assert_blocks_landed(&l, good_pool.as_slice(), &src, dpool.as_slice(), &dst);
 
     // The receiving side: the decode engine truncates its pool; a hand-off
     // into it scatters into zero pages and its arrival is a failure.
@@ -961,16 +968,7 @@ async fn a_cancel_while_the_request_is_being_routed_cancels_it() {
         .await
         .expect("transfer 3");
     assert_eq!(r.outcome(), pb::Outcome::Success, "{r:?}");
-    let bb = l.block_bytes as usize;
-    for layer in 0..3 {
-        for plane in 0..2 {
-            let off = block_offset(&l, layer, plane, 3);
-            assert!(
-                dpool.as_slice()[off..off + bb] == ppool.as_slice()[off..off + bb],
-                "layer {layer} plane {plane}"
-            );
-        }
-    }
+    assert_blocks_landed(&l, ppool.as_slice(), &[3], dpool.as_slice(), &[3]);
     prefill.detach().await.unwrap();
     decode.detach().await.unwrap();
     a.agent.terminate();
