@@ -61,14 +61,16 @@ pub struct TransportSettings {
     /// Per-chunk cap (bytes, multiple of 32, ≤ max allocation).
     pub max_chunk_size_bytes: u64,
     /// Chunk cap (bytes) of a request submitted while this transport has
-    /// no other request in flight; 0 (the default): off, every request
-    /// uses `max_chunk_size_bytes`. A lone request pipelines more, smaller
+    /// no other request in flight; 0 (this struct's default): off, every
+    /// request uses `max_chunk_size_bytes` (agents built from the config
+    /// get [`DEFAULT_SOLO_CHUNK_SIZE_BYTES`] under a larger max chunk,
+    /// [`parse_solo_chunk`]). A lone request pipelines more, smaller
     /// chunks; under load fewer, larger chunks cost less host time each
     /// (issue 18, fourteenth session). Sender-local: a receiver sizes its
     /// regions from the WANT, so peers need not agree. A multiple of 32
     /// bytes within [`granularity_bytes`](Self::granularity_bytes) ..=
     /// `max_chunk_size_bytes`; anything else is warned about at start and
-    /// off. From the experiment switch `KVFABRIC_SOLO_CHUNK_BYTES`
+    /// off. From `KVFABRIC_SOLO_CHUNK_BYTES` or its default
     /// ([`parse_solo_chunk`]).
     pub solo_chunk_size_bytes: u64,
     /// Per-flow in-flight cap W.
@@ -412,16 +414,30 @@ static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 /// ([`spin_waiters_cap`]).
 pub const MAX_SPINNING_WAITERS: usize = 1;
 
-/// The experiment switch `KVFABRIC_SOLO_CHUNK_BYTES` (issue 18): the chunk
-/// cap of a request submitted while its transport has no other in flight
+/// Solo chunk size used when `KVFABRIC_SOLO_CHUNK_BYTES` is unset and
+/// the max chunk is larger, bytes (16 MiB). A lone request is cut as the
+/// isolated-request runs cut it (16 MiB chunks on the H200); with the
+/// 64 MiB default max chunk, the README main job's bounce p99 (= max, 40
+/// requests) fell from a median of 1,890 to 1,156 ms over 7 interleaved
+/// pairs on the 2-core dev machine, lower in 6 of 7 (docs/benchmarks.md,
+/// "Issue 18, fifteenth session"). Not yet measured on the H200.
+pub const DEFAULT_SOLO_CHUNK_SIZE_BYTES: u64 = 16 << 20;
+
+/// The switch `KVFABRIC_SOLO_CHUNK_BYTES` (issue 18): the chunk cap of a
+/// request submitted while its transport has no other in flight
 /// ([`TransportSettings::solo_chunk_size_bytes`]), in bytes with an
-/// optional suffix (`32MiB`). `None` (unset) or `0`: off. A value that
-/// does not parse, is not a multiple of 32 bytes, or exceeds
-/// `max_chunk_size_bytes` is warned about (naming the variable) and
-/// leaves it off.
+/// optional suffix (`32MiB`). Unset (`None`): [`DEFAULT_SOLO_CHUNK_SIZE_BYTES`]
+/// when `max_chunk_size_bytes` is larger, else off (a lone request then
+/// uses the max chunk, as every other). `0`: off. A value that does not
+/// parse, is not a multiple of 32 bytes, or exceeds `max_chunk_size_bytes`
+/// is warned about (naming the variable) and leaves it off.
 pub fn parse_solo_chunk(value: Option<&str>, max_chunk_size_bytes: u64) -> u64 {
     let Some(v) = value.map(str::trim) else {
-        return 0;
+        return if max_chunk_size_bytes > DEFAULT_SOLO_CHUNK_SIZE_BYTES {
+            DEFAULT_SOLO_CHUNK_SIZE_BYTES
+        } else {
+            0
+        };
     };
     match kvfabric_core::config::parse_byte_size(v) {
         Ok(0) => 0,
@@ -2584,7 +2600,10 @@ mod tests {
     #[test]
     fn solo_chunk_switch_parses_sizes_and_refuses_what_cannot_cut_chunks() {
         let max = 64 << 20;
-        assert_eq!(parse_solo_chunk(None, max), 0);
+        // Unset: 16 MiB under a larger max chunk, else off.
+        assert_eq!(parse_solo_chunk(None, max), 16 << 20);
+        assert_eq!(parse_solo_chunk(None, 16 << 20), 0);
+        assert_eq!(parse_solo_chunk(None, 4 << 20), 0);
         assert_eq!(parse_solo_chunk(Some("0"), max), 0);
         assert_eq!(parse_solo_chunk(Some(" 32MiB "), max), 32 << 20);
         assert_eq!(parse_solo_chunk(Some("65536"), max), 65536);
