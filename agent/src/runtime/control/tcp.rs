@@ -59,8 +59,14 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes read from one connection per receive call, so a peer streaming
 /// a backlog cannot hold the IO thread (the rest is read next tick).
 pub const READ_BUDGET_BYTES: usize = 4 << 20;
-/// Accepted connections kept at most; beyond, accepting pauses.
+/// Accepted connections kept at most; at the cap the oldest connection
+/// that has not sent its hello is closed to make room, and with none such,
+/// accepting pauses.
 pub const MAX_CONNECTIONS: usize = 4096;
+/// Longest an accepted connection may go without its hello before it is
+/// closed (a peer writes its hello as soon as its connect completes): a
+/// peer that opens connections and sends nothing cannot hold them.
+pub const HELLO_TIMEOUT: Duration = CONNECT_TIMEOUT;
 
 /// One peer's outbound connection and queue.
 struct Route {
@@ -84,6 +90,8 @@ struct Route {
 /// One accepted connection.
 struct Conn {
     stream: TcpStream,
+    /// When it was accepted (see [`HELLO_TIMEOUT`]).
+    accepted: Instant,
     peer: Option<String>,
     buf: Vec<u8>,
 }
@@ -100,6 +108,11 @@ pub struct TcpControlChannel {
     dropped: u64,
     /// Connects abandoned after [`CONNECT_TIMEOUT`].
     connect_timeouts: u64,
+    /// Accepted connections closed for sending no hello (timed out, or
+    /// evicted at the connection cap).
+    hello_timeouts: u64,
+    /// [`MAX_CONNECTIONS`] (lower in tests).
+    max_connections: usize,
     scratch: Vec<u8>,
     /// Our hello frame, written first on every outbound connection.
     hello: Vec<u8>,
@@ -263,6 +276,8 @@ impl TcpControlChannel {
             waker: None,
             dropped: 0,
             connect_timeouts: 0,
+            hello_timeouts: 0,
+            max_connections: MAX_CONNECTIONS,
             scratch: vec![0; 256 << 10],
             hello: Self::hello_frame(own_name),
             accept_paused_until: None,
@@ -283,6 +298,12 @@ impl TcpControlChannel {
     /// Connects abandoned so far for taking longer than [`CONNECT_TIMEOUT`].
     pub fn connect_timeouts(&self) -> u64 {
         self.connect_timeouts
+    }
+
+    /// Accepted connections closed so far for sending no hello within
+    /// [`HELLO_TIMEOUT`] (or evicted for it at the connection cap).
+    pub fn hello_timeouts(&self) -> u64 {
+        self.hello_timeouts
     }
 
     fn hello_frame(own_name: &str) -> Vec<u8> {
@@ -381,9 +402,18 @@ impl TcpControlChannel {
         }
         self.accept_paused_until = None;
         loop {
-            if self.conns.len() >= MAX_CONNECTIONS {
+            // At the cap, a connection that arrives takes the place of the
+            // oldest one that has not said who it is; with none such,
+            // accepting pauses (arrivals wait in the listen backlog).
+            let at_cap = self.conns.len() >= self.max_connections;
+            let evict = if at_cap {
+                self.conns.iter().position(|c| c.peer.is_none())
+            } else {
+                None
+            };
+            if at_cap && evict.is_none() {
                 tracing::warn!(
-                    max = MAX_CONNECTIONS,
+                    max = self.max_connections,
                     "too many control connections; accepting paused"
                 );
                 self.accept_paused_until = Some(Instant::now() + RECONNECT_BACKOFF);
@@ -391,10 +421,18 @@ impl TcpControlChannel {
             }
             match self.listener.accept() {
                 Ok((s, _)) => {
+                    if let Some(k) = evict {
+                        self.conns.remove(k);
+                        self.hello_timeouts += 1;
+                        tracing::debug!(
+                            "control connection cap reached; the oldest without a hello closed"
+                        );
+                    }
                     if s.set_nonblocking(true).is_ok() {
                         let _ = s.set_nodelay(true);
                         self.conns.push(Conn {
                             stream: s,
+                            accepted: Instant::now(),
                             peer: None,
                             buf: Vec::new(),
                         });
@@ -414,9 +452,21 @@ impl TcpControlChannel {
 
     /// Reads every connection; complete frames go to the inbox.
     fn read_all(&mut self) {
+        let now = Instant::now();
         let mut k = 0;
         while k < self.conns.len() {
-            let keep = Self::read_conn(&mut self.conns[k], &mut self.scratch, &mut self.inbox);
+            let mut keep = Self::read_conn(&mut self.conns[k], &mut self.scratch, &mut self.inbox);
+            let c = &self.conns[k];
+            if keep
+                && c.peer.is_none()
+                && now.saturating_duration_since(c.accepted) >= HELLO_TIMEOUT
+            {
+                tracing::debug!(
+                    "control connection sent no hello within {HELLO_TIMEOUT:?}; closed"
+                );
+                self.hello_timeouts += 1;
+                keep = false;
+            }
             if keep {
                 k += 1;
             } else {
@@ -555,14 +605,23 @@ impl TcpControlChannel {
         {
             ms = ms.min(RECONNECT_BACKOFF.as_millis() as i32);
         }
-        // A connect still in progress is abandoned at its deadline.
+        // A connect still in progress is abandoned at its deadline, an
+        // accepted connection without a hello closed at its.
         let now = Instant::now();
-        if let Some(left) = self
+        let connects = self
             .routes
             .values()
             .filter(|r| r.stream.is_some())
             .filter_map(|r| r.connect_started)
-            .map(|t| (t + CONNECT_TIMEOUT).saturating_duration_since(now))
+            .map(|t| t + CONNECT_TIMEOUT);
+        let hellos = self
+            .conns
+            .iter()
+            .filter(|c| c.peer.is_none())
+            .map(|c| c.accepted + HELLO_TIMEOUT);
+        if let Some(left) = connects
+            .chain(hellos)
+            .map(|at| at.saturating_duration_since(now))
             .min()
         {
             ms = ms.min(left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32);
@@ -881,6 +940,66 @@ mod tests {
         let mut b = listening_as("b", port);
         let m = relay(&mut a, &mut b).expect("the queued message after the retry");
         assert_eq!(m, ("a".to_string(), b"queued while unreachable".to_vec()));
+    }
+
+    /// A peer that connects and sends nothing is closed after
+    /// HELLO_TIMEOUT, so idle connections cannot pile up to the cap.
+    #[test]
+    fn a_connection_that_sends_no_hello_is_closed_at_its_deadline() {
+        let mut b = TcpControlChannel::bind("b", BindAddr::Loopback).unwrap();
+        let addr = b.listener.local_addr().unwrap();
+        let mut raw = TcpStream::connect(addr).unwrap();
+        let start = Instant::now();
+        while b.hello_timeouts() == 0 && start.elapsed() < HELLO_TIMEOUT * 3 {
+            let _ = b.recv(Duration::from_millis(50)).unwrap();
+        }
+        let waited = start.elapsed();
+        assert_eq!(b.hello_timeouts(), 1, "the silent connection was kept");
+        assert!(
+            waited < HELLO_TIMEOUT + Duration::from_secs(1),
+            "closed after {waited:?}, deadline {HELLO_TIMEOUT:?}"
+        );
+        assert!(b.conns.is_empty());
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut one = [0u8; 1];
+        assert!(
+            matches!(raw.read(&mut one), Ok(0) | Err(_)),
+            "the peer's side was not closed"
+        );
+    }
+
+    /// At the connection cap, connections that never said who they are
+    /// make room for a real peer instead of pausing accepts.
+    #[test]
+    fn at_the_connection_cap_silent_connections_make_room_for_a_peer() {
+        let (mut a, mut b) = pair();
+        b.max_connections = 2;
+        let addr = b.listener.local_addr().unwrap();
+        let silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let end = Instant::now() + Duration::from_secs(5);
+        while b.conns.len() < 2 {
+            assert!(Instant::now() < end, "silent connections not accepted");
+            let _ = b.recv(Duration::from_millis(10)).unwrap();
+        }
+        // The peer gets in well before the silent ones' hello deadline
+        // would have freed their places.
+        let start = Instant::now();
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        a.send_to("b", b"through the cap").unwrap();
+        let m = loop {
+            assert!(
+                start.elapsed() < HELLO_TIMEOUT / 2,
+                "the peer waited for the silent connections' hello timeout"
+            );
+            let _ = a.recv(Duration::from_millis(5)).unwrap();
+            if let Some(m) = b.recv(Duration::from_millis(5)).unwrap() {
+                break m;
+            }
+        };
+        assert_eq!(m, ("a".to_string(), b"through the cap".to_vec()));
+        assert!(b.hello_timeouts() >= 1, "no silent connection evicted");
+        assert!(b.conns.len() <= 2);
+        drop(silent);
     }
 
     #[test]
