@@ -291,6 +291,60 @@ struct InFlight {
     cancel_requested: bool,
 }
 
+/// Longest a failed hand-off's arrival is held back waiting for scatters
+/// into the destination pool to stop (ms). Scatters of a failed request
+/// end within the receiver's flow reclaim (twice the request timeout:
+/// 60 s with the default `requestTimeoutMs` of 30,000; docs/protocol.md):
+/// past this the arrival is reported anyway, with a warning, rather than
+/// never.
+const ARRIVAL_QUIESCE_LIMIT: Duration = Duration::from_secs(120);
+
+/// The session's quiesce worker: until no failed-hand-off arrival is held
+/// back, takes those held, waits (at most [`ARRIVAL_QUIESCE_LIMIT`]) until
+/// no scatter writes into the session's pool, and records them.
+fn quiesce_then_record(agent: &FabricAgent, hub: &Weak<EngineHub>, s: &Session) {
+    loop {
+        let batch = {
+            let mut held = s.held_arrivals.lock().unwrap_or_else(|p| p.into_inner());
+            match held.as_mut() {
+                Some(list) if !list.is_empty() => std::mem::take(list),
+                _ => {
+                    *held = None;
+                    return;
+                }
+            }
+        };
+        if let (Some(p), Some(t)) = (s.pool(), agent.transport()) {
+            let start = Instant::now();
+            while !t.quiesce_scatter_range(p.addr, p.len, Duration::from_secs(5)) {
+                if start.elapsed() >= ARRIVAL_QUIESCE_LIMIT {
+                    tracing::warn!(engine = %LogSafe(&s.engine_id), limit = ?ARRIVAL_QUIESCE_LIMIT, "failed hand-off: scatters into the pool still running at the limit; arrival reported anyway");
+                    break;
+                }
+                tracing::warn!(engine = %LogSafe(&s.engine_id), "failed hand-off: scatters into the pool still running; arrival held back");
+            }
+        }
+        let Some(h) = hub.upgrade() else { return };
+        for a in batch {
+            h.record_arrival(a);
+        }
+    }
+}
+
+/// Whether another agent's published engine record (from etcd, not
+/// trusted) describes a pool that holds its layout: a valid layout whose
+/// bytes fit in `pool_len`, and `pool_addr + pool_len` within the address
+/// space (block and extent offsets are added to `pool_addr` unchecked
+/// once this holds).
+fn published_pool_holds_layout(record: &EngineRecord) -> bool {
+    record.pool_addr.checked_add(record.pool_len).is_some()
+        && record.layout.validate().is_ok()
+        && record
+            .layout
+            .pool_bytes()
+            .is_some_and(|need| record.pool_len >= need)
+}
+
 /// Whether a hand-off from a pool of `src_kind` into `record`'s engine
 /// touches GPU memory on either side: it then moves by bounce only (an
 /// engine's imported CUDA memory cannot be a NIXL write target).
@@ -330,6 +384,10 @@ struct Session {
     close: Notify,
     /// Why it was closed (sent in the stream's `closing` event).
     close_reason: Mutex<String>,
+    /// Failed-hand-off arrivals held back until no scatter writes into the
+    /// pool; `Some` while this session's one quiesce worker runs (see
+    /// [`EngineHub::on_notice`]).
+    held_arrivals: Mutex<Option<Vec<ArrivalNotice>>>,
 }
 
 impl Session {
@@ -748,6 +806,7 @@ impl EngineHub {
                 truncated: std::sync::atomic::AtomicBool::new(false),
                 close: Notify::new(),
                 close_reason: Mutex::new(String::new()),
+                held_arrivals: Mutex::new(None),
             });
             g.insert(sid, s.clone());
             s
@@ -1127,23 +1186,38 @@ impl EngineHub {
             Some(s) if a.outcome != "success" => {
                 // A failed hand-off: DATA received before the failure may
                 // still be scattering into the pool. Report it once no
-                // scatter writes there (off the notice thread).
+                // scatter writes there, off the notice thread: one worker
+                // per session takes every failure held back so far (a
+                // peer's burst of failure notices costs one thread, not
+                // one each).
                 s.arrivals.fetch_add(1, Ordering::Relaxed);
-                let pool = s.pool();
-                let (agent, hub) = (self.agent.clone(), self.weak_self());
-                let _ = std::thread::Builder::new()
+                {
+                    let mut held = s.held_arrivals.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some(list) = held.as_mut() {
+                        if list.len() < MAX_PENDING_ARRIVALS {
+                            list.push(a);
+                        } else {
+                            tracing::warn!(engine = %LogSafe(&a.dst_engine), "too many failed-hand-off arrivals held back; dropped");
+                        }
+                        return;
+                    }
+                    *held = Some(vec![a]);
+                }
+                let (agent, hub, s2) = (self.agent.clone(), self.weak_self(), s.clone());
+                let spawned = std::thread::Builder::new()
                     .name("kvfabric-arrival-quiesce".into())
-                    .spawn(move || {
-                        if let (Some(p), Some(t)) = (&pool, agent.transport()) {
-                            while !t.quiesce_scatter_range(p.addr, p.len, Duration::from_secs(5)) {
-                                tracing::warn!(engine = %LogSafe(&a.dst_engine), "failed hand-off: scatters into the pool still running; arrival held back");
-                            }
-                        }
-                        drop(pool);
-                        if let Some(h) = hub.upgrade() {
-                            h.record_arrival(a);
-                        }
-                    });
+                    .spawn(move || quiesce_then_record(&agent, &hub, &s2));
+                if spawned.is_err() {
+                    // No thread: report them now rather than never.
+                    let taken = s
+                        .held_arrivals
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                    for a in taken.unwrap_or_default() {
+                        self.record_arrival(a);
+                    }
+                }
             }
             Some(s) => {
                 s.arrivals.fetch_add(1, Ordering::Relaxed);
@@ -1387,6 +1461,16 @@ impl EngineHub {
                     return Err(Status::failed_precondition(format!(
                         "destination engine {} has no pool registered",
                         LogSafe(&record.engine_id)
+                    )));
+                }
+                // Another agent's record (etcd) is not trusted: its pool
+                // must hold its layout without wrapping the address space.
+                if !published_pool_holds_layout(record) {
+                    return Err(Status::failed_precondition(format!(
+                        "destination engine {}'s published pool (address {:#x}, {} bytes) does not hold its layout",
+                        LogSafe(&record.engine_id),
+                        record.pool_addr,
+                        record.pool_len
                     )));
                 }
                 (record.layout.clone(), record.pool_addr, record.pool_len)
@@ -2293,6 +2377,25 @@ mod tests {
         let mut r = AgentRecord::new(&desc, name, Incarnation(1));
         r.engines = engines;
         r
+    }
+
+    /// A peer's published pool is trusted only when it holds its layout
+    /// without wrapping the address space (else a Transfer into it would
+    /// overflow computing block addresses).
+    #[test]
+    fn a_published_pool_must_hold_its_layout_within_the_address_space() {
+        let good = engine("d", 0x1000);
+        assert!(published_pool_holds_layout(&good));
+        // Address + length past u64::MAX.
+        assert!(!published_pool_holds_layout(&engine("d", u64::MAX - 100)));
+        // Shorter than the layout (4 blocks × 64 bytes = 256).
+        let mut short = engine("d", 0x1000);
+        short.pool_len = 255;
+        assert!(!published_pool_holds_layout(&short));
+        // A layout that does not validate.
+        let mut bad = engine("d", 0x1000);
+        bad.layout.block_bytes = 0;
+        assert!(!published_pool_holds_layout(&bad));
     }
 
     /// The race of a CI run of 781a503: the peer's record already names
