@@ -27,7 +27,7 @@
 //! scheduler has exactly one owner and no lock (the seed lets app threads
 //! call `acquireLocal` directly).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -905,6 +905,75 @@ pub struct BounceTransport {
 /// publishes a peer's time at most this often.
 const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 
+/// Routes kept at most to peers this agent was not told of (added from a
+/// WANT's endpoint: seed §5's reverse-path bootstrap). A WANT from yet
+/// another unknown name is rejected: names on the control channel are
+/// not authenticated, and each such route holds a socket and a send
+/// queue. Peers loaded from discovery do not count.
+pub const MAX_REVERSE_ROUTES: usize = 1024;
+
+/// Peers whose last-heard time is tracked at most (loaded peers and
+/// reverse routes stay far below; messages from further names are not
+/// recorded).
+const MAX_HEARD_PEERS: usize = 4 * MAX_REVERSE_ROUTES;
+
+/// Which routes exist only because a peer's WANT named its endpoint
+/// (seed §5 reverse path), and the cap on them ([`MAX_REVERSE_ROUTES`]).
+/// Pure bookkeeping: the IO thread adds and removes the routes.
+#[derive(Debug)]
+pub struct ReverseRoutes {
+    cap: usize,
+    loaded: HashSet<String>,
+    reverse: HashSet<String>,
+}
+
+impl ReverseRoutes {
+    /// Empty, with room for `cap` reverse routes.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            loaded: HashSet::new(),
+            reverse: HashSet::new(),
+        }
+    }
+
+    /// `peer` was loaded (discovery's add_peer): its route is no longer a
+    /// reverse one.
+    pub fn loaded(&mut self, peer: &str) {
+        self.reverse.remove(peer);
+        self.loaded.insert(peer.to_string());
+    }
+
+    /// `peer` was forgotten: neither loaded nor reverse any more.
+    pub fn forgotten(&mut self, peer: &str) {
+        self.reverse.remove(peer);
+        self.loaded.remove(peer);
+    }
+
+    /// Whether a reverse route to `peer` (which has no route now) may be
+    /// added; records it when so. `false` once [`Self::count`] reached the cap.
+    pub fn admit(&mut self, peer: &str) -> bool {
+        if self.loaded.contains(peer) || self.reverse.contains(peer) {
+            return true;
+        }
+        if self.reverse.len() >= self.cap {
+            return false;
+        }
+        self.reverse.insert(peer.to_string());
+        true
+    }
+
+    /// A reverse route to `peer` could not be added after all.
+    pub fn undo(&mut self, peer: &str) {
+        self.reverse.remove(peer);
+    }
+
+    /// Reverse routes held.
+    pub fn count(&self) -> usize {
+        self.reverse.len()
+    }
+}
+
 /// Ticks without any event before the IO thread yields between engine
 /// polls (writes in flight) or blocks in the channel's receive (otherwise).
 const SPIN_BEFORE_BACKOFF: u32 = 64;
@@ -1050,6 +1119,7 @@ impl BounceTransport {
         let mut io = Io {
             heard: heard.clone(),
             heard_at: HashMap::new(),
+            reverse_routes: ReverseRoutes::new(MAX_REVERSE_ROUTES),
             name: name.clone(),
             engine,
             channel,
@@ -1620,6 +1690,8 @@ struct Io {
     heard: Arc<Mutex<HashMap<String, i64>>>,
     /// When `heard` was last updated per peer (throttle).
     heard_at: HashMap<String, Instant>,
+    /// Routes added from WANTs of peers not loaded (capped).
+    reverse_routes: ReverseRoutes,
 }
 
 impl Io {
@@ -2305,6 +2377,7 @@ impl Io {
             } => {
                 let r = self.channel.add_peer(&peer, &endpoint);
                 if r.is_ok() {
+                    self.reverse_routes.loaded(&peer);
                     // A (re)added peer may sit behind another transport now:
                     // probe it afresh.
                     self.drop_transport_report(&peer);
@@ -2315,6 +2388,7 @@ impl Io {
                 let _ = reply.send(r);
             }
             Command::ForgetPeer { peer, reply } => {
+                self.reverse_routes.forgotten(&peer);
                 self.heard_at.remove(&peer);
                 self.heard
                     .lock()
@@ -2466,6 +2540,9 @@ impl Io {
         {
             return;
         }
+        if self.heard_at.len() >= MAX_HEARD_PEERS && !self.heard_at.contains_key(peer) {
+            return;
+        }
         self.heard_at.insert(peer.to_string(), now);
         let ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -2518,10 +2595,15 @@ impl Io {
                 // endpoint.
                 if self.channel.has_peer(&peer) {
                     Route::Usable
+                } else if !self.reverse_routes.admit(&peer) {
+                    tracing::warn!(agent = %self.name, %peer, max = MAX_REVERSE_ROUTES,
+                        "WANT from a peer not loaded, with the reverse routes at their cap");
+                    Route::Unusable
                 } else {
                     match self.channel.add_peer(&peer, &w.endpoint) {
                         Ok(()) => Route::Usable,
                         Err(e) => {
+                            self.reverse_routes.undo(&peer);
                             tracing::warn!(agent = %self.name, %peer, error = %e, "WANT with an unusable endpoint");
                             Route::Unusable
                         }
@@ -2596,6 +2678,33 @@ impl Io {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Routes from WANTs of peers not loaded are capped; loaded peers do
+    /// not count, and forgetting or loading one frees its place.
+    #[test]
+    fn reverse_routes_are_capped_and_loaded_peers_do_not_count() {
+        let mut r = ReverseRoutes::new(2);
+        r.loaded("known");
+        assert!(r.admit("known"));
+        assert_eq!(r.count(), 0);
+        assert!(r.admit("x1"));
+        assert!(r.admit("x2"));
+        assert!(r.admit("x1"), "one already held is admitted again");
+        assert!(!r.admit("x3"), "over the cap");
+        assert_eq!(r.count(), 2);
+        // Loaded after all: no longer a reverse route.
+        r.loaded("x1");
+        assert_eq!(r.count(), 1);
+        assert!(r.admit("x3"));
+        assert!(!r.admit("x4"));
+        r.forgotten("x2");
+        assert!(r.admit("x4"));
+        r.undo("x4");
+        assert_eq!(r.count(), 1);
+        // A loaded peer stays admitted whatever the count.
+        assert!(r.admit("x5"));
+        assert!(r.admit("known"));
+    }
 
     #[test]
     fn solo_chunk_switch_parses_sizes_and_refuses_what_cannot_cut_chunks() {
