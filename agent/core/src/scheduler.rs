@@ -115,6 +115,19 @@ pub const BYPASS_ROUNDS: u64 = 2;
 /// robin's (docs/benchmarks.md, "Issue 18, tenth session").
 pub const DEFAULT_SIZE_WEIGHT: u64 = 16;
 
+/// Receiver flows live at most: a WANT for another new flow is refused
+/// ([`SchedulerError::TooManyFlows`], REJECT `Refused` to its sender).
+/// Flows are made by peers' WANTs, whose request ids are theirs to pick;
+/// a fleet's real load (hundreds of requests in flight per peer) stays far
+/// below.
+pub const MAX_RECEIVER_FLOWS: usize = 65_536;
+
+/// Chunks waiting for a grant at most, all flows: a WANT that would pass
+/// it is refused ([`SchedulerError::TooManyPendingChunks`]). 4 × the
+/// wire's largest WANT (2^20 chunks): at most 32 MiB of chunk sizes held
+/// for flows that may never send DATA.
+pub const MAX_PENDING_CHUNKS: usize = 4 << 20;
+
 /// Which eligible flow a sweep offers the next region to
 /// (`grantPolicy`, a kvfabric field; not in seed §10).
 ///
@@ -218,6 +231,26 @@ pub enum SchedulerError {
         /// [`CreditScheduler::max_allocation`] (bytes).
         max: u64,
     },
+    /// A WANT for a new flow while [`MAX_RECEIVER_FLOWS`] flows are live:
+    /// flows are made by peers' WANTs, so their number is bounded.
+    #[error("{live} flows are live already (at most {max})")]
+    TooManyFlows {
+        /// Flows live now.
+        live: usize,
+        /// [`MAX_RECEIVER_FLOWS`].
+        max: usize,
+    },
+    /// A WANT whose chunks would take the chunks waiting for a grant past
+    /// [`MAX_PENDING_CHUNKS`] (each is kept until granted or reclaimed).
+    #[error("{pending} chunks wait for a grant already; {more} more would pass {max}")]
+    TooManyPendingChunks {
+        /// Chunks waiting now, all flows.
+        pending: usize,
+        /// The WANT's chunks.
+        more: usize,
+        /// [`MAX_PENDING_CHUNKS`].
+        max: usize,
+    },
     /// DATA for a region the flow does not hold (late DATA after a cancel or
     /// peer loss, or a forged handle): drop it, never scatter (seed §9).
     #[error("region {offset} is not held by flow {flow}")]
@@ -313,6 +346,8 @@ struct Local {
 #[derive(Debug)]
 pub struct CreditScheduler {
     arena: BuddyAllocator,
+    /// Chunks waiting for a grant, all flows (the sum of `pending`).
+    pending_total: usize,
     /// Per-flow in-flight cap W.
     w: usize,
     /// Where each sweep starts.
@@ -394,6 +429,7 @@ impl CreditScheduler {
             drain: None,
             regions: HashMap::new(),
             held_bytes: 0,
+            pending_total: 0,
             orphans: HashMap::new(),
             orphaned_bytes: 0,
             local: HashMap::new(),
@@ -461,6 +497,19 @@ impl CreditScheduler {
         if chunk_bytes.is_empty() {
             return Ok(());
         }
+        if !self.index.contains_key(&flow) && self.index.len() >= MAX_RECEIVER_FLOWS {
+            return Err(SchedulerError::TooManyFlows {
+                live: self.index.len(),
+                max: MAX_RECEIVER_FLOWS,
+            });
+        }
+        if self.pending_total + chunk_bytes.len() > MAX_PENDING_CHUNKS {
+            return Err(SchedulerError::TooManyPendingChunks {
+                pending: self.pending_total,
+                more: chunk_bytes.len(),
+                max: MAX_PENDING_CHUNKS,
+            });
+        }
         let (slot, fresh) = match self.index.get(&flow) {
             Some(&slot) => (slot, false),
             None => (self.insert_flow(flow), true),
@@ -491,6 +540,7 @@ impl CreditScheduler {
         self.flow_mut(slot)
             .pending
             .extend(chunk_bytes.iter().copied());
+        self.pending_total += chunk_bytes.len();
         self.reclass(was, slot);
         Ok(())
     }
@@ -939,6 +989,13 @@ impl CreditScheduler {
                 held_regions += 1;
             }
         }
+        let pending: usize = self.slots.iter().flatten().map(|f| f.pending.len()).sum();
+        if pending != self.pending_total {
+            return Err(format!(
+                "pending chunks {pending}, counted {}",
+                self.pending_total
+            ));
+        }
         if live != self.ring_len || live != self.index.len() {
             return Err(format!(
                 "live flows {live}, ring {}, index {}",
@@ -1277,6 +1334,7 @@ impl CreditScheduler {
             self.blocked.remove(&bkey);
         }
         self.reclass(was, slot);
+        self.pending_total -= 1;
         self.regions.insert(
             offset,
             Region {
@@ -1346,6 +1404,7 @@ impl CreditScheduler {
             }
         }
         out.dropped_chunks += self.flow(slot).pending.len();
+        self.pending_total -= self.flow(slot).pending.len();
         out.flows.push(self.flow(slot).key.clone());
         self.unlink(slot);
     }
@@ -1407,6 +1466,40 @@ mod tests {
         assert_eq!(s.max_allocation(), 4 * G);
         assert_eq!(s.eager_budget_bytes(), 5 * G / 2);
         s.check_conservation().unwrap();
+    }
+
+    /// Peers make flows and pending chunks with their WANTs: both are
+    /// capped, the refused WANT changes nothing, and room comes back as
+    /// chunks are granted or flows reclaimed.
+    #[test]
+    fn flows_and_pending_chunks_are_capped() {
+        let mut s = CreditScheduler::new(4 * G, G, 2).unwrap();
+        let big = vec![G; 1 << 20];
+        for rid in 0..4 {
+            s.on_want(key("p", rid), &big).unwrap();
+        }
+        let err = s.on_want(key("p", 9), &[G]).unwrap_err();
+        assert!(matches!(err, SchedulerError::TooManyPendingChunks { .. }), "{err}");
+        assert!(!s.contains_flow(&key("p", 9)), "a refused WANT made a flow");
+        s.check_conservation().unwrap();
+        // Grants take chunks off the count: room for one more.
+        assert_eq!(s.schedule().len(), 4);
+        s.on_want(key("p", 9), &[G]).unwrap();
+        s.check_conservation().unwrap();
+        // Reclaiming a flow gives back all its chunks.
+        s.reclaim_flow(&key("p", 0));
+        s.on_want(key("p", 10), &vec![G; 1000]).unwrap();
+        s.check_conservation().unwrap();
+
+        let mut s = CreditScheduler::new(4 * G, G, 2).unwrap();
+        for rid in 0..MAX_RECEIVER_FLOWS as u64 {
+            s.on_want(key("q", rid), &[G]).unwrap();
+        }
+        let err = s.on_want(key("q", u64::MAX), &[G]).unwrap_err();
+        assert!(matches!(err, SchedulerError::TooManyFlows { .. }), "{err}");
+        // A live flow may still append.
+        s.on_want(key("q", 0), &[G]).unwrap();
+        assert_eq!(s.flow_count(), MAX_RECEIVER_FLOWS);
     }
 
     /// Seed §5 worked example: W=2, arena fits 4 regions, A has c1..c3, B has
