@@ -1389,6 +1389,7 @@ impl EngineHub {
             return Err(Status::failed_precondition(why));
         }
         if req.src_blocks.len() > MAX_BLOCKS_PER_TRANSFER
+            || req.dst_blocks.len() > MAX_BLOCKS_PER_TRANSFER
             || req
                 .extents
                 .as_ref()
