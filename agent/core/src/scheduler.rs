@@ -1479,7 +1479,10 @@ mod tests {
             s.on_want(key("p", rid), &big).unwrap();
         }
         let err = s.on_want(key("p", 9), &[G]).unwrap_err();
-        assert!(matches!(err, SchedulerError::TooManyPendingChunks { .. }), "{err}");
+        assert!(
+            matches!(err, SchedulerError::TooManyPendingChunks { .. }),
+            "{err}"
+        );
         assert!(!s.contains_flow(&key("p", 9)), "a refused WANT made a flow");
         s.check_conservation().unwrap();
         // Grants take chunks off the count: room for one more.

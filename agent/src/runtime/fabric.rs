@@ -626,6 +626,7 @@ impl FabricAgent {
             solo_chunk_size_bytes: crate::runtime::transport::parse_solo_chunk(
                 std::env::var("KVFABRIC_SOLO_CHUNK_BYTES").ok().as_deref(),
                 cfg.max_chunk_size_bytes(),
+                cfg.granularity_bytes(),
             ),
             max_inflight_chunks: cfg.max_inflight_chunks_per_request() as usize,
             copy_contexts: cfg.copy_stream_count() as usize,

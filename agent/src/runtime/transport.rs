@@ -429,11 +429,19 @@ pub const DEFAULT_SOLO_CHUNK_SIZE_BYTES: u64 = 16 << 20;
 /// optional suffix (`32MiB`). Unset (`None`): [`DEFAULT_SOLO_CHUNK_SIZE_BYTES`]
 /// when `max_chunk_size_bytes` is larger, else off (a lone request then
 /// uses the max chunk, as every other). `0`: off. A value that does not
-/// parse, is not a multiple of 32 bytes, or exceeds `max_chunk_size_bytes`
-/// is warned about (naming the variable) and leaves it off.
-pub fn parse_solo_chunk(value: Option<&str>, max_chunk_size_bytes: u64) -> u64 {
+/// parse, is not a multiple of 32 bytes, or lies outside
+/// `granularity_bytes ..= max_chunk_size_bytes` is warned about (naming
+/// the variable) and leaves it off; so does the default under a
+/// granularity above it (silently: nothing was set).
+pub fn parse_solo_chunk(
+    value: Option<&str>,
+    max_chunk_size_bytes: u64,
+    granularity_bytes: u64,
+) -> u64 {
     let Some(v) = value.map(str::trim) else {
-        return if max_chunk_size_bytes > DEFAULT_SOLO_CHUNK_SIZE_BYTES {
+        return if max_chunk_size_bytes > DEFAULT_SOLO_CHUNK_SIZE_BYTES
+            && granularity_bytes <= DEFAULT_SOLO_CHUNK_SIZE_BYTES
+        {
             DEFAULT_SOLO_CHUNK_SIZE_BYTES
         } else {
             0
@@ -441,13 +449,20 @@ pub fn parse_solo_chunk(value: Option<&str>, max_chunk_size_bytes: u64) -> u64 {
     };
     match kvfabric_core::config::parse_byte_size(v) {
         Ok(0) => 0,
-        Ok(n) if n % kvfabric_core::plan::ALIGN == 0 && n <= max_chunk_size_bytes => n,
+        Ok(n)
+            if n % kvfabric_core::plan::ALIGN == 0
+                && n >= granularity_bytes
+                && n <= max_chunk_size_bytes =>
+        {
+            n
+        }
         Ok(n) => {
             tracing::warn!(
                 value = v,
                 bytes = n,
                 max_chunk_size_bytes,
-                "KVFABRIC_SOLO_CHUNK_BYTES: expected a multiple of 32 bytes, at most the max chunk size; off"
+                granularity_bytes,
+                "KVFABRIC_SOLO_CHUNK_BYTES: expected a multiple of 32 bytes from the allocation granularity to the max chunk size; off"
             );
             0
         }
@@ -911,11 +926,6 @@ const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 /// not authenticated, and each such route holds a socket and a send
 /// queue. Peers loaded from discovery do not count.
 pub const MAX_REVERSE_ROUTES: usize = 1024;
-
-/// Peers whose last-heard time is tracked at most (loaded peers and
-/// reverse routes stay far below; messages from further names are not
-/// recorded).
-const MAX_HEARD_PEERS: usize = 4 * MAX_REVERSE_ROUTES;
 
 /// Which routes exist only because a peer's WANT named its endpoint
 /// (seed §5 reverse path), and the cap on them ([`MAX_REVERSE_ROUTES`]).
@@ -2540,7 +2550,9 @@ impl Io {
         {
             return;
         }
-        if self.heard_at.len() >= MAX_HEARD_PEERS && !self.heard_at.contains_key(peer) {
+        // Only peers with a route (loaded, or a capped reverse route):
+        // names are not authenticated, and any could otherwise add one.
+        if !self.heard_at.contains_key(peer) && !self.channel.has_peer(peer) {
             return;
         }
         self.heard_at.insert(peer.to_string(), now);
@@ -2710,17 +2722,21 @@ mod tests {
     fn solo_chunk_switch_parses_sizes_and_refuses_what_cannot_cut_chunks() {
         let max = 64 << 20;
         // Unset: 16 MiB under a larger max chunk, else off.
-        assert_eq!(parse_solo_chunk(None, max), 16 << 20);
-        assert_eq!(parse_solo_chunk(None, 16 << 20), 0);
-        assert_eq!(parse_solo_chunk(None, 4 << 20), 0);
-        assert_eq!(parse_solo_chunk(Some("0"), max), 0);
-        assert_eq!(parse_solo_chunk(Some(" 32MiB "), max), 32 << 20);
-        assert_eq!(parse_solo_chunk(Some("65536"), max), 65536);
-        assert_eq!(parse_solo_chunk(Some("64MiB"), max), max);
+        let parse = |v, max| parse_solo_chunk(v, max, 4096);
+        assert_eq!(parse(None, max), 16 << 20);
+        assert_eq!(parse(None, 16 << 20), 0);
+        assert_eq!(parse(None, 4 << 20), 0);
+        // A granularity above the solo size: off, set or not.
+        assert_eq!(parse_solo_chunk(None, max, 32 << 20), 0);
+        assert_eq!(parse_solo_chunk(Some("1MiB"), max, 2 << 20), 0);
+        assert_eq!(parse(Some("0"), max), 0);
+        assert_eq!(parse(Some(" 32MiB "), max), 32 << 20);
+        assert_eq!(parse(Some("65536"), max), 65536);
+        assert_eq!(parse(Some("64MiB"), max), max);
         // Over the cap, not a multiple of 32, not a size: off.
-        assert_eq!(parse_solo_chunk(Some("128MiB"), max), 0);
-        assert_eq!(parse_solo_chunk(Some("1000"), max), 0);
-        assert_eq!(parse_solo_chunk(Some("lots"), max), 0);
+        assert_eq!(parse(Some("128MiB"), max), 0);
+        assert_eq!(parse(Some("1000"), max), 0);
+        assert_eq!(parse(Some("lots"), max), 0);
     }
 
     #[test]

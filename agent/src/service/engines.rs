@@ -303,6 +303,22 @@ const ARRIVAL_QUIESCE_LIMIT: Duration = Duration::from_secs(120);
 /// back, takes those held, waits (at most [`ARRIVAL_QUIESCE_LIMIT`]) until
 /// no scatter writes into the session's pool, and records them.
 fn quiesce_then_record(agent: &FabricAgent, hub: &Weak<EngineHub>, s: &Session) {
+    // However this ends (a panic included), the next failure starts a
+    // worker again rather than queueing behind one that is gone.
+    struct Done<'a>(&'a Session);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            let mut held = self
+                .0
+                .held_arrivals
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if held.as_ref().is_some_and(|l| l.is_empty()) || std::thread::panicking() {
+                *held = None;
+            }
+        }
+    }
+    let _done = Done(s);
     loop {
         let batch = {
             let mut held = s.held_arrivals.lock().unwrap_or_else(|p| p.into_inner());
@@ -1207,16 +1223,16 @@ impl EngineHub {
                 let spawned = std::thread::Builder::new()
                     .name("kvfabric-arrival-quiesce".into())
                     .spawn(move || quiesce_then_record(&agent, &hub, &s2));
-                if spawned.is_err() {
-                    // No thread: report them now rather than never.
+                if let Err(e) = spawned {
+                    // No thread: the failures cannot be reported safely
+                    // (scatters may still write the pool); the engines'
+                    // AwaitArrival time out instead.
                     let taken = s
                         .held_arrivals
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .take();
-                    for a in taken.unwrap_or_default() {
-                        self.record_arrival(a);
-                    }
+                    tracing::error!(error = %e, dropped = taken.map_or(0, |l| l.len()), "no thread to hold failed-hand-off arrivals back; dropped");
                 }
             }
             Some(s) => {

@@ -64,9 +64,10 @@ pub const READ_BUDGET_BYTES: usize = 4 << 20;
 /// accepting pauses.
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Longest an accepted connection may go without its hello before it is
-/// closed (a peer writes its hello as soon as its connect completes): a
-/// peer that opens connections and sends nothing cannot hold them.
-pub const HELLO_TIMEOUT: Duration = CONNECT_TIMEOUT;
+/// closed (a peer writes its hello as soon as its connect completes; this
+/// leaves room for a lost hello segment's retransmits): a peer that opens
+/// connections and sends nothing cannot hold them.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One peer's outbound connection and queue.
 struct Route {
@@ -113,6 +114,8 @@ pub struct TcpControlChannel {
     hello_timeouts: u64,
     /// [`MAX_CONNECTIONS`] (lower in tests).
     max_connections: usize,
+    /// [`HELLO_TIMEOUT`] (shorter in tests).
+    hello_timeout: Duration,
     scratch: Vec<u8>,
     /// Our hello frame, written first on every outbound connection.
     hello: Vec<u8>,
@@ -278,6 +281,7 @@ impl TcpControlChannel {
             connect_timeouts: 0,
             hello_timeouts: 0,
             max_connections: MAX_CONNECTIONS,
+            hello_timeout: HELLO_TIMEOUT,
             scratch: vec![0; 256 << 10],
             hello: Self::hello_frame(own_name),
             accept_paused_until: None,
@@ -346,10 +350,6 @@ impl TcpControlChannel {
                 .connect_started
                 .is_some_and(|t| now.saturating_duration_since(t) >= CONNECT_TIMEOUT);
             let broken = loop {
-                if connect_expired && !r.hello.is_empty() {
-                    self.connect_timeouts += 1;
-                    break Some(std::io::Error::from(ErrorKind::TimedOut));
-                }
                 let (buf, is_hello): (&[u8], bool) = if !r.hello.is_empty() {
                     (&r.hello, true)
                 } else if let Some(f) = r.frames.front() {
@@ -372,6 +372,14 @@ impl TcpControlChannel {
                             r.queued_bytes -= f.len();
                             r.head_written = 0;
                         }
+                    }
+                    // The hello not taken yet: still connecting. Abandoned
+                    // at the deadline (checked only here, after a write
+                    // attempt, so a connection that completed while
+                    // nothing pumped is not cut).
+                    Err(e) if e.kind() == ErrorKind::WouldBlock && is_hello && connect_expired => {
+                        self.connect_timeouts += 1;
+                        break Some(std::io::Error::from(ErrorKind::TimedOut));
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break None,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -459,11 +467,9 @@ impl TcpControlChannel {
             let c = &self.conns[k];
             if keep
                 && c.peer.is_none()
-                && now.saturating_duration_since(c.accepted) >= HELLO_TIMEOUT
+                && now.saturating_duration_since(c.accepted) >= self.hello_timeout
             {
-                tracing::debug!(
-                    "control connection sent no hello within {HELLO_TIMEOUT:?}; closed"
-                );
+                tracing::debug!(timeout = ?self.hello_timeout, "control connection sent no hello; closed");
                 self.hello_timeouts += 1;
                 keep = false;
             }
@@ -614,11 +620,12 @@ impl TcpControlChannel {
             .filter(|r| r.stream.is_some())
             .filter_map(|r| r.connect_started)
             .map(|t| t + CONNECT_TIMEOUT);
+        let hello_timeout = self.hello_timeout;
         let hellos = self
             .conns
             .iter()
             .filter(|c| c.peer.is_none())
-            .map(|c| c.accepted + HELLO_TIMEOUT);
+            .map(move |c| c.accepted + hello_timeout);
         if let Some(left) = connects
             .chain(hellos)
             .map(|at| at.saturating_duration_since(now))
@@ -947,17 +954,19 @@ mod tests {
     #[test]
     fn a_connection_that_sends_no_hello_is_closed_at_its_deadline() {
         let mut b = TcpControlChannel::bind("b", BindAddr::Loopback).unwrap();
+        let deadline = Duration::from_secs(2); // HELLO_TIMEOUT, shortened
+        b.hello_timeout = deadline;
         let addr = b.listener.local_addr().unwrap();
         let mut raw = TcpStream::connect(addr).unwrap();
         let start = Instant::now();
-        while b.hello_timeouts() == 0 && start.elapsed() < HELLO_TIMEOUT * 3 {
+        while b.hello_timeouts() == 0 && start.elapsed() < deadline * 3 {
             let _ = b.recv(Duration::from_millis(50)).unwrap();
         }
         let waited = start.elapsed();
         assert_eq!(b.hello_timeouts(), 1, "the silent connection was kept");
         assert!(
-            waited < HELLO_TIMEOUT + Duration::from_secs(1),
-            "closed after {waited:?}, deadline {HELLO_TIMEOUT:?}"
+            waited < deadline + Duration::from_secs(1),
+            "closed after {waited:?}, deadline {deadline:?}"
         );
         assert!(b.conns.is_empty());
         raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
