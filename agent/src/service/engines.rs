@@ -26,7 +26,7 @@
 //! pools are answered `Unimplemented` by this build (see
 //! docs/architecture.md, "Engines").
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -415,9 +415,52 @@ impl Session {
 /// Key of an arrival: (destination engine, source engine, request id).
 type ArrivalKey = (String, String, u64);
 
+/// Arrivals recorded and not taken yet: expired after [`ARRIVAL_TTL`],
+/// at most [`MAX_PENDING_ARRIVALS`] (the oldest evicted), both at O(1)
+/// amortized per insert — `order` holds insertion stamps in time order; an
+/// entry taken or replaced leaves its stamp behind, skipped when reached
+/// (arrivals come from peers' NOTICEs: a flood must not cost a scan of
+/// every entry per notice).
 #[derive(Default)]
 struct Arrivals {
     done: HashMap<ArrivalKey, (ArrivalNotice, Instant)>,
+    order: VecDeque<(ArrivalKey, Instant)>,
+}
+
+impl Arrivals {
+    /// Whether `order`'s stamp (`k`, `t`) is still the entry's.
+    fn live(&self, k: &ArrivalKey, t: Instant) -> bool {
+        self.done.get(k).is_some_and(|(_, at)| *at == t)
+    }
+
+    /// Records `a` at `now`, after expiring and evicting as above.
+    fn insert(&mut self, a: ArrivalNotice, now: Instant) {
+        while let Some((k, t)) = self.order.front() {
+            let live = self.live(k, *t);
+            let expired = now.saturating_duration_since(*t) >= ARRIVAL_TTL;
+            if live && !expired && self.done.len() < MAX_PENDING_ARRIVALS {
+                break;
+            }
+            let (k, _) = self.order.pop_front().expect("front exists");
+            if live {
+                self.done.remove(&k);
+            }
+        }
+        let key = (a.dst_engine.clone(), a.src_engine.clone(), a.request_id);
+        self.order.push_back((key.clone(), now));
+        self.done.insert(key, (a, now));
+        // Stamps of taken entries pile up between live ones: rebuild once
+        // they outnumber the entries (amortized O(1)).
+        if self.order.len() > 2 * self.done.len() + 1024 {
+            let mut v: Vec<(ArrivalKey, Instant)> = self
+                .done
+                .iter()
+                .map(|(k, (_, t))| (k.clone(), *t))
+                .collect();
+            v.sort_by_key(|(_, t)| *t);
+            self.order = v.into();
+        }
+    }
 }
 
 /// Totals of an [`EngineHub`] (exported as metrics).
@@ -1297,25 +1340,10 @@ impl EngineHub {
             }
         }
         self.arrived_total.fetch_add(1, Ordering::Relaxed);
-        let mut g = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        g.done
-            .retain(|_, (_, t)| now.duration_since(*t) < ARRIVAL_TTL);
-        if g.done.len() >= MAX_PENDING_ARRIVALS {
-            if let Some(oldest) = g
-                .done
-                .iter()
-                .min_by_key(|(_, (_, t))| *t)
-                .map(|(k, _)| k.clone())
-            {
-                g.done.remove(&oldest);
-            }
-        }
-        g.done.insert(
-            (a.dst_engine.clone(), a.src_engine.clone(), a.request_id),
-            (a, now),
-        );
-        drop(g);
+        self.arrivals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(a, Instant::now());
         self.arrived.notify_waiters();
     }
 
@@ -2399,6 +2427,47 @@ mod tests {
     /// A peer's published pool is trusted only when it holds its layout
     /// without wrapping the address space (else a Transfer into it would
     /// overflow computing block addresses).
+    fn arrival(rid: u64) -> ArrivalNotice {
+        ArrivalNotice {
+            src_engine: "p".into(),
+            dst_engine: "d".into(),
+            request_id: rid,
+            bytes: 1,
+            outcome: "success".into(),
+            reason: String::new(),
+            traceparent: String::new(),
+        }
+    }
+
+    /// Pending arrivals expire after the TTL, are capped (oldest evicted),
+    /// and the stamps of arrivals already taken do not pile up.
+    #[test]
+    fn pending_arrivals_expire_are_capped_and_stay_compact() {
+        let t0 = Instant::now();
+        let mut g = Arrivals::default();
+        let n = MAX_PENDING_ARRIVALS as u64;
+        for rid in 0..n + 10 {
+            g.insert(arrival(rid), t0 + Duration::from_micros(rid));
+        }
+        assert_eq!(g.done.len(), MAX_PENDING_ARRIVALS);
+        assert!(
+            !g.done.contains_key(&("d".into(), "p".into(), 9)),
+            "oldest kept"
+        );
+        assert!(g.done.contains_key(&("d".into(), "p".into(), 10)));
+        // Past the TTL, one insert clears every expired entry.
+        g.insert(arrival(u64::MAX), t0 + ARRIVAL_TTL + Duration::from_secs(1));
+        assert_eq!(g.done.len(), 1);
+        // Arrivals taken as they come: the stamps stay bounded.
+        let mut g = Arrivals::default();
+        for rid in 0..200_000u64 {
+            g.insert(arrival(rid), t0 + Duration::from_micros(rid));
+            g.done.remove(&("d".into(), "p".into(), rid));
+        }
+        assert!(g.done.is_empty());
+        assert!(g.order.len() <= 1025, "{} stamps left", g.order.len());
+    }
+
     #[test]
     fn a_published_pool_must_hold_its_layout_within_the_address_space() {
         let good = engine("d", 0x1000);
