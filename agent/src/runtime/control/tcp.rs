@@ -63,6 +63,15 @@ pub const READ_BUDGET_BYTES: usize = 4 << 20;
 /// that has not sent its hello is closed to make room, and with none such,
 /// accepting pauses.
 pub const MAX_CONNECTIONS: usize = 4096;
+/// Longest data written to a peer may stay unacknowledged before the
+/// kernel fails the connection (`TCP_USER_TIMEOUT` on every outbound
+/// connection); it is then reconnected like any broken one. Without it a
+/// connection open through a network partition keeps retransmitting with a
+/// doubling timeout, so after the partition heals it can sit idle for tens
+/// of seconds more; with it, a partition longer than this ends the
+/// connection and the reconnects (each bounded by [`CONNECT_TIMEOUT`])
+/// find the peer within ≈ 2 s of the heal.
+pub const UNACKED_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest an accepted connection may go without its hello before it is
 /// closed (a peer writes its hello as soon as its connect completes; this
 /// leaves room for a lost hello segment's retransmits): a peer that opens
@@ -190,6 +199,20 @@ fn connect_nonblocking(addr: SocketAddr) -> std::io::Result<TcpStream> {
     }
     // SAFETY: fd is a fresh socket we own.
     let stream = unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let user_timeout_ms = UNACKED_TIMEOUT.as_millis() as libc::c_uint;
+    // SAFETY: setsockopt(2) with a c_uint option value of its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            (&user_timeout_ms as *const libc::c_uint).cast(),
+            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     let (storage, len) = sockaddr(addr);
     // SAFETY: storage holds a valid sockaddr of `len` bytes.
     let r = unsafe { libc::connect(fd, (&storage as *const libc::sockaddr_storage).cast(), len) };
@@ -1009,6 +1032,28 @@ mod tests {
         assert!(b.hello_timeouts() >= 1, "no silent connection evicted");
         assert!(b.conns.len() <= 2);
         drop(silent);
+    }
+
+    /// Outbound control connections fail after UNACKED_TIMEOUT of
+    /// unacknowledged data (the kernel's option is set on the socket).
+    #[test]
+    fn outbound_connections_carry_the_unacked_timeout() {
+        let b = TcpControlChannel::bind("b", BindAddr::Loopback).unwrap();
+        let s = connect_nonblocking(b.listener.local_addr().unwrap()).unwrap();
+        let mut v: libc::c_uint = 0;
+        let mut len = std::mem::size_of::<libc::c_uint>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) into a c_uint of `len` bytes.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_USER_TIMEOUT,
+                (&mut v as *mut libc::c_uint).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0);
+        assert_eq!(u128::from(v), UNACKED_TIMEOUT.as_millis());
     }
 
     #[test]
