@@ -70,7 +70,9 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// doubling timeout, so after the partition heals it can sit idle for tens
 /// of seconds more; with it, a partition longer than this ends the
 /// connection and the reconnects (each bounded by [`CONNECT_TIMEOUT`])
-/// find the peer within ≈ 2 s of the heal.
+/// find the peer within ≈ 2 s of the heal. (Linux also counts a peer that
+/// keeps its receive window closed that long — an IO thread stalled 10 s
+/// — as failed: the connection is remade and the frame cut is dropped.)
 pub const UNACKED_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest an accepted connection may go without its hello before it is
 /// closed (a peer writes its hello as soon as its connect completes; this
@@ -211,7 +213,8 @@ fn connect_nonblocking(addr: SocketAddr) -> std::io::Result<TcpStream> {
         )
     };
     if r != 0 {
-        return Err(std::io::Error::last_os_error());
+        // Best effort: a kernel without it keeps its own retransmits.
+        tracing::debug!(error = %std::io::Error::last_os_error(), "TCP_USER_TIMEOUT not set on a control connection");
     }
     let (storage, len) = sockaddr(addr);
     // SAFETY: storage holds a valid sockaddr of `len` bytes.
@@ -1032,6 +1035,20 @@ mod tests {
         assert!(b.hello_timeouts() >= 1, "no silent connection evicted");
         assert!(b.conns.len() <= 2);
         drop(silent);
+    }
+
+    /// A connect that completed while nothing pumped the channel is not
+    /// cut when it is first pumped past CONNECT_TIMEOUT (the deadline
+    /// counts only while the hello cannot be written).
+    #[test]
+    fn a_connection_first_pumped_after_the_connect_deadline_is_kept() {
+        let (mut a, mut b) = pair();
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        std::thread::sleep(CONNECT_TIMEOUT + Duration::from_millis(500));
+        a.send_to("b", b"late but connected").unwrap();
+        let m = relay(&mut a, &mut b).expect("the message on the first connection");
+        assert_eq!(m, ("a".to_string(), b"late but connected".to_vec()));
+        assert_eq!(a.connect_timeouts(), 0, "a completed connect was cut");
     }
 
     /// Outbound control connections fail after UNACKED_TIMEOUT of
