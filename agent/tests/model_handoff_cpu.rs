@@ -124,6 +124,15 @@ fn a_real_models_kv_hands_off_bit_identically_on_cpu() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out).expect("report")).expect("JSON");
     assert_eq!(report["ok"], true, "{tail}");
+    // A run whose every case passed leaves no work dir behind (it was
+    // ~60 MB in the temp dir per run).
+    if report["ok_all"] == true {
+        let wd = report["workdir"].as_str().expect("workdir");
+        assert!(
+            !std::path::Path::new(wd).exists(),
+            "work dir {wd} left behind"
+        );
+    }
     let cases = report["cases"].as_array().expect("cases");
     let (mut identical, mut negatives) = (0, 0);
     for c in cases {

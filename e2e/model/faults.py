@@ -31,6 +31,7 @@ Writes a JSON report; exit 0 when every check passed.
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -369,6 +370,10 @@ def run(a):
             except Exception:  # noqa: BLE001
                 p.kill()
         report["log_tail"] = {k: open(v).read()[-2500:] for k, v in logs.items()}
+        # Kept only when a case failed, or with KVF_KEEP_WORKDIR=1.
+        if report.get("ok") and os.environ.get("KVF_KEEP_WORKDIR", "0") != "1":
+            shutil.rmtree(tmp, ignore_errors=True)
+            report["workdir_removed"] = True
     return report
 
 

@@ -96,6 +96,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -1470,6 +1471,12 @@ def run_agents(a):
             except Exception:  # noqa: BLE001
                 p.kill()
         report["log_tail"] = {k: open(v).read()[-3000:] for k, v in logs.items()}
+        # The work dir (logs, logits, pools: ~60 MB) is kept only when a
+        # case failed, or with KVF_KEEP_WORKDIR=1; a passing run leaves
+        # nothing behind in the temp dir.
+        if report.get("ok_all") and os.environ.get("KVF_KEEP_WORKDIR", "0") != "1":
+            shutil.rmtree(tmp, ignore_errors=True)
+            report["workdir_removed"] = True
     return report
 
 
