@@ -423,6 +423,14 @@ pub const MAX_SPINNING_WAITERS: usize = 1;
 /// "Issue 18, fifteenth session"). Not yet measured on the H200.
 pub const DEFAULT_SOLO_CHUNK_SIZE_BYTES: u64 = 16 << 20;
 
+/// Whether `bytes` can cut chunks as a solo size: a multiple of 32 bytes
+/// within `granularity_bytes ..= max_chunk_size_bytes`.
+fn valid_solo_chunk(bytes: u64, max_chunk_size_bytes: u64, granularity_bytes: u64) -> bool {
+    bytes % kvfabric_core::plan::ALIGN == 0
+        && bytes >= granularity_bytes
+        && bytes <= max_chunk_size_bytes
+}
+
 /// The switch `KVFABRIC_SOLO_CHUNK_BYTES` (issue 18): the chunk cap of a
 /// request submitted while its transport has no other in flight
 /// ([`TransportSettings::solo_chunk_size_bytes`]), in bytes with an
@@ -440,8 +448,11 @@ pub fn parse_solo_chunk(
 ) -> u64 {
     let Some(v) = value.map(str::trim) else {
         return if max_chunk_size_bytes > DEFAULT_SOLO_CHUNK_SIZE_BYTES
-            && granularity_bytes <= DEFAULT_SOLO_CHUNK_SIZE_BYTES
-        {
+            && valid_solo_chunk(
+                DEFAULT_SOLO_CHUNK_SIZE_BYTES,
+                max_chunk_size_bytes,
+                granularity_bytes,
+            ) {
             DEFAULT_SOLO_CHUNK_SIZE_BYTES
         } else {
             0
@@ -449,13 +460,7 @@ pub fn parse_solo_chunk(
     };
     match kvfabric_core::config::parse_byte_size(v) {
         Ok(0) => 0,
-        Ok(n)
-            if n % kvfabric_core::plan::ALIGN == 0
-                && n >= granularity_bytes
-                && n <= max_chunk_size_bytes =>
-        {
-            n
-        }
+        Ok(n) if valid_solo_chunk(n, max_chunk_size_bytes, granularity_bytes) => n,
         Ok(n) => {
             tracing::warn!(
                 value = v,
@@ -1067,10 +1072,7 @@ impl BounceTransport {
         // multiple of 32 bytes within [granularity, max chunk], else off.
         let settings_solo_chunk = match settings.solo_chunk_size_bytes {
             0 => 0,
-            s if s % kvfabric_core::plan::ALIGN == 0
-                && s >= settings.granularity_bytes
-                && s <= max_chunk_size_bytes =>
-            {
+            s if valid_solo_chunk(s, max_chunk_size_bytes, settings.granularity_bytes) => {
                 tracing::info!(
                     agent = %name,
                     solo_chunk_size_bytes = s,

@@ -174,6 +174,12 @@ fn parse_addr(peer: &str, endpoint: &str) -> Result<SocketAddr, ControlError> {
         })
 }
 
+/// `d` as poll(2)'s timeout: whole milliseconds, rounded up (a wait never
+/// ends before its deadline), at most `i32::MAX`.
+fn poll_ms(d: Duration) -> i32 {
+    d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+}
+
 fn frame(payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(4 + payload.len());
     f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -627,7 +633,7 @@ impl TcpControlChannel {
         });
         // Whole milliseconds, rounded up; a route waiting to reconnect
         // bounds the wait by its backoff.
-        let mut ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        let mut ms = poll_ms(timeout);
         // (A route with nothing queued is not retried: see `flush`.)
         if !accepting
             || self
@@ -657,7 +663,7 @@ impl TcpControlChannel {
             .map(|at| at.saturating_duration_since(now))
             .min()
         {
-            ms = ms.min(left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32);
+            ms = ms.min(poll_ms(left));
         }
         // SAFETY: fds is a valid array of fds.len() pollfd entries.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
