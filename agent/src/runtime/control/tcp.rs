@@ -819,6 +819,45 @@ impl ControlChannel for TcpControlChannel {
     }
 }
 
+/// A listening socket on 127.0.0.1 whose accept queue is full, so the
+/// kernel drops further SYNs and a connect to it hangs. Returns the
+/// listener's fd (closed on drop of the guard), its port and the
+/// parked clients filling the queue. (Tests of this channel and of the
+/// ZMQ one.)
+#[cfg(test)]
+pub(crate) fn syn_dropping_listener() -> (std::os::fd::OwnedFd, u16, Vec<TcpStream>) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a fresh fd we own.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    assert!(fd >= 0);
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let (sa, len) = sockaddr("127.0.0.1:0".parse().unwrap());
+    assert_eq!(
+        unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_storage).cast(), len) },
+        0
+    );
+    assert_eq!(unsafe { libc::listen(fd, 0) }, 0);
+    let mut got: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut got_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    assert_eq!(
+        unsafe {
+            libc::getsockname(
+                fd,
+                (&mut got as *mut libc::sockaddr_in).cast(),
+                &mut got_len,
+            )
+        },
+        0
+    );
+    let port = u16::from_be(got.sin_port);
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    // A backlog of 0 holds one connection; fill it (and then some).
+    let parked = (0..3)
+        .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+        .collect();
+    (owned, port, parked)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -909,43 +948,6 @@ mod tests {
             Some(("a".to_string(), b"first".to_vec()))
         );
         assert_eq!(b.conns.len(), 1, "no second connection");
-    }
-
-    /// A listening socket on 127.0.0.1 whose accept queue is full, so the
-    /// kernel drops further SYNs and a connect to it hangs. Returns the
-    /// listener's fd (closed on drop of the guard), its port and the
-    /// parked clients filling the queue.
-    fn syn_dropping_listener() -> (std::os::fd::OwnedFd, u16, Vec<TcpStream>) {
-        use std::os::fd::FromRawFd;
-        // SAFETY: plain socket calls on a fresh fd we own.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-        assert!(fd >= 0);
-        let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        let (sa, len) = sockaddr("127.0.0.1:0".parse().unwrap());
-        assert_eq!(
-            unsafe { libc::bind(fd, (&sa as *const libc::sockaddr_storage).cast(), len) },
-            0
-        );
-        assert_eq!(unsafe { libc::listen(fd, 0) }, 0);
-        let mut got: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-        let mut got_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        assert_eq!(
-            unsafe {
-                libc::getsockname(
-                    fd,
-                    (&mut got as *mut libc::sockaddr_in).cast(),
-                    &mut got_len,
-                )
-            },
-            0
-        );
-        let port = u16::from_be(got.sin_port);
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        // A backlog of 0 holds one connection; fill it (and then some).
-        let parked = (0..3)
-            .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
-            .collect();
-        (owned, port, parked)
     }
 
     /// A connect that does not complete (the peer's address drops SYNs)

@@ -23,6 +23,22 @@
 //!   is reaped.
 //! - [`ControlChannel::add_peer`] validates the endpoint ([`validate_endpoint`])
 //!   before connecting; a malformed endpoint is reported, never panics.
+//!
+//! Liveness (as the TCP channel's, [`super::tcp`]): every DEALER abandons a
+//! connect that has not completed within [`CONNECT_TIMEOUT`]
+//! (`ZMQ_CONNECT_TIMEOUT`; libzmq then retries after its reconnect
+//! interval) instead of waiting out the kernel's SYN retries, and sends a
+//! ZMTP heartbeat PING every [`HEARTBEAT_IVL`] on its connection: a
+//! connection on which nothing has come back for [`UNACKED_TIMEOUT`]
+//! (`ZMQ_HEARTBEAT_TIMEOUT`; a partition, a peer whose host vanished
+//! without a reset, a middlebox that dropped the flow) is closed and
+//! reconnected, so after a partition heals the route is live again within
+//! ≈ [`CONNECT_TIMEOUT`] instead of sitting on a dead connection until the
+//! kernel's retransmissions give up (≈ 15 min). The PING also asks the far
+//! ROUTER to drop the connection after the same silence
+//! (`ZMQ_HEARTBEAT_TTL`). Messages written into a connection that then dies
+//! are lost, as on any broken connection (their requests fail through the
+//! request timeout); those still queued go out on the next connection.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -30,6 +46,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::tcp::{CONNECT_TIMEOUT, UNACKED_TIMEOUT};
 use super::{ControlChannel, ControlError, Inbound};
 use crate::runtime::waker::Waker;
 
@@ -45,6 +62,11 @@ pub const RECV_HWM: i32 = 4096;
 /// that sends more is disconnected by libzmq. DATA messages are at most a
 /// few hundred KiB, so this only guards against garbage.
 pub const MAX_MSG_BYTES: i64 = 64 << 20;
+
+/// How often a DEALER sends a ZMTP heartbeat PING on its connection
+/// (`ZMQ_HEARTBEAT_IVL`); a connection without any reply for
+/// [`UNACKED_TIMEOUT`] is closed and reconnected (module docs).
+pub const HEARTBEAT_IVL: Duration = Duration::from_secs(1);
 
 /// Longest endpoint accepted by [`validate_endpoint`], in bytes
 /// (`tcp://` + a 253-byte hostname + `:65535`, rounded up).
@@ -399,7 +421,33 @@ pub struct ZmqControlChannel {
     /// Messages discarded for an invalid sender identity.
     bad_identities: u64,
     waker: Option<Arc<Waker>>,
+    /// [`CONNECT_TIMEOUT`], [`HEARTBEAT_IVL`] and [`UNACKED_TIMEOUT`] for
+    /// routes added from now on (tests shorten them).
+    liveness: Liveness,
     ctx: ::zmq::Context,
+}
+
+/// The DEALERs' connect deadline and heartbeat (module docs).
+#[derive(Debug, Clone, Copy)]
+struct Liveness {
+    connect_timeout: Duration,
+    heartbeat_ivl: Duration,
+    heartbeat_timeout: Duration,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self {
+            connect_timeout: CONNECT_TIMEOUT,
+            heartbeat_ivl: HEARTBEAT_IVL,
+            heartbeat_timeout: UNACKED_TIMEOUT,
+        }
+    }
+}
+
+/// A duration as libzmq's `int` milliseconds (saturating).
+fn zmq_ms(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
 impl std::fmt::Debug for ZmqControlChannel {
@@ -462,6 +510,7 @@ impl ZmqControlChannel {
             dropped: 0,
             bad_identities: 0,
             waker: None,
+            liveness: Liveness::default(),
             ctx,
         })
     }
@@ -487,6 +536,11 @@ impl ZmqControlChannel {
         dealer.set_ipv6(true)?;
         dealer.set_sndhwm(SEND_HWM)?;
         dealer.set_linger(0)?;
+        let l = self.liveness;
+        dealer.set_connect_timeout(zmq_ms(l.connect_timeout))?;
+        dealer.set_heartbeat_ivl(zmq_ms(l.heartbeat_ivl))?;
+        dealer.set_heartbeat_timeout(zmq_ms(l.heartbeat_timeout))?;
+        dealer.set_heartbeat_ttl(zmq_ms(l.heartbeat_timeout))?;
         dealer.connect(endpoint)?;
         Ok(dealer)
     }
@@ -499,7 +553,8 @@ impl ControlChannel for ZmqControlChannel {
     }
 
     /// Validates `endpoint` ([`validate_endpoint`]), then connects a DEALER
-    /// (routing id = our name, `ZMQ_IPV6`, [`SEND_HWM`], linger 0). The
+    /// (routing id = our name, `ZMQ_IPV6`, [`SEND_HWM`], linger 0, the
+    /// connect deadline and heartbeat of the module docs). The
     /// same endpoint again is a no-op; a different one replaces the route.
     /// On error any existing route to `peer` is left as it was. The
     /// connection is made in the background: messages sent before it is up
@@ -577,14 +632,15 @@ impl ControlChannel for ZmqControlChannel {
         }
     }
 
-    /// Polls the ROUTER for up to `timeout` (rounded up to whole
-    /// milliseconds; 0 = poll once) and returns one message as (sender's
-    /// routing id, lossy UTF-8, payload). Frames that are not
-    /// `[routing id, payload]` are discarded with a warning.
     fn set_waker(&mut self, waker: Arc<Waker>) {
         self.waker = Some(waker);
     }
 
+    /// Polls the ROUTER for up to `timeout` (rounded up to whole
+    /// milliseconds; 0 = poll once) and returns one message as (sender's
+    /// validated routing id, payload). Frames that are not
+    /// `[routing id, payload]`, or whose id is not a valid peer name, are
+    /// discarded with a rate-limited warning.
     fn recv(&mut self, timeout: Duration) -> Result<Option<Inbound>, ControlError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -654,5 +710,199 @@ impl ControlChannel for ZmqControlChannel {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// Receives on `b` until a message arrives or `limit` passes.
+    fn recv_within(b: &mut ZmqControlChannel, limit: Duration) -> Option<Inbound> {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Some(m) = b.recv(Duration::from_millis(20)).unwrap() {
+                return Some(m);
+            }
+        }
+        None
+    }
+
+    /// A connect that does not complete (the peer's address drops SYNs)
+    /// is abandoned at CONNECT_TIMEOUT and retried (libzmq's
+    /// CONNECT_RETRIED event), and the queued message reaches a peer that
+    /// then listens there — instead of the DEALER waiting out the kernel's
+    /// ≈ 2 min of SYN retries.
+    #[test]
+    fn a_connect_that_hangs_is_abandoned_at_its_deadline_and_retried() {
+        let (listener_fd, port, parked) = super::super::tcp::syn_dropping_listener();
+        let mut a = ZmqControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        a.add_peer("b", format!("tcp://127.0.0.1:{port}").as_bytes())
+            .unwrap();
+        let start = Instant::now();
+        let dealer = &a.routes["b"].dealer;
+        dealer
+            .monitor(
+                "inproc://kvf-connect-deadline",
+                ::zmq::SocketEvent::CONNECT_RETRIED as i32,
+            )
+            .unwrap();
+        let events = a.ctx.socket(::zmq::PAIR).unwrap();
+        events.connect("inproc://kvf-connect-deadline").unwrap();
+        events
+            .set_rcvtimeo(zmq_ms(CONNECT_TIMEOUT + Duration::from_secs(2)))
+            .unwrap();
+        a.send_to("b", b"queued while unreachable").unwrap();
+        let event = events.recv_multipart(0).expect("no connect retry");
+        let waited = start.elapsed();
+        let kind = u16::from_ne_bytes([event[0][0], event[0][1]]);
+        assert_eq!(kind, ::zmq::SocketEvent::CONNECT_RETRIED as u16);
+        assert!(
+            waited >= CONNECT_TIMEOUT - Duration::from_millis(200)
+                && waited < CONNECT_TIMEOUT + Duration::from_secs(1),
+            "abandoned after {waited:?}, deadline {CONNECT_TIMEOUT:?}"
+        );
+        // A peer comes up on that port: the retry delivers.
+        drop(parked);
+        drop(listener_fd);
+        let router = a.ctx.socket(::zmq::ROUTER).unwrap();
+        router.set_rcvtimeo(5_000).unwrap();
+        router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        let frames = router.recv_multipart(0).expect("the queued message");
+        assert_eq!(
+            frames,
+            vec![b"a".to_vec(), b"queued while unreachable".to_vec()]
+        );
+    }
+
+    /// A TCP relay in front of a peer whose existing connections can be
+    /// turned into black holes (bytes read and discarded both ways, no
+    /// reset: a partition or a middlebox that lost the flow); connections
+    /// accepted later relay normally.
+    struct BlackHoleRelay {
+        port: u16,
+        accepted: Arc<AtomicUsize>,
+        holes: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl BlackHoleRelay {
+        fn to(upstream_port: u16) -> Self {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let accepted = Arc::new(AtomicUsize::new(0));
+            let holes: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
+            let stop = Arc::new(AtomicBool::new(false));
+            let (acc, hs, st) = (accepted.clone(), holes.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    let Ok((down, _)) = listener.accept() else {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    };
+                    down.set_nonblocking(false).unwrap();
+                    let up = TcpStream::connect(("127.0.0.1", upstream_port)).unwrap();
+                    acc.fetch_add(1, Ordering::Relaxed);
+                    let hole = Arc::new(AtomicBool::new(false));
+                    hs.lock().unwrap().push(hole.clone());
+                    for (from, to) in [
+                        (down.try_clone().unwrap(), up.try_clone().unwrap()),
+                        (up, down),
+                    ] {
+                        let (hole, st) = (hole.clone(), st.clone());
+                        std::thread::spawn(move || pump(from, to, &hole, &st));
+                    }
+                }
+            });
+            Self {
+                port,
+                accepted,
+                holes,
+                stop,
+            }
+        }
+
+        fn black_hole_existing(&self) {
+            for h in self.holes.lock().unwrap().iter() {
+                h.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    impl Drop for BlackHoleRelay {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn pump(mut from: TcpStream, mut to: TcpStream, hole: &AtomicBool, stop: &AtomicBool) {
+        from.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let mut buf = [0u8; 16 << 10];
+        while !stop.load(Ordering::Relaxed) {
+            match from.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) if !hole.load(Ordering::Relaxed) => {
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {} // swallowed
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => break,
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+    }
+
+    /// A connection that goes silent without a reset (a partition) is
+    /// found dead by the heartbeat and remade: messages sent after the
+    /// timeout reach the peer over a new connection. Without the heartbeat
+    /// the DEALER keeps writing into the dead one and nothing arrives.
+    #[test]
+    fn a_silent_connection_is_remade_after_the_heartbeat_timeout() {
+        let mut b = ZmqControlChannel::bind("b", BindAddr::Loopback).unwrap();
+        let b_port: u16 = b.endpoint().rsplit(':').next().unwrap().parse().unwrap();
+        let relay = BlackHoleRelay::to(b_port);
+        let mut a = ZmqControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        let timeout = Duration::from_secs(1); // UNACKED_TIMEOUT, shortened
+        a.liveness.heartbeat_ivl = Duration::from_millis(100);
+        a.liveness.heartbeat_timeout = timeout;
+        a.add_peer("b", format!("tcp://127.0.0.1:{}", relay.port).as_bytes())
+            .unwrap();
+        a.send_to("b", b"before").unwrap();
+        assert_eq!(
+            recv_within(&mut b, Duration::from_secs(5)),
+            Some(("a".to_string(), b"before".to_vec()))
+        );
+        assert_eq!(relay.accepted.load(Ordering::Relaxed), 1);
+
+        relay.black_hole_existing();
+        let start = Instant::now();
+        let limit = timeout + Duration::from_secs(4);
+        let got = loop {
+            assert!(
+                start.elapsed() < limit,
+                "nothing arrived {limit:?} after the connection went silent (heartbeat timeout {timeout:?})"
+            );
+            a.send_to("b", b"after").unwrap();
+            if let Some(m) = recv_within(&mut b, Duration::from_millis(100)) {
+                break m;
+            }
+        };
+        assert_eq!(got, ("a".to_string(), b"after".to_vec()));
+        assert!(
+            relay.accepted.load(Ordering::Relaxed) >= 2,
+            "no new connection was made"
+        );
     }
 }
