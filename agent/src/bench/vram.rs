@@ -595,7 +595,9 @@ pub struct VramBenchArgs {
     /// The receiver's GPU (default: the sender's).
     pub peer_device: Option<usize>,
     /// Bounce max chunk sizes to run (one receiver process each; the first
-    /// also runs the other two paths); at least one.
+    /// also runs the other two paths); empty: the agents' own
+    /// (`KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES`, else the bounce default,
+    /// 64 MiB).
     pub chunks: Vec<u64>,
     /// Bounce arena size of both agents (default:
     /// `KVFABRIC_BOUNCE_ARENA_SIZE_BYTES`, else the bounce default, 512 MiB).
@@ -627,7 +629,7 @@ pub struct VramBenchArgs {
 ///
 /// # Errors
 /// A bounce config the flags make invalid (named by chunk size), a block
-/// size of 0 or above the total, no chunk size, any failure of [`run`],
+/// size of 0 or above the total, any failure of [`run`],
 /// a report that cannot be written.
 pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(), String> {
     use super::ucx_tap::OutputTap;
@@ -651,7 +653,12 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
     let inflight = a.inflight.unwrap_or(base.max_inflight_chunks_per_request);
     let workers = a.workers.unwrap_or(base.scatter_worker_count);
     let mut configs = Vec::new();
-    for &chunk in &a.chunks {
+    let chunks = if a.chunks.is_empty() {
+        vec![base.max_chunk_size_bytes.0]
+    } else {
+        a.chunks.clone()
+    };
+    for &chunk in &chunks {
         let cfg = BounceConfig {
             enabled: true,
             arena_size_bytes: arena,
@@ -664,9 +671,6 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
         };
         cfg.validate().map_err(|e| format!("chunk {chunk}: {e}"))?;
         configs.push(cfg);
-    }
-    if configs.is_empty() {
-        return Err("--chunks names no size".into());
     }
     let mut p2p = None;
     if peer_device != device {

@@ -226,8 +226,10 @@ struct VramArgs {
     #[arg(long)]
     peer_device: Option<usize>,
     /// Bounce max chunk sizes to run, comma-separated (one receiver
-    /// process each; the first also runs the other two paths).
-    #[arg(long, default_value = "4M", value_delimiter = ',', value_parser = byte_size)]
+    /// process each; the first also runs the other two paths)
+    /// [default: KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES, else 64M: what an
+    /// agent uses].
+    #[arg(long, value_delimiter = ',', value_parser = byte_size)]
     chunks: Vec<u64>,
     /// Bounce arena size of both agents [default: KVFABRIC_BOUNCE_ARENA_SIZE_BYTES, else 512M].
     #[arg(long, value_parser = nonzero_byte_size)]

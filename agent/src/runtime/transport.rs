@@ -415,13 +415,16 @@ static SPINNING_WAITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 pub const MAX_SPINNING_WAITERS: usize = 1;
 
 /// Solo chunk size used when `KVFABRIC_SOLO_CHUNK_BYTES` is unset and
-/// the max chunk is larger, bytes (16 MiB). A lone request is cut as the
-/// isolated-request runs cut it (16 MiB chunks on the H200); with the
-/// 64 MiB default max chunk, the README main job's bounce p99 (= max, 40
-/// requests) fell from a median of 1,890 to 1,156 ms over 7 interleaved
-/// pairs on the 2-core dev machine, lower in 6 of 7 (docs/benchmarks.md,
-/// "Issue 18, fifteenth session"). Not yet measured on the H200.
-pub const DEFAULT_SOLO_CHUNK_SIZE_BYTES: u64 = 16 << 20;
+/// the max chunk is larger, bytes (32 MiB). On the H200 (MPS, seed shape,
+/// 64 MiB max chunk; docs/benchmarks.md, "Issue 18, sixteenth session"),
+/// one request at a time: 1,366 / 1,328 req/s with 32 MiB against
+/// 1,286 / 1,299 off and 1,248 / 1,143 with 16 MiB (a chunk costs the host
+/// ≈ 50–150 µs, so 16 MiB pieces of a 151 MB request cost more than they
+/// pipeline); an isolated 64 MiB request 0.339 / 0.340 ms against 0.386 /
+/// 0.425 off and 0.370 / 0.369 with 16 MiB. On the 2-core dev machine
+/// 16 MiB first cut the README main job's bounce p99 (= max of 40) from a
+/// median of 1,890 to 1,156 ms ("fifteenth session").
+pub const DEFAULT_SOLO_CHUNK_SIZE_BYTES: u64 = 32 << 20;
 
 /// Whether `bytes` can cut chunks as a solo size: a multiple of 32 bytes
 /// within `granularity_bytes ..= max_chunk_size_bytes`.
@@ -2723,13 +2726,13 @@ mod tests {
     #[test]
     fn solo_chunk_switch_parses_sizes_and_refuses_what_cannot_cut_chunks() {
         let max = 64 << 20;
-        // Unset: 16 MiB under a larger max chunk, else off.
+        // Unset: 32 MiB under a larger max chunk, else off.
         let parse = |v, max| parse_solo_chunk(v, max, 4096);
-        assert_eq!(parse(None, max), 16 << 20);
-        assert_eq!(parse(None, 16 << 20), 0);
+        assert_eq!(parse(None, max), 32 << 20);
+        assert_eq!(parse(None, 32 << 20), 0);
         assert_eq!(parse(None, 4 << 20), 0);
         // A granularity above the solo size: off, set or not.
-        assert_eq!(parse_solo_chunk(None, max, 32 << 20), 0);
+        assert_eq!(parse_solo_chunk(None, max, 64 << 20), 0);
         assert_eq!(parse_solo_chunk(Some("1MiB"), max, 2 << 20), 0);
         assert_eq!(parse(Some("0"), max), 0);
         assert_eq!(parse(Some(" 32MiB "), max), 32 << 20);
