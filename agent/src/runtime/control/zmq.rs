@@ -27,18 +27,32 @@
 //! Liveness (as the TCP channel's, [`super::tcp`]): every DEALER abandons a
 //! connect that has not completed within [`CONNECT_TIMEOUT`]
 //! (`ZMQ_CONNECT_TIMEOUT`; libzmq then retries after its reconnect
-//! interval) instead of waiting out the kernel's SYN retries, and sends a
-//! ZMTP heartbeat PING every [`HEARTBEAT_IVL`] on its connection: a
-//! connection on which nothing has come back for [`UNACKED_TIMEOUT`]
-//! (`ZMQ_HEARTBEAT_TIMEOUT`; a partition, a peer whose host vanished
-//! without a reset, a middlebox that dropped the flow) is closed and
-//! reconnected, so after a partition heals the route is live again within
-//! ≈ [`CONNECT_TIMEOUT`] instead of sitting on a dead connection until the
-//! kernel's retransmissions give up (≈ 15 min). The PING also asks the far
-//! ROUTER to drop the connection after the same silence
-//! (`ZMQ_HEARTBEAT_TTL`). Messages written into a connection that then dies
-//! are lost, as on any broken connection (their requests fail through the
-//! request timeout); those still queued go out on the next connection.
+//! interval) instead of waiting out the kernel's SYN retries, and a
+//! connection that goes dead — a partition, a peer whose host vanished
+//! without a reset, a middlebox that dropped the flow — is closed and
+//! reconnected after [`UNACKED_TIMEOUT`], so after a partition heals the
+//! route is live again within ≈ [`CONNECT_TIMEOUT`] instead of sitting on
+//! a dead connection until the kernel's retransmissions give up
+//! (≈ 15 min). Two mechanisms, because each misses a case:
+//! - `ZMQ_TCP_MAXRT` (the kernel's `TCP_USER_TIMEOUT`, as the TCP
+//!   channel sets it): data written and not acknowledged for that long,
+//!   or a receive window kept closed that long, fails the connection. It
+//!   covers a connection with data waiting, where libzmq cannot send a
+//!   heartbeat (a PING is only encoded into an empty output buffer).
+//! - ZMTP heartbeats: a PING every [`HEARTBEAT_IVL`], and a connection
+//!   with nothing back for [`UNACKED_TIMEOUT`] after one is closed
+//!   (`ZMQ_HEARTBEAT_TIMEOUT`); the PING asks the far ROUTER to drop the
+//!   connection after the same silence (`ZMQ_HEARTBEAT_TTL`). It covers
+//!   an idle connection, where the kernel has nothing to retransmit.
+//!
+//! Unlike the TCP channel's, the heartbeat is answered by the peer
+//! process, not its kernel: a peer stopped (SIGSTOP) for longer than
+//! [`UNACKED_TIMEOUT`] loses its connections, and what reached it during
+//! the stop may be dropped when its timers fire first on resume (those
+//! requests have timed out by then; the routes reconnect). Messages
+//! written into a connection that then dies are lost, as on any broken
+//! connection (their requests fail through the request timeout); those
+//! still queued go out on the next connection.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -63,7 +77,7 @@ pub const RECV_HWM: i32 = 4096;
 /// few hundred KiB, so this only guards against garbage.
 pub const MAX_MSG_BYTES: i64 = 64 << 20;
 
-/// How often a DEALER sends a ZMTP heartbeat PING on its connection
+/// How often a DEALER sends a ZMTP heartbeat PING on an idle connection
 /// (`ZMQ_HEARTBEAT_IVL`); a connection without any reply for
 /// [`UNACKED_TIMEOUT`] is closed and reconnected (module docs).
 pub const HEARTBEAT_IVL: Duration = Duration::from_secs(1);
@@ -427,12 +441,14 @@ pub struct ZmqControlChannel {
     ctx: ::zmq::Context,
 }
 
-/// The DEALERs' connect deadline and heartbeat (module docs).
+/// The DEALERs' connect deadline, heartbeat and unacknowledged-data
+/// timeout (module docs).
 #[derive(Debug, Clone, Copy)]
 struct Liveness {
     connect_timeout: Duration,
     heartbeat_ivl: Duration,
-    heartbeat_timeout: Duration,
+    /// `ZMQ_HEARTBEAT_TIMEOUT`, `ZMQ_HEARTBEAT_TTL` and `ZMQ_TCP_MAXRT`.
+    unacked_timeout: Duration,
 }
 
 impl Default for Liveness {
@@ -440,7 +456,7 @@ impl Default for Liveness {
         Self {
             connect_timeout: CONNECT_TIMEOUT,
             heartbeat_ivl: HEARTBEAT_IVL,
-            heartbeat_timeout: UNACKED_TIMEOUT,
+            unacked_timeout: UNACKED_TIMEOUT,
         }
     }
 }
@@ -531,7 +547,7 @@ impl ZmqControlChannel {
     }
 
     fn connect(&self, endpoint: &str) -> Result<::zmq::Socket, ::zmq::Error> {
-        let dealer = self.ctx.socket(::zmq::DEALER)?;
+        let mut dealer = self.ctx.socket(::zmq::DEALER)?;
         dealer.set_identity(self.own_name.as_bytes())?;
         dealer.set_ipv6(true)?;
         dealer.set_sndhwm(SEND_HWM)?;
@@ -539,8 +555,25 @@ impl ZmqControlChannel {
         let l = self.liveness;
         dealer.set_connect_timeout(zmq_ms(l.connect_timeout))?;
         dealer.set_heartbeat_ivl(zmq_ms(l.heartbeat_ivl))?;
-        dealer.set_heartbeat_timeout(zmq_ms(l.heartbeat_timeout))?;
-        dealer.set_heartbeat_ttl(zmq_ms(l.heartbeat_timeout))?;
+        dealer.set_heartbeat_timeout(zmq_ms(l.unacked_timeout))?;
+        dealer.set_heartbeat_ttl(zmq_ms(l.unacked_timeout))?;
+        // ZMQ_TCP_MAXRT has no setter in the zmq crate. Best effort, as
+        // the TCP channel's TCP_USER_TIMEOUT: a kernel without it still
+        // connects (the heartbeat still covers idle connections).
+        let maxrt: std::os::raw::c_int = zmq_ms(l.unacked_timeout);
+        // SAFETY: a live socket we own; an int option passed as a pointer
+        // to an int of its size.
+        let rc = unsafe {
+            zmq_sys::zmq_setsockopt(
+                dealer.as_mut_ptr(),
+                zmq_sys::ZMQ_TCP_MAXRT as std::os::raw::c_int,
+                (&maxrt as *const std::os::raw::c_int).cast(),
+                std::mem::size_of::<std::os::raw::c_int>(),
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(%endpoint, "ZMQ_TCP_MAXRT not set; dead connections with data waiting are found by the kernel's retransmission limit only");
+        }
         dealer.connect(endpoint)?;
         Ok(dealer)
     }
@@ -718,7 +751,7 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
     use std::sync::Mutex;
 
     /// Receives on `b` until a message arrives or `limit` passes.
@@ -779,26 +812,34 @@ mod tests {
         );
     }
 
+    /// What a relayed connection does with the bytes it reads.
+    const RELAY: u8 = 0;
+    /// Reads and discards both ways (a partition, a middlebox that lost
+    /// the flow): no reset, no end of stream passed on.
+    const HOLE: u8 = 1;
+    /// Stops reading from the DEALER's side (its window closes, its data
+    /// waits), nothing passed on either way.
+    const STALL: u8 = 2;
+
     /// A TCP relay in front of a peer whose existing connections can be
-    /// turned into black holes (bytes read and discarded both ways, no
-    /// reset: a partition or a middlebox that lost the flow); connections
-    /// accepted later relay normally.
-    struct BlackHoleRelay {
+    /// turned into black holes or stalled; connections accepted later
+    /// relay normally.
+    struct Relay {
         port: u16,
         accepted: Arc<AtomicUsize>,
-        holes: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
+        modes: Arc<Mutex<Vec<Arc<AtomicU8>>>>,
         stop: Arc<AtomicBool>,
     }
 
-    impl BlackHoleRelay {
+    impl Relay {
         fn to(upstream_port: u16) -> Self {
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             listener.set_nonblocking(true).unwrap();
             let port = listener.local_addr().unwrap().port();
             let accepted = Arc::new(AtomicUsize::new(0));
-            let holes: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
+            let modes: Arc<Mutex<Vec<Arc<AtomicU8>>>> = Arc::default();
             let stop = Arc::new(AtomicBool::new(false));
-            let (acc, hs, st) = (accepted.clone(), holes.clone(), stop.clone());
+            let (acc, ms, st) = (accepted.clone(), modes.clone(), stop.clone());
             std::thread::spawn(move || {
                 while !st.load(Ordering::Relaxed) {
                     let Ok((down, _)) = listener.accept() else {
@@ -808,46 +849,58 @@ mod tests {
                     down.set_nonblocking(false).unwrap();
                     let up = TcpStream::connect(("127.0.0.1", upstream_port)).unwrap();
                     acc.fetch_add(1, Ordering::Relaxed);
-                    let hole = Arc::new(AtomicBool::new(false));
-                    hs.lock().unwrap().push(hole.clone());
-                    for (from, to) in [
-                        (down.try_clone().unwrap(), up.try_clone().unwrap()),
-                        (up, down),
+                    let mode = Arc::new(AtomicU8::new(RELAY));
+                    ms.lock().unwrap().push(mode.clone());
+                    for (from, to, from_dealer) in [
+                        (down.try_clone().unwrap(), up.try_clone().unwrap(), true),
+                        (up, down, false),
                     ] {
-                        let (hole, st) = (hole.clone(), st.clone());
-                        std::thread::spawn(move || pump(from, to, &hole, &st));
+                        let (mode, st) = (mode.clone(), st.clone());
+                        std::thread::spawn(move || pump(from, to, from_dealer, &mode, &st));
                     }
                 }
             });
             Self {
                 port,
                 accepted,
-                holes,
+                modes,
                 stop,
             }
         }
 
-        fn black_hole_existing(&self) {
-            for h in self.holes.lock().unwrap().iter() {
-                h.store(true, Ordering::Relaxed);
+        /// Sets every connection accepted so far to `mode`.
+        fn set_existing(&self, mode: u8) {
+            for m in self.modes.lock().unwrap().iter() {
+                m.store(mode, Ordering::Relaxed);
             }
         }
     }
 
-    impl Drop for BlackHoleRelay {
+    impl Drop for Relay {
         fn drop(&mut self) {
             self.stop.store(true, Ordering::Relaxed);
         }
     }
 
-    fn pump(mut from: TcpStream, mut to: TcpStream, hole: &AtomicBool, stop: &AtomicBool) {
+    fn pump(
+        mut from: TcpStream,
+        mut to: TcpStream,
+        from_dealer: bool,
+        mode: &AtomicU8,
+        stop: &AtomicBool,
+    ) {
         from.set_read_timeout(Some(Duration::from_millis(50)))
             .unwrap();
         let mut buf = [0u8; 16 << 10];
         while !stop.load(Ordering::Relaxed) {
+            if from_dealer && mode.load(Ordering::Relaxed) == STALL {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
             match from.read(&mut buf) {
                 Ok(0) => break,
-                Ok(n) if !hole.load(Ordering::Relaxed) => {
+                // The mode as the bytes arrive, not as the read began.
+                Ok(n) if mode.load(Ordering::Relaxed) == RELAY => {
                     if to.write_all(&buf[..n]).is_err() {
                         break;
                     }
@@ -861,22 +914,41 @@ mod tests {
                 Err(_) => break,
             }
         }
+        // A cut connection passes no end of stream on: the DEALER must
+        // find it dead by itself.
+        while mode.load(Ordering::Relaxed) != RELAY && !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = to.shutdown(Shutdown::Both);
     }
 
-    /// A connection that goes silent without a reset (a partition) is
-    /// found dead by the heartbeat and remade: messages sent after the
-    /// timeout reach the peer over a new connection. Without the heartbeat
-    /// the DEALER keeps writing into the dead one and nothing arrives.
-    #[test]
-    fn a_silent_connection_is_remade_after_the_heartbeat_timeout() {
+    /// Sends `msg` from `a` every 100 ms until `b` receives a message or
+    /// `limit` passes; returns it.
+    fn resend_until_received(
+        a: &mut ZmqControlChannel,
+        b: &mut ZmqControlChannel,
+        msg: &[u8],
+        limit: Duration,
+    ) -> Option<Inbound> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            let _ = a.send_to("b", msg);
+            if let Some(m) = recv_within(b, Duration::from_millis(100)) {
+                return Some(m);
+            }
+        }
+        None
+    }
+
+    /// `a` with its liveness shortened (`unacked` for the timeouts),
+    /// routed to `b` through a fresh relay, one message relayed.
+    fn relayed_pair(unacked: Duration) -> (ZmqControlChannel, ZmqControlChannel, Relay) {
         let mut b = ZmqControlChannel::bind("b", BindAddr::Loopback).unwrap();
         let b_port: u16 = b.endpoint().rsplit(':').next().unwrap().parse().unwrap();
-        let relay = BlackHoleRelay::to(b_port);
+        let relay = Relay::to(b_port);
         let mut a = ZmqControlChannel::bind("a", BindAddr::Loopback).unwrap();
-        let timeout = Duration::from_secs(1); // UNACKED_TIMEOUT, shortened
         a.liveness.heartbeat_ivl = Duration::from_millis(100);
-        a.liveness.heartbeat_timeout = timeout;
+        a.liveness.unacked_timeout = unacked;
         a.add_peer("b", format!("tcp://127.0.0.1:{}", relay.port).as_bytes())
             .unwrap();
         a.send_to("b", b"before").unwrap();
@@ -884,24 +956,59 @@ mod tests {
             recv_within(&mut b, Duration::from_secs(5)),
             Some(("a".to_string(), b"before".to_vec()))
         );
-        assert_eq!(relay.accepted.load(Ordering::Relaxed), 1);
+        (a, b, relay)
+    }
 
-        relay.black_hole_existing();
-        let start = Instant::now();
-        let limit = timeout + Duration::from_secs(4);
-        let got = loop {
-            assert!(
-                start.elapsed() < limit,
-                "nothing arrived {limit:?} after the connection went silent (heartbeat timeout {timeout:?})"
-            );
-            a.send_to("b", b"after").unwrap();
-            if let Some(m) = recv_within(&mut b, Duration::from_millis(100)) {
-                break m;
-            }
-        };
-        assert_eq!(got, ("a".to_string(), b"after".to_vec()));
+    /// An idle connection that goes silent without a reset (a partition)
+    /// is found dead by the heartbeat and remade: messages sent after the
+    /// timeout reach the peer over a new connection. Without the heartbeat
+    /// the DEALER keeps writing into the dead one and nothing arrives.
+    #[test]
+    fn a_silent_connection_is_remade_after_the_heartbeat_timeout() {
+        let timeout = Duration::from_secs(2); // UNACKED_TIMEOUT, shortened
+        let (mut a, mut b, relay) = relayed_pair(timeout);
+        let before = relay.accepted.load(Ordering::Relaxed);
+        relay.set_existing(HOLE);
+        let limit = timeout + Duration::from_secs(5);
+        let got = resend_until_received(&mut a, &mut b, b"after", limit);
+        assert_eq!(
+            got,
+            Some(("a".to_string(), b"after".to_vec())),
+            "nothing arrived {limit:?} after the connection went silent (timeout {timeout:?})"
+        );
         assert!(
-            relay.accepted.load(Ordering::Relaxed) >= 2,
+            relay.accepted.load(Ordering::Relaxed) > before,
+            "no new connection was made"
+        );
+    }
+
+    /// A connection whose peer stops reading while a large message waits
+    /// (no heartbeat can be sent behind it) is failed by the kernel's
+    /// TCP_USER_TIMEOUT (`ZMQ_TCP_MAXRT`) and remade; without it nothing
+    /// arrives until the kernel's retransmissions give up.
+    #[test]
+    fn a_stalled_connection_with_data_waiting_is_remade() {
+        let timeout = Duration::from_secs(2); // UNACKED_TIMEOUT, shortened
+        let (mut a, mut b, relay) = relayed_pair(timeout);
+        let before = relay.accepted.load(Ordering::Relaxed);
+        relay.set_existing(STALL);
+        // More than the loopback socket buffers hold: the rest waits in
+        // libzmq's output buffer, so no PING can be encoded behind it.
+        a.send_to("b", &vec![7u8; 32 << 20]).unwrap();
+        let limit = timeout + Duration::from_secs(8);
+        let start = Instant::now();
+        let mut got = None;
+        while got.is_none() && start.elapsed() < limit {
+            got = resend_until_received(&mut a, &mut b, b"after", Duration::from_millis(200))
+                .filter(|m| m.1 == b"after");
+        }
+        assert_eq!(
+            got,
+            Some(("a".to_string(), b"after".to_vec())),
+            "nothing arrived {limit:?} after the peer stopped reading (timeout {timeout:?})"
+        );
+        assert!(
+            relay.accepted.load(Ordering::Relaxed) > before,
             "no new connection was made"
         );
     }
