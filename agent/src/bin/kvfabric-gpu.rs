@@ -228,7 +228,9 @@ struct VramArgs {
     /// Bounce max chunk sizes to run, comma-separated (one receiver
     /// process each; the first also runs the other two paths)
     /// [default: KVFABRIC_BOUNCE_MAX_CHUNK_SIZE_BYTES, else 64M: what an
-    /// agent uses].
+    /// agent uses]. A lone request is cut into solo chunks when the size
+    /// is larger than KVFABRIC_SOLO_CHUNK_BYTES (32 MiB by default): set
+    /// that to 0 to measure the size named here.
     #[arg(long, value_delimiter = ',', value_parser = byte_size)]
     chunks: Vec<u64>,
     /// Bounce arena size of both agents [default: KVFABRIC_BOUNCE_ARENA_SIZE_BYTES, else 512M].
