@@ -256,6 +256,16 @@ proptest! {
                 (scatter.index, scatter.packed_bytes, scatter.payload_bytes, scatter.pieces),
                 (c.index, c.packed_bytes, c.payload_bytes, c.pieces)
             );
+            // The length measured with the bounds finds the same uniform
+            // chunks in O(1) (`None` for a list of mixed lengths).
+            let (_, measured) = TransferPlan::chunk_bounds_measured(&case.descs, case.max)
+                .expect("valid");
+            if let Some(len) = measured {
+                prop_assert_eq!(
+                    TransferPlan::uniform_pieces_of_len(&case.descs, b, case.max, len),
+                    TransferPlan::uniform_pieces(&case.descs, b, case.max)
+                );
+            }
             // A uniform chunk's gather is exactly descriptor i at i × stride.
             if let Some(u) = TransferPlan::uniform_pieces(&case.descs, b, case.max) {
                 let segs = (0..u.count)
@@ -279,11 +289,16 @@ proptest! {
             .iter()
             .map(|&(s, d)| Descriptor::new(s * 70_016, (1 << 40) + d * 70_016, len))
             .collect();
-        let bounds = TransferPlan::chunk_bounds(&descs, max).expect("valid");
+        let (bounds, measured) = TransferPlan::chunk_bounds_measured(&descs, max).expect("valid");
+        prop_assert_eq!(&bounds, &TransferPlan::chunk_bounds(&descs, max).expect("valid"));
+        prop_assert_eq!(measured, Some(len));
         let mut covered = 0;
         for b in &bounds {
             let u = TransferPlan::uniform_pieces(&descs, b, max);
             prop_assert_eq!(u.is_some(), len <= max, "{:?}", b);
+            prop_assert_eq!(TransferPlan::uniform_pieces_of_len(&descs, b, max, len), u);
+            // Another length than the list's is no layout.
+            prop_assert!(TransferPlan::uniform_pieces_of_len(&descs, b, max, len + 1).is_none());
             if let Some(u) = u {
                 prop_assert_eq!(u.first_desc, covered);
                 covered += u.count;
@@ -302,6 +317,10 @@ proptest! {
                 ];
                 for f in forged {
                     prop_assert!(TransferPlan::uniform_pieces(&descs, &f, max).is_none(), "{:?}", f);
+                    prop_assert!(
+                        TransferPlan::uniform_pieces_of_len(&descs, &f, max, len).is_none(),
+                        "{:?}", f
+                    );
                 }
             }
         }

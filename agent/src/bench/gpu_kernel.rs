@@ -735,6 +735,81 @@ fn uniform_checks(
             }
         }
     }
+    failures += odd_batch_check(gpu, engines, results)?;
+    Ok(failures)
+}
+
+/// A batch of three uniform items whose middle one holds a descriptor
+/// 32 bytes shorter than the rest (the CUDA batch finds it in the pass
+/// that stages its piece table): the middle item must fail alone and
+/// leave its region untouched, the other two land byte for byte, every
+/// item reported once, in order, `meanwhile` once. Returns the failures.
+///
+/// # Errors
+/// A device allocation or copy that fails outside the engines.
+fn odd_batch_check(
+    gpu: &Arc<CudaGpu>,
+    engines: &[(&str, CudaCopyEngine)],
+    results: &mut Vec<serde_json::Value>,
+) -> AnyResult<usize> {
+    let (len, n) = (4096u64, 3 * 512usize);
+    let user = CudaArena::new(gpu, n * len as usize).map_err(e2s)?;
+    let region = CudaArena::new(gpu, n * len as usize).map_err(e2s)?;
+    let host_u: Vec<u8> = (0..n * len as usize)
+        .map(|i| (i * 7 + i / 4096) as u8)
+        .collect();
+    let mut failures = 0;
+    for (vname, engine) in engines {
+        user.upload(0, &host_u).map_err(e2s)?;
+        region.zero().map_err(e2s)?;
+        let mut descs: Vec<Descriptor> = (0..n as u64)
+            .map(|i| Descriptor::new(user.base_addr() + i * len, 0, len))
+            .collect();
+        descs[n / 2].len = len - 32;
+        let items: Vec<UniformGather<'_>> = (0..3)
+            .map(|k| UniformGather {
+                region_addr: region.base_addr() + (k * 512) as u64 * len,
+                descs: &descs[k * 512..(k + 1) * 512],
+                stride: len,
+            })
+            .collect();
+        let (mut called, mut reports) = (0u32, Vec::new());
+        engine.gather_uniform_batch(&items, &mut || called += 1, &mut |i, r| {
+            reports.push((i, r.is_ok()))
+        });
+        let mut got = vec![0u8; n * len as usize];
+        region.download(0, &mut got).map_err(e2s)?;
+        let item = 512 * len as usize;
+        let status = if reports != [(0, true), (1, false), (2, true)] {
+            format!("reports {reports:?}, expected item 1 alone failed, in order")
+        } else if called != 1 {
+            format!("meanwhile ran {called} times, expected once")
+        } else if got[..item] != host_u[..item] || got[2 * item..] != host_u[2 * item..] {
+            "the uniform items did not land byte for byte".to_string()
+        } else if got[item..2 * item].iter().any(|&b| b != 0) {
+            "the failed item wrote its region".to_string()
+        } else {
+            "ok".to_string()
+        };
+        let pass = status == "ok";
+        if !pass {
+            failures += 1;
+        }
+        println!(
+            "{:<5} {:<44} {:<8} {:<34}",
+            if pass { "PASS" } else { "FAIL" },
+            "batch with one odd descriptor",
+            "Batch",
+            vname
+        );
+        if !pass {
+            println!("      {status}");
+        }
+        results.push(json!({
+            "case": "batch with one odd descriptor", "variant": vname,
+            "direction": "Batch", "pieces": n, "pass": pass, "status": status,
+        }));
+    }
     Ok(failures)
 }
 

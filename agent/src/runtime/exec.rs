@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use kvfabric_core::plan::{ChunkBound, TransferPlan};
+use kvfabric_core::plan::{ChunkBound, TransferPlan, UniformPieces};
 use kvfabric_core::{Descriptor, ScatterList, ScatterRun, UniformScatter};
 
 use super::spin::SpinSlots;
@@ -386,6 +386,22 @@ pub struct ChunkGather {
     /// pieces' destinations ([`ScatterList::Uniform`]) instead of
     /// planned runs (issue 18 step 3).
     pub uniform_data: bool,
+    /// The length (bytes) of every descriptor of `descs`, when they all
+    /// have one, as measured by `TransferPlan::chunk_bounds_measured`
+    /// over them: a uniform chunk is then found without another pass over
+    /// its descriptors (`None`: found by comparing them).
+    pub uniform_len: Option<u64>,
+}
+
+/// The chunk's uniform layout ([`TransferPlan::uniform_pieces`]), in O(1)
+/// when the request's common length is known.
+fn chunk_uniform_pieces(c: &ChunkGather) -> Option<UniformPieces> {
+    match c.uniform_len {
+        Some(len) => {
+            TransferPlan::uniform_pieces_of_len(&c.descs, &c.bound, c.max_chunk_size_bytes, len)
+        }
+        None => TransferPlan::uniform_pieces(&c.descs, &c.bound, c.max_chunk_size_bytes),
+    }
 }
 
 /// One chunk of a [`CopyPlan::Batch`]: what a lone [`CopyJob`] of it
@@ -602,7 +618,7 @@ fn gather_one_chunk(
     c: &ChunkGather,
 ) -> (Result<(), CopyError>, ScatterList) {
     let bound = &c.bound;
-    if let Some(u) = TransferPlan::uniform_pieces(&c.descs, bound, c.max_chunk_size_bytes) {
+    if let Some(u) = chunk_uniform_pieces(c) {
         // Whole descriptors of one length: gather straight from them and
         // describe the scatter while the copy runs.
         super::faults::before_gather();
@@ -654,13 +670,7 @@ pub fn run_batch(
 ) {
     let pieces: Option<Vec<_>> = items
         .iter()
-        .map(|b| {
-            TransferPlan::uniform_pieces(
-                &b.chunk.descs,
-                &b.chunk.bound,
-                b.chunk.max_chunk_size_bytes,
-            )
-        })
+        .map(|b| chunk_uniform_pieces(&b.chunk))
         .collect();
     let pieces = match pieces {
         Some(p) if items.len() > 1 => p,
@@ -1000,7 +1010,7 @@ mod tests {
         index: usize,
         uniform_data: bool,
     ) -> (Vec<u8>, Result<ScatterList, CopyError>) {
-        let bounds = TransferPlan::chunk_bounds(descs, max).unwrap();
+        let (bounds, uniform_len) = TransferPlan::chunk_bounds_measured(descs, max).unwrap();
         let mut region = vec![0xA5u8; bounds[index].packed_bytes as usize + GUARD];
         let (r, runs) = run_job(
             engine,
@@ -1012,6 +1022,7 @@ mod tests {
                 max_chunk_size_bytes: max,
                 merge_runs: true,
                 uniform_data,
+                uniform_len,
             }),
         );
         (region, r.map(|()| runs))
@@ -1266,6 +1277,8 @@ mod tests {
                     max_chunk_size_bytes: max,
                     merge_runs: true,
                     uniform_data,
+                    // As the transport keeps it from sizing.
+                    uniform_len: TransferPlan::chunk_bounds_measured(ds, max).unwrap().1,
                 },
             })
             .collect()

@@ -818,6 +818,9 @@ enum Command {
         chunks: Vec<ChunkBound>,
         /// The chunk cap `chunks` were cut with (bytes).
         chunk_cap: u64,
+        /// Every descriptor's length when all have one (bytes), measured
+        /// with `chunks` (`TransferPlan::chunk_bounds_measured`).
+        uniform_len: Option<u64>,
         completion: Arc<Completion>,
     },
     AddPeer {
@@ -1510,7 +1513,7 @@ impl BounceTransport {
             self.primer.prime(wanted);
         }
         let t_size = Instant::now();
-        let chunks = match TransferPlan::chunk_bounds(&descs, chunk_cap) {
+        let (chunks, uniform_len) = match TransferPlan::chunk_bounds_measured(&descs, chunk_cap) {
             Ok(b) => b,
             Err(e) => {
                 self.stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -1534,6 +1537,7 @@ impl BounceTransport {
                 descs,
                 chunks,
                 chunk_cap,
+                uniform_len,
                 completion,
             })
             .is_ok();
@@ -1613,6 +1617,8 @@ struct ReqIo {
     /// The chunk cap the request was cut with (bytes; its chunks are
     /// planned with it).
     chunk_cap: u64,
+    /// Every descriptor's length when all have one (bytes; from sizing).
+    uniform_len: Option<u64>,
 }
 
 /// A posted write (of a live request, or orphaned: its request resolved).
@@ -1991,6 +1997,7 @@ impl Io {
                         max_chunk_size_bytes: r.chunk_cap,
                         merge_runs: self.settings.merge_runs,
                         uniform_data: r.uniform_data,
+                        uniform_len: r.uniform_len,
                     },
                 };
                 // Only chunks the engine submits at once are held: whole
@@ -2349,6 +2356,7 @@ impl Io {
                 descs,
                 chunks,
                 chunk_cap,
+                uniform_len,
                 completion,
             } => {
                 tracing::trace!(rid, scope, descriptors = descs.len(), chunk_cap, "submit");
@@ -2366,6 +2374,7 @@ impl Io {
                         remote_kind,
                         uniform_data,
                         chunk_cap,
+                        uniform_len,
                     },
                 );
                 let now = self.now();
