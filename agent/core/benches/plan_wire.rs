@@ -11,8 +11,8 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvfabric_core::plan::TransferPlan;
-use kvfabric_core::wire::{decode_data, Data, Message};
-use kvfabric_core::Descriptor;
+use kvfabric_core::wire::{decode_data, Data, DataUniform, Message};
+use kvfabric_core::{Descriptor, UniformScatter};
 use std::time::Duration;
 
 const N: u64 = 16_384;
@@ -137,12 +137,37 @@ fn bench_data(c: &mut Criterion) {
     g.finish();
 }
 
+/// DATA_UNIFORM of a 32 MiB chunk of 4 KiB blocks (8,192 destinations,
+/// the default solo chunk): encode into a fresh buffer (as the transport
+/// does for every chunk) and decode.
+fn bench_data_uniform(c: &mut Criterion) {
+    let mut g = c.benchmark_group("data_uniform_8192");
+    let dsts: Vec<u64> = scattered().iter().take(8192).map(|d| d.dst).collect();
+    let msg = Message::DataUniform(DataUniform {
+        request_id: 1,
+        chunk_index: 0,
+        region_handle: 0,
+        scatter: UniformScatter {
+            segment_len: DESC_LEN,
+            region_stride: DESC_LEN,
+            dsts,
+        },
+    });
+    let enc = msg.encode();
+    g.throughput(Throughput::Elements(8192));
+    g.bench_function("encode", |b| b.iter(|| black_box(&msg).encode().len()));
+    g.bench_function("decode", |b| {
+        b.iter(|| Message::decode(black_box(&enc)).unwrap())
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = bench_plan, bench_data
+    targets = bench_plan, bench_data, bench_data_uniform
 }
 criterion_main!(benches);
