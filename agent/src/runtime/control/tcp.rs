@@ -59,9 +59,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes read from one connection per receive call, so a peer streaming
 /// a backlog cannot hold the IO thread (the rest is read next tick).
 pub const READ_BUDGET_BYTES: usize = 4 << 20;
-/// Accepted connections kept at most; at the cap the oldest connection
-/// that has not sent its hello is closed to make room, and with none such,
-/// accepting pauses.
+/// Accepted connections kept at most; at the cap a new connection takes
+/// the place of the oldest one that has not sent its hello, else of the
+/// oldest whose hello named a peer this channel has no route to (names
+/// are not authenticated: anyone can send hellos with made-up names, and
+/// must not lock out the peers discovery loaded); with neither, accepting
+/// pauses.
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Longest data written to a peer may stay unacknowledged before the
 /// kernel fails the connection (`TCP_USER_TIMEOUT` on every outbound
@@ -123,6 +126,9 @@ pub struct TcpControlChannel {
     /// Accepted connections closed for sending no hello (timed out, or
     /// evicted at the connection cap).
     hello_timeouts: u64,
+    /// Accepted connections from names without a route closed at the
+    /// connection cap.
+    unrouted_evictions: u64,
     /// [`MAX_CONNECTIONS`] (lower in tests).
     max_connections: usize,
     /// [`HELLO_TIMEOUT`] (shorter in tests).
@@ -312,6 +318,7 @@ impl TcpControlChannel {
             dropped: 0,
             connect_timeouts: 0,
             hello_timeouts: 0,
+            unrouted_evictions: 0,
             max_connections: MAX_CONNECTIONS,
             hello_timeout: HELLO_TIMEOUT,
             scratch: vec![0; 256 << 10],
@@ -340,6 +347,12 @@ impl TcpControlChannel {
     /// [`HELLO_TIMEOUT`] (or evicted for it at the connection cap).
     pub fn hello_timeouts(&self) -> u64 {
         self.hello_timeouts
+    }
+
+    /// Accepted connections closed so far at the connection cap because
+    /// their hello named a peer this channel has no route to.
+    pub fn unrouted_evictions(&self) -> u64 {
+        self.unrouted_evictions
     }
 
     fn hello_frame(own_name: &str) -> Vec<u8> {
@@ -443,11 +456,25 @@ impl TcpControlChannel {
         self.accept_paused_until = None;
         loop {
             // At the cap, a connection that arrives takes the place of the
-            // oldest one that has not said who it is; with none such,
-            // accepting pauses (arrivals wait in the listen backlog).
+            // oldest one that has not said who it is, else of the oldest
+            // from a name we have no route to; with neither, accepting
+            // pauses (arrivals wait in the listen backlog).
             let at_cap = self.conns.len() >= self.max_connections;
             let evict = if at_cap {
-                self.conns.iter().position(|c| c.peer.is_none())
+                self.conns
+                    .iter()
+                    .position(|c| c.peer.is_none())
+                    .map(|k| (k, true))
+                    .or_else(|| {
+                        self.conns
+                            .iter()
+                            .position(|c| {
+                                c.peer
+                                    .as_ref()
+                                    .is_some_and(|p| !self.routes.contains_key(p))
+                            })
+                            .map(|k| (k, false))
+                    })
             } else {
                 None
             };
@@ -461,12 +488,23 @@ impl TcpControlChannel {
             }
             match self.listener.accept() {
                 Ok((s, _)) => {
-                    if let Some(k) = evict {
-                        self.conns.remove(k);
-                        self.hello_timeouts += 1;
-                        tracing::debug!(
-                            "control connection cap reached; the oldest without a hello closed"
-                        );
+                    match evict {
+                        Some((k, true)) => {
+                            self.conns.remove(k);
+                            self.hello_timeouts += 1;
+                            tracing::debug!(
+                                "control connection cap reached; the oldest without a hello closed"
+                            );
+                        }
+                        Some((k, false)) => {
+                            let c = self.conns.remove(k);
+                            self.unrouted_evictions += 1;
+                            tracing::debug!(
+                                peer = c.peer.as_deref().unwrap_or_default(),
+                                "control connection cap reached; the oldest from a peer without a route closed"
+                            );
+                        }
+                        None => {}
                     }
                     if s.set_nonblocking(true).is_ok() {
                         let _ = s.set_nodelay(true);
@@ -1043,6 +1081,73 @@ mod tests {
         assert!(b.hello_timeouts() >= 1, "no silent connection evicted");
         assert!(b.conns.len() <= 2);
         drop(silent);
+    }
+
+    /// At the connection cap, connections whose hello named a peer without
+    /// a route (names anyone can make up) make room for a peer this
+    /// channel routes to; a routed peer's connection is never the one
+    /// closed.
+    #[test]
+    fn at_the_connection_cap_unrouted_names_make_room_for_a_routed_peer() {
+        let (mut a, mut b) = pair();
+        let mut c = TcpControlChannel::bind("c", BindAddr::Loopback).unwrap();
+        b.max_connections = 3;
+        // b routes to a and c (discovery loaded them); c is connected.
+        b.add_peer("a", a.endpoint().as_bytes()).unwrap();
+        b.add_peer("c", c.endpoint().as_bytes()).unwrap();
+        c.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        c.send_to("b", b"from c").unwrap();
+        assert_eq!(
+            relay(&mut c, &mut b),
+            Some(("c".to_string(), b"from c".to_vec()))
+        );
+        let addr = b.listener.local_addr().unwrap();
+        let strangers: Vec<TcpStream> = ["x1", "x2"]
+            .iter()
+            .map(|n| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(&TcpControlChannel::hello_frame(n)).unwrap();
+                s.write_all(&frame(b"noise")).unwrap();
+                s
+            })
+            .collect();
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut noise = 0;
+        while noise < 2 {
+            assert!(Instant::now() < end, "the strangers' frames did not arrive");
+            if b.recv(Duration::from_millis(10)).unwrap().is_some() {
+                noise += 1;
+            }
+        }
+        assert_eq!(b.conns.len(), 3, "c and the two strangers");
+        let start = Instant::now();
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        a.send_to("b", b"through the cap").unwrap();
+        let m = loop {
+            assert!(
+                start.elapsed() < Duration::from_secs(3),
+                "the routed peer was kept out by connections from unrouted names"
+            );
+            let _ = a.recv(Duration::from_millis(5)).unwrap();
+            if let Some(m) = b.recv(Duration::from_millis(5)).unwrap() {
+                break m;
+            }
+        };
+        assert_eq!(m, ("a".to_string(), b"through the cap".to_vec()));
+        assert_eq!(b.unrouted_evictions(), 1);
+        let names: Vec<_> = b.conns.iter().filter_map(|k| k.peer.clone()).collect();
+        assert!(
+            names.contains(&"c".to_string()),
+            "the routed peer c was closed: {names:?}"
+        );
+        assert!(names.contains(&"a".to_string()), "{names:?}");
+        // c's connection still carries its messages.
+        c.send_to("b", b"still here").unwrap();
+        assert_eq!(
+            relay(&mut c, &mut b),
+            Some(("c".to_string(), b"still here".to_vec()))
+        );
+        drop(strangers);
     }
 
     /// A connect that completed while nothing pumped the channel is not
