@@ -2027,12 +2027,14 @@ impl CudaCopyEngine {
                     d.src
                 })
             });
-            let table = self.stage_piece_table(&mut ctx, srcs, total)?;
+            let bytes = Self::write_piece_table(&mut ctx, srcs, total)?;
             if odd.get() != 0 {
-                // Nothing launched yet: the table is free again.
+                // Nothing enqueued (not even the table's upload): the
+                // pinned buffer is free again.
                 ctx.busy = false;
                 return Ok(false);
             }
+            let table = piece_table(&self.cfg, &ctx, bytes)?;
             let mut first = 0u64;
             for (i, (g, &len)) in items.iter().zip(lens).enumerate() {
                 let n = g.descs.len() as u32;
@@ -2125,6 +2127,23 @@ impl CudaCopyEngine {
         addrs: impl Iterator<Item = u64>,
         n: usize,
     ) -> Result<u64, CudaError> {
+        let bytes = Self::write_piece_table(ctx, addrs, n)?;
+        piece_table(&self.cfg, ctx, bytes)
+    }
+
+    /// The first half of [`CudaCopyEngine::stage_piece_table`]: the
+    /// addresses written to `ctx`'s pinned buffer (after waiting for work
+    /// still reading it), the context marked busy, nothing enqueued yet
+    /// (the upload, for [`PlanSource::Device`], is [`piece_table`]'s).
+    /// Returns the table's size in bytes.
+    ///
+    /// # Errors
+    /// As [`CudaCopyEngine::stage_piece_table`], but no upload error.
+    fn write_piece_table(
+        ctx: &mut ExecCtx,
+        addrs: impl Iterator<Item = u64>,
+        n: usize,
+    ) -> Result<usize, CudaError> {
         let bytes = n * 8;
         if ctx.busy {
             ctx.synchronize()?;
@@ -2146,7 +2165,7 @@ impl CudaCopyEngine {
             )));
         }
         ctx.busy = true;
-        piece_table(&self.cfg, ctx, bytes)
+        Ok(bytes)
     }
 
     /// One launch of a piece kernel (`dir` Gather: `kvf_gather_srcs`;
