@@ -61,10 +61,14 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const READ_BUDGET_BYTES: usize = 4 << 20;
 /// Accepted connections kept at most; at the cap a new connection takes
 /// the place of the oldest one that has not sent its hello, else of the
-/// oldest whose hello named a peer this channel has no route to (names
-/// are not authenticated: anyone can send hellos with made-up names, and
-/// must not lock out the peers discovery loaded); with neither, accepting
-/// pauses.
+/// newest of a name that has more than one connection (a peer has one
+/// live connection; the oldest of a name is kept), else of the oldest
+/// whose hello named a peer this channel has no route to. Names are not
+/// authenticated: hellos with made-up names, or many with one name, must
+/// not lock out the peers discovery loaded. With none of these, accepting
+/// pauses (only ≥ 4,096 distinct routed names can do that; reverse routes
+/// are capped at 1,024). A newcomer counts as hello-less until its hello
+/// is read.
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Longest data written to a peer may stay unacknowledged before the
 /// kernel fails the connection (`TCP_USER_TIMEOUT` on every outbound
@@ -126,9 +130,10 @@ pub struct TcpControlChannel {
     /// Accepted connections closed for sending no hello (timed out, or
     /// evicted at the connection cap).
     hello_timeouts: u64,
-    /// Accepted connections from names without a route closed at the
-    /// connection cap.
-    unrouted_evictions: u64,
+    /// Accepted connections that had sent their hello, closed at the
+    /// connection cap (a name's newer duplicate, or a name without a
+    /// route).
+    cap_evictions: u64,
     /// [`MAX_CONNECTIONS`] (lower in tests).
     max_connections: usize,
     /// [`HELLO_TIMEOUT`] (shorter in tests).
@@ -318,7 +323,7 @@ impl TcpControlChannel {
             dropped: 0,
             connect_timeouts: 0,
             hello_timeouts: 0,
-            unrouted_evictions: 0,
+            cap_evictions: 0,
             max_connections: MAX_CONNECTIONS,
             hello_timeout: HELLO_TIMEOUT,
             scratch: vec![0; 256 << 10],
@@ -349,10 +354,11 @@ impl TcpControlChannel {
         self.hello_timeouts
     }
 
-    /// Accepted connections closed so far at the connection cap because
-    /// their hello named a peer this channel has no route to.
-    pub fn unrouted_evictions(&self) -> u64 {
-        self.unrouted_evictions
+    /// Accepted connections that had sent their hello closed so far at
+    /// the connection cap ([`MAX_CONNECTIONS`]: a name's newer duplicate,
+    /// or a name without a route).
+    pub fn cap_evictions(&self) -> u64 {
+        self.cap_evictions
     }
 
     fn hello_frame(own_name: &str) -> Vec<u8> {
@@ -449,35 +455,48 @@ impl TcpControlChannel {
         }
     }
 
+    /// The connection to close at the cap ([`MAX_CONNECTIONS`]) and
+    /// whether it is hello-less: the oldest hello-less one, else the
+    /// newest of a name with several, else the oldest of a name without a
+    /// route; `None` when every connection is a routed peer's only one.
+    fn cap_eviction(&self) -> Option<(usize, bool)> {
+        if let Some(k) = self.conns.iter().position(|c| c.peer.is_none()) {
+            return Some((k, true));
+        }
+        let mut per_name: HashMap<&str, usize> = HashMap::new();
+        for c in &self.conns {
+            if let Some(p) = &c.peer {
+                *per_name.entry(p.as_str()).or_default() += 1;
+            }
+        }
+        // `conns` is in accept order: the newest duplicate is the last.
+        let duplicate = self.conns.iter().rposition(|c| {
+            c.peer
+                .as_deref()
+                .is_some_and(|p| per_name.get(p).is_some_and(|&n| n > 1))
+        });
+        duplicate
+            .or_else(|| {
+                self.conns.iter().position(|c| {
+                    c.peer
+                        .as_ref()
+                        .is_some_and(|p| !self.routes.contains_key(p))
+                })
+            })
+            .map(|k| (k, false))
+    }
+
     fn accept(&mut self) {
         if self.accept_paused_until.is_some_and(|t| Instant::now() < t) {
             return;
         }
         self.accept_paused_until = None;
         loop {
-            // At the cap, a connection that arrives takes the place of the
-            // oldest one that has not said who it is, else of the oldest
-            // from a name we have no route to; with neither, accepting
+            // At the cap, a connection that arrives takes the place of
+            // another ([`MAX_CONNECTIONS`]); with none to close, accepting
             // pauses (arrivals wait in the listen backlog).
             let at_cap = self.conns.len() >= self.max_connections;
-            let evict = if at_cap {
-                self.conns
-                    .iter()
-                    .position(|c| c.peer.is_none())
-                    .map(|k| (k, true))
-                    .or_else(|| {
-                        self.conns
-                            .iter()
-                            .position(|c| {
-                                c.peer
-                                    .as_ref()
-                                    .is_some_and(|p| !self.routes.contains_key(p))
-                            })
-                            .map(|k| (k, false))
-                    })
-            } else {
-                None
-            };
+            let evict = if at_cap { self.cap_eviction() } else { None };
             if at_cap && evict.is_none() {
                 tracing::warn!(
                     max = self.max_connections,
@@ -498,10 +517,10 @@ impl TcpControlChannel {
                         }
                         Some((k, false)) => {
                             let c = self.conns.remove(k);
-                            self.unrouted_evictions += 1;
+                            self.cap_evictions += 1;
                             tracing::debug!(
                                 peer = c.peer.as_deref().unwrap_or_default(),
-                                "control connection cap reached; the oldest from a peer without a route closed"
+                                "control connection cap reached; a duplicate or unrouted peer's connection closed"
                             );
                         }
                         None => {}
@@ -1084,70 +1103,69 @@ mod tests {
     }
 
     /// At the connection cap, connections whose hello named a peer without
-    /// a route (names anyone can make up) make room for a peer this
-    /// channel routes to; a routed peer's connection is never the one
-    /// closed.
+    /// a route (names anyone can make up), or that repeat a name already
+    /// connected (a routed name claimed again), make room for a peer this
+    /// channel routes to; the first connection of a routed peer is never
+    /// the one closed.
     #[test]
-    fn at_the_connection_cap_unrouted_names_make_room_for_a_routed_peer() {
-        let (mut a, mut b) = pair();
-        let mut c = TcpControlChannel::bind("c", BindAddr::Loopback).unwrap();
-        b.max_connections = 3;
-        // b routes to a and c (discovery loaded them); c is connected.
-        b.add_peer("a", a.endpoint().as_bytes()).unwrap();
-        b.add_peer("c", c.endpoint().as_bytes()).unwrap();
-        c.add_peer("b", b.endpoint().as_bytes()).unwrap();
-        c.send_to("b", b"from c").unwrap();
-        assert_eq!(
-            relay(&mut c, &mut b),
-            Some(("c".to_string(), b"from c".to_vec()))
-        );
-        let addr = b.listener.local_addr().unwrap();
-        let strangers: Vec<TcpStream> = ["x1", "x2"]
-            .iter()
-            .map(|n| {
-                let mut s = TcpStream::connect(addr).unwrap();
-                s.write_all(&TcpControlChannel::hello_frame(n)).unwrap();
-                s.write_all(&frame(b"noise")).unwrap();
-                s
-            })
-            .collect();
-        let end = Instant::now() + Duration::from_secs(5);
-        let mut noise = 0;
-        while noise < 2 {
-            assert!(Instant::now() < end, "the strangers' frames did not arrive");
-            if b.recv(Duration::from_millis(10)).unwrap().is_some() {
-                noise += 1;
-            }
-        }
-        assert_eq!(b.conns.len(), 3, "c and the two strangers");
-        let start = Instant::now();
-        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
-        a.send_to("b", b"through the cap").unwrap();
-        let m = loop {
-            assert!(
-                start.elapsed() < Duration::from_secs(3),
-                "the routed peer was kept out by connections from unrouted names"
+    fn at_the_connection_cap_made_up_names_make_room_for_a_routed_peer() {
+        for strangers_named in [["x1", "x2"], ["c", "c"]] {
+            let (mut a, mut b) = pair();
+            let mut c = TcpControlChannel::bind("c", BindAddr::Loopback).unwrap();
+            b.max_connections = 3;
+            // b routes to a and c (discovery loaded them); c is connected.
+            b.add_peer("a", a.endpoint().as_bytes()).unwrap();
+            b.add_peer("c", c.endpoint().as_bytes()).unwrap();
+            c.add_peer("b", b.endpoint().as_bytes()).unwrap();
+            c.send_to("b", b"from c").unwrap();
+            assert_eq!(
+                relay(&mut c, &mut b),
+                Some(("c".to_string(), b"from c".to_vec()))
             );
-            let _ = a.recv(Duration::from_millis(5)).unwrap();
-            if let Some(m) = b.recv(Duration::from_millis(5)).unwrap() {
-                break m;
+            let addr = b.listener.local_addr().unwrap();
+            let strangers: Vec<TcpStream> = strangers_named
+                .iter()
+                .map(|n| {
+                    let mut s = TcpStream::connect(addr).unwrap();
+                    s.write_all(&TcpControlChannel::hello_frame(n)).unwrap();
+                    s.write_all(&frame(b"noise")).unwrap();
+                    s
+                })
+                .collect();
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut noise = 0;
+            while noise < 2 {
+                assert!(Instant::now() < end, "the strangers' frames did not arrive");
+                if b.recv(Duration::from_millis(10)).unwrap().is_some() {
+                    noise += 1;
+                }
             }
-        };
-        assert_eq!(m, ("a".to_string(), b"through the cap".to_vec()));
-        assert_eq!(b.unrouted_evictions(), 1);
-        let names: Vec<_> = b.conns.iter().filter_map(|k| k.peer.clone()).collect();
-        assert!(
-            names.contains(&"c".to_string()),
-            "the routed peer c was closed: {names:?}"
-        );
-        assert!(names.contains(&"a".to_string()), "{names:?}");
-        // c's connection still carries its messages.
-        c.send_to("b", b"still here").unwrap();
-        assert_eq!(
-            relay(&mut c, &mut b),
-            Some(("c".to_string(), b"still here".to_vec()))
-        );
-        drop(strangers);
+            assert_eq!(b.conns.len(), 3, "c and the two strangers");
+            let c_conn = b.conns[0].stream.peer_addr().unwrap();
+            let start = Instant::now();
+            a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+            a.send_to("b", b"through the cap").unwrap();
+            let m = loop {
+                assert!(
+                    start.elapsed() < Duration::from_secs(3),
+                    "{strangers_named:?}: the routed peer was kept out"
+                );
+                let _ = a.recv(Duration::from_millis(5)).unwrap();
+                if let Some(m) = b.recv(Duration::from_millis(5)).unwrap() {
+                    break m;
+                }
+            };
+            assert_eq!(m, ("a".to_string(), b"through the cap".to_vec()));
+            assert_eq!(b.cap_evictions(), 1, "{strangers_named:?}");
+            assert!(
+                b.conns
+                    .iter()
+                    .any(|k| k.stream.peer_addr().ok() == Some(c_conn)),
+                "{strangers_named:?}: c's connection was closed"
+            );
+            assert!(b.conns.iter().any(|k| k.peer.as_deref() == Some("a")));
+            drop(strangers);
+        }
     }
 
     /// A connect that completed while nothing pumped the channel is not
