@@ -4044,9 +4044,15 @@ mod tests {
         // holds them all: checked piece by piece), a piece in the gap
         // between them and one whose end overflows are not.
         for (what, dsts, ok) in [
-            ("both ranges", [0x2000u64, 0x20_0000], true),
-            ("in the gap", [0x2000, 0x18_0000], false),
-            ("overflows", [0x2000, u64::MAX - 16], false),
+            ("both ranges", &[0x2000u64, 0x20_0000][..], true),
+            ("in the gap", &[0x2000, 0x18_0000], false),
+            // Lowest and highest each in a range, one between them not.
+            (
+                "ends in ranges, middle in the gap",
+                &[0x2000, 0x18_0000, 0x20_0000],
+                false,
+            ),
+            ("overflows", &[0x2000, u64::MAX - 16], false),
         ] {
             let mut b = machine("b");
             b.handle(
@@ -4056,8 +4062,8 @@ mod tests {
                     len: 0x1000,
                 },
             );
-            let g = grants(&from_a(&mut b, 1, want(1, &[512], 0)));
-            let acts = from_a(&mut b, 2, uniform(1, g[0].region_handle, 256, 256, &dsts));
+            let g = grants(&from_a(&mut b, 1, want(1, &[1024], 0)));
+            let acts = from_a(&mut b, 2, uniform(1, g[0].region_handle, 256, 256, dsts));
             let started = acts
                 .iter()
                 .any(|x| matches!(x, Action::StartScatter { .. }));

@@ -239,6 +239,16 @@ proptest! {
         let bounds = TransferPlan::chunk_bounds(&case.descs, case.max).expect("valid case");
         let plan = TransferPlan::build(&case.descs, case.max, merge).expect("valid case");
         prop_assert_eq!(bounds.len(), plan.chunk_count());
+        // The length measured with the bounds is the list's common length
+        // when every descriptor has one (non-zero), else `None` — a sender
+        // trusts it to skip comparing a chunk's lengths.
+        let (measured_bounds, measured) =
+            TransferPlan::chunk_bounds_measured(&case.descs, case.max).expect("valid");
+        prop_assert_eq!(&measured_bounds, &bounds);
+        let common = case.descs.first().map(|d| d.len).filter(|&l| {
+            l > 0 && case.descs.iter().all(|d| d.len == l)
+        });
+        prop_assert_eq!(measured, common);
         for (b, c) in bounds.iter().zip(plan.chunks()) {
             prop_assert_eq!(b.index, c.index);
             prop_assert_eq!(b.packed_bytes, c.packed_bytes);
@@ -256,10 +266,7 @@ proptest! {
                 (scatter.index, scatter.packed_bytes, scatter.payload_bytes, scatter.pieces),
                 (c.index, c.packed_bytes, c.payload_bytes, c.pieces)
             );
-            // The length measured with the bounds finds the same uniform
-            // chunks in O(1) (`None` for a list of mixed lengths).
-            let (_, measured) = TransferPlan::chunk_bounds_measured(&case.descs, case.max)
-                .expect("valid");
+            // It finds the same uniform chunks in O(1).
             if let Some(len) = measured {
                 prop_assert_eq!(
                     TransferPlan::uniform_pieces_of_len(&case.descs, b, case.max, len),
