@@ -1264,6 +1264,8 @@ mod tests {
         uniform_data: bool,
         first_token: u64,
     ) -> Vec<BatchedChunk> {
+        // As the transport keeps it from sizing.
+        let uniform_len = TransferPlan::chunk_bounds_measured(ds, max).unwrap().1;
         regions
             .iter_mut()
             .zip(bounds)
@@ -1277,8 +1279,7 @@ mod tests {
                     max_chunk_size_bytes: max,
                     merge_runs: true,
                     uniform_data,
-                    // As the transport keeps it from sizing.
-                    uniform_len: TransferPlan::chunk_bounds_measured(ds, max).unwrap().1,
+                    uniform_len,
                 },
             })
             .collect()
