@@ -262,6 +262,30 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// Block scatter (issue 18 step 3, DATA_BLOCKS): a uniform scatter whose
+// destinations are derived here from the request's block destinations.
+// Piece w of the chunk is piece k = first + w of the request and goes to
+//   (k / nblocks) * plane_stride + offsets[k % nblocks]
+// (nblocks destinations of the first plane, plane after plane); warp w
+// copies region_base + w * stride there, `len` bytes. The host validated
+// every derived destination and the pieces against the granted region.
+extern "C" __global__ void __launch_bounds__(256)
+    kvf_scatter_blocks(const kvf_u64* __restrict__ offsets, kvf_u32 nblocks, kvf_u64 first,
+                       kvf_u32 n, kvf_u64 plane_stride, kvf_u64 len, kvf_u64 stride,
+                       kvf_u64 region_base) {
+    const kvf_u32 lane = threadIdx.x & 31u;
+    const kvf_u64 warps_per_block = blockDim.x >> 5;
+    for (kvf_u64 w = (kvf_u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5); w < n;
+         w += (kvf_u64)gridDim.x * warps_per_block) {
+        const kvf_u64 k = first + w;
+        const kvf_u64 q = k / nblocks;
+        const kvf_u64 i = k - q * nblocks;
+        const unsigned char* s = (const unsigned char*)(region_base + w * stride);
+        unsigned char* d = (unsigned char*)(q * plane_stride + offsets[i]);
+        kvf_copy(d, s, len, lane, 32u);
+    }
+}
+
 // Same-node direct path (issue 19): copies whole KV blocks between two pools
 // straight from their block ids, no run table. Warp w copies block pair
 // p = w % npairs of plane (layer x K/V) q = w / npairs:

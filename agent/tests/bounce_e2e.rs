@@ -206,3 +206,81 @@ fn uniform_data_is_used_only_between_agents_that_advertise_it() {
         }
     }
 }
+
+/// Issue 18 step 3, DATA_BLOCKS: a block hand-off (8 planes of 128
+/// blocks, the same shuffled blocks in every plane, as a layer-major pool
+/// lays them out) between agents that both advertise `blockData` is
+/// described by its blocks — 8 bytes a block of the plane, not a piece —
+/// and lands byte-exact; with an agent that has it off (but takes
+/// DATA_UNIFORM) the same hand-off goes as DATA_UNIFORM, both ways. Both
+/// arenas quiesce after each.
+#[test]
+fn block_data_is_used_only_between_agents_that_advertise_it() {
+    let on = test_config("8MiB", "1MiB", 4);
+    let mut off = on.clone();
+    off.block_data = false;
+    let mut src = Pool::new(1024 * BLOCK);
+    let dst = Pool::new(1024 * BLOCK);
+    let Some(a) = agent("bd-a", &on, &[&src, &dst]) else {
+        return;
+    };
+    let Some(b) = agent("bd-b", &on, &[&src, &dst]) else {
+        return;
+    };
+    let Some(c) = agent("bd-c", &off, &[&src, &dst]) else {
+        return;
+    };
+    connect(&a, &b);
+    connect(&a, &c);
+    let stats = |x: &kvfabric_agent::runtime::fabric::FabricAgent| {
+        let t = x.transport().unwrap();
+        let s = t.stats();
+        let o = std::sync::atomic::Ordering::Relaxed;
+        (
+            s.data_blocks.load(o),
+            s.data_uniform.load(o),
+            s.data_wire_bytes.load(o),
+            s.chunks_written.load(o),
+        )
+    };
+    let perm = permutation(128, 5);
+    let slots: Vec<usize> = (0..8)
+        .flat_map(|q| perm.iter().map(move |&p| q * 128 + p))
+        .collect();
+    let descs = block_descs(&src, 0, &dst, &slots, BLOCK);
+    // (sender, receiver, whether DATA names blocks)
+    for (k, (tx, rx, blocks)) in [(&a, &b, true), (&a, &c, false), (&c, &a, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let value = 40 + k as u64;
+        fill(&mut src, &descs, value);
+        let before = stats(tx);
+        let (path, h) = tx.submit_write(rx.name(), descs.clone());
+        assert_eq!(path, PathKind::Bounce, "{} -> {}", tx.name(), rx.name());
+        assert_eq!(
+            h.wait(Duration::from_secs(20)),
+            Some(TransferOutcome::Success),
+            "{} -> {}",
+            tx.name(),
+            rx.name()
+        );
+        verify(&dst, &descs, value).unwrap();
+        quiesced(tx);
+        quiesced(rx);
+        let after = stats(tx);
+        let chunks = after.3 - before.3;
+        let (blocks_sent, uniform_sent) = (after.0 - before.0, after.1 - before.1);
+        let bytes_per_chunk = (after.2 - before.2) / chunks;
+        assert_eq!(chunks, 4, "4 MiB in 1 MiB chunks");
+        let what = format!("{} -> {}", tx.name(), rx.name());
+        if blocks {
+            assert_eq!((blocks_sent, uniform_sent), (chunks, 0), "{what}");
+            // Header and 56 bytes of fixed fields, 8 a block of the plane.
+            assert_eq!(bytes_per_chunk, 16 + 56 + 128 * 8, "{what}");
+        } else {
+            assert_eq!((blocks_sent, uniform_sent), (0, chunks), "{what}");
+            assert_eq!(bytes_per_chunk, 56 + 256 * 8, "{what}");
+        }
+    }
+}

@@ -485,11 +485,11 @@ async fn engines_attach_and_hand_off_blocks_byte_exact() {
                 };
                 assert!(sample(&m, counter) >= 6.0, "{who}: {counter}\n{m}");
                 if who == "a" {
-                    // Paged blocks are equal-length descriptors: between two
-                    // agents that both take it, their chunks go as
-                    // DATA_UNIFORM (issue 18 step 3).
-                    let uniform = sample(&m, "kvfabric_data_uniform_total");
-                    assert!(uniform >= 1.0, "no DATA_UNIFORM sent\n{m}");
+                    // Paged blocks are equal-length descriptors in every
+                    // layer plane: between two agents that both take it,
+                    // their chunks go as DATA_BLOCKS (issue 18 step 3).
+                    let blocks = sample(&m, "kvfabric_data_blocks_total");
+                    assert!(blocks >= 1.0, "no DATA_BLOCKS sent\n{m}");
                 }
                 break;
             }

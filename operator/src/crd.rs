@@ -296,7 +296,8 @@ pub fn bounce_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
             "eagerGrantOrder": flag("eagerGrantOrder", "Eager gathers staged in the order the receiver (grantPolicy) is expected to grant them, none while a granted chunk waits for staging; false: the seed's submit order (sender-local)."),
             "releaseStagingOnWrite": flag("releaseStagingOnWrite", "A chunk's staging region is freed when its write completed, not at its ACK (the seed's rule when false; sender-local)."),
             "grantSizeWeight": {"type": "integer", "format": "int64", "minimum": 1, "maximum": MAX_GRANT_SIZE_WEIGHT, "default": def("grantSizeWeight"),
-                                "description": "shortestFirst only: a request ranks at the receiver's byte clock plus this many times its bytes, so a larger one is passed only by requests arriving before the clock (bytes granted) has moved this many times its size (higher favours small requests longer; 1..1024)."}
+                                "description": "shortestFirst only: a request ranks at the receiver's byte clock plus this many times its bytes, so a larger one is passed only by requests arriving before the clock (bytes granted) has moved this many times its size (higher favours small requests longer; 1..1024)."},
+            "blockData": flag("blockData", "Uniform chunks of a block hand-off described by their blocks (the first plane's destinations and the stride between planes: DATA_BLOCKS, 8 bytes a block; advertised in the handshake, used only when both agents advertise it, else DATA_UNIFORM or the seed's DATA).")
         },
         "x-kubernetes-validations": [
             {"rule": format!("!has(self.arenaAllocationGranularityBytes) || self.arenaAllocationGranularityBytes in {}", cel_powers_of_two()),

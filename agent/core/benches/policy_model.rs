@@ -234,12 +234,7 @@ fn run(w: &Workload, speed: f64, policy: GrantPolicy, size_weight: u64) -> Vec<f
                         events.push(at, Event::Deliver(is_rx, input));
                     }
                     Action::StartScatter { job, runs, .. } => {
-                        let bytes = match &runs {
-                            ScatterList::Uniform(u) => u.dsts.len() as u64 * u.segment_len,
-                            ScatterList::Runs(r) => {
-                                r.iter().map(|x| x.segment_len * u64::from(x.count)).sum()
-                            }
-                        };
+                        let bytes = runs.total_bytes();
                         let at = copy(bytes);
                         let input = Input::ScatterDone {
                             job,

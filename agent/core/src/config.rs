@@ -634,6 +634,7 @@ field_deserializers! {
     de_eager_grant_order: bool = "eagerGrantOrder";
     de_release_staging_on_write: bool = "releaseStagingOnWrite";
     de_grant_size_weight: u32 = "grantSizeWeight";
+    de_block_data: bool = "blockData";
 }
 
 // ---------------------------------------------------------------------------
@@ -850,6 +851,18 @@ pub struct BounceConfig {
     /// Env `KVFABRIC_BOUNCE_GRANT_SIZE_WEIGHT`.
     #[serde(deserialize_with = "de_grant_size_weight")]
     pub grant_size_weight: u32,
+
+    /// kvfabric (issue 18 step 3): describe a uniform chunk of a request
+    /// whose destinations repeat plane after plane (a block hand-off into
+    /// a layer-major pool) by its blocks — the first plane's destinations
+    /// and the stride between planes (DATA_BLOCKS: 8 bytes a block, not a
+    /// piece) — and scatter such chunks from that form (the receiver
+    /// derives every destination on the GPU). Advertised in the
+    /// handshake's capabilities, used only between two agents that both
+    /// advertise it (else DATA_UNIFORM or the seed's DATA). Default
+    /// `true`. Env `KVFABRIC_BOUNCE_BLOCK_DATA`.
+    #[serde(deserialize_with = "de_block_data")]
+    pub block_data: bool,
 }
 
 /// Largest `grantSizeWeight` validation accepts: ranks (clock + weight ×
@@ -894,6 +907,7 @@ impl Default for BounceConfig {
             eager_grant_order: true,
             release_staging_on_write: true,
             grant_size_weight: DEFAULT_SIZE_WEIGHT as u32,
+            block_data: true,
         }
     }
 }
@@ -908,7 +922,7 @@ pub struct FieldName {
 }
 
 /// Every field of [`BounceConfig`], in declaration order.
-pub const FIELDS: [FieldName; 24] = [
+pub const FIELDS: [FieldName; 25] = [
     FieldName {
         yaml: "enabled",
         env: "ENABLE",
@@ -1005,6 +1019,10 @@ pub const FIELDS: [FieldName; 24] = [
         yaml: "grantSizeWeight",
         env: "GRANT_SIZE_WEIGHT",
     },
+    FieldName {
+        yaml: "blockData",
+        env: "BLOCK_DATA",
+    },
 ];
 
 /// Object-safe view of one field, for the env path.
@@ -1025,7 +1043,7 @@ impl<T: FieldValue> DynField for T {
 
 impl BounceConfig {
     /// The fields, paired with [`FIELDS`] (same order).
-    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 24] {
+    fn fields_mut(&mut self) -> [(FieldName, &mut dyn DynField); 25] {
         let f = FIELDS;
         [
             (f[0], &mut self.enabled),
@@ -1052,6 +1070,7 @@ impl BounceConfig {
             (f[21], &mut self.eager_grant_order),
             (f[22], &mut self.release_staging_on_write),
             (f[23], &mut self.grant_size_weight),
+            (f[24], &mut self.block_data),
         ]
     }
 
@@ -1426,6 +1445,12 @@ impl EffectiveBounceConfig {
         self.config.uniform_data
     }
 
+    /// Whether the agent takes DATA_BLOCKS (`blockData`; advertised as
+    /// [`crate::wire::CAP_BLOCK_DATA`]).
+    pub fn block_data(&self) -> bool {
+        self.config.block_data
+    }
+
     /// Whether the gathers one input starts go to the copy engine as one
     /// job (`batchGathers`; GPU kernel path only).
     pub fn batch_gathers(&self) -> bool {
@@ -1794,6 +1819,7 @@ mod tests {
             ("KVFABRIC_BOUNCE_EAGER_GRANT_ORDER", "false"),
             ("KVFABRIC_BOUNCE_RELEASE_STAGING_ON_WRITE", "off"),
             ("KVFABRIC_BOUNCE_GRANT_SIZE_WEIGHT", "4"),
+            ("KVFABRIC_BOUNCE_BLOCK_DATA", "no"),
             ("UNRELATED", "whatever"),
             ("TRTLLM_NIXL_BOUNCE_ENABLE", "0"),
         ]);
@@ -1823,6 +1849,7 @@ mod tests {
             eager_grant_order: false,
             release_staging_on_write: false,
             grant_size_weight: 4,
+            block_data: false,
         };
         assert_eq!(c, want);
     }
@@ -1837,6 +1864,18 @@ mod tests {
         assert!(w.is_empty() && !c.uniform_data, "{w:?}");
         let e = BounceConfig::from_yaml_str("uniformData: maybe").unwrap_err();
         assert!(e.to_string().contains("uniformData"), "{e}");
+    }
+
+    #[test]
+    fn block_data_defaults_on_and_parses_from_yaml_and_env() {
+        assert!(BounceConfig::default().block_data);
+        let c = BounceConfig::from_yaml_str("blockData: false").unwrap();
+        assert!(!c.block_data && c.uniform_data);
+        let mut c = BounceConfig::default();
+        let w = c.apply_env_vars([("KVFABRIC_BOUNCE_BLOCK_DATA", "off")]);
+        assert!(w.is_empty() && !c.block_data, "{w:?}");
+        let e = BounceConfig::from_yaml_str("blockData: sometimes").unwrap_err();
+        assert!(e.to_string().contains("blockData"), "{e}");
     }
 
     #[test]

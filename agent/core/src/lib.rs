@@ -32,4 +32,6 @@ pub mod text;
 pub mod types;
 pub mod wire;
 
-pub use types::{ControlKind, Descriptor, FlowKey, ScatterList, ScatterRun, UniformScatter};
+pub use types::{
+    BlockScatter, ControlKind, Descriptor, FlowKey, ScatterList, ScatterRun, UniformScatter,
+};

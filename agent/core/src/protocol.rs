@@ -154,7 +154,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::plan::ChunkBound;
 use crate::scheduler::{CreditScheduler, GrantPolicy};
-use crate::wire::{Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want};
+use crate::wire::{
+    Ack, Credit, Data, DataBlocks, DataUniform, Grant, Message, Reject, RejectReason, Want,
+};
 use crate::{FlowKey, ScatterList};
 
 /// Virtual or real time in nanoseconds from an origin the caller picks.
@@ -217,9 +219,9 @@ pub struct Mutations {
     /// the queue, so they start after the scope closed — into the pool of
     /// an engine that detached — and are ACKed (see "Deviations").
     pub legacy_forget_scope_queue: bool,
-    /// Check a DATA_UNIFORM's structure and region bounds but not each
-    /// piece's destination (issue 18 step 3): a peer's pieces land
-    /// anywhere. Only the simulator's mutation check sets it.
+    /// Check a DATA_UNIFORM's or DATA_BLOCKS' structure and region bounds
+    /// but not each piece's destination (issue 18 step 3): a peer's pieces
+    /// land anywhere. Only the simulator's mutation check sets it.
     pub unchecked_uniform_dsts: bool,
 }
 
@@ -276,6 +278,10 @@ pub struct Config {
     /// [`crate::wire::CAP_UNIFORM_DATA`]); off, one is refused like a DATA
     /// with invalid runs (no scatter, REJECT `InvalidRuns`).
     pub uniform_data: bool,
+    /// Take DATA_BLOCKS (config `blockData`, advertised as
+    /// [`crate::wire::CAP_BLOCK_DATA`]); off, one is refused like a DATA
+    /// with invalid runs.
+    pub block_data: bool,
     /// Arena base address (credits carry `base + offset`).
     pub arena_base: u64,
     /// Device id put into credits.
@@ -854,6 +860,63 @@ pub struct Machine {
     log_name: String,
 }
 
+/// A uniform or block scatter's region layout: the stride at least the
+/// piece length, the last piece ending (`end`, `None` on overflow) inside
+/// the granted `region_len` bytes. Pieces then do not overlap in the
+/// region, so their total is below the region end too.
+fn check_piece_layout(
+    segment_len: u64,
+    region_stride: u64,
+    end: Option<u64>,
+    region_len: u64,
+) -> Result<(), String> {
+    if region_stride < segment_len {
+        return Err(format!(
+            "uniform scatter stride {region_stride} is below its piece length {segment_len}"
+        ));
+    }
+    let end = end.ok_or("uniform scatter overflows")?;
+    if end > region_len {
+        return Err(format!(
+            "uniform scatter ends at region byte {end}, beyond the granted {region_len} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether one of `allowed` (start, len) holds `[lo, end)`.
+fn in_one_range(allowed: &[(u64, u64)], lo: u64, end: u64) -> bool {
+    allowed
+        .iter()
+        .any(|&(a, l)| lo >= a && end <= a.saturating_add(l))
+}
+
+/// Every piece `[dsts[k], dsts[k] + len)` inside one of `allowed`, else
+/// the first outside named (`outside(what, start, end)`). Keeps the last
+/// range that held a piece and tries it first.
+fn check_pieces(
+    allowed: &[(u64, u64)],
+    dsts: &[u64],
+    len: u64,
+    outside: impl Fn(String, u64, u64) -> String,
+) -> Result<(), String> {
+    let mut last = 0usize;
+    for (k, &a) in dsts.iter().enumerate() {
+        let e = a
+            .checked_add(len)
+            .ok_or_else(|| format!("piece {k} destination overflows"))?;
+        let fits = |&(lo, l): &(u64, u64)| a >= lo && e <= lo.saturating_add(l);
+        if allowed.get(last).is_some_and(fits) {
+            continue;
+        }
+        match allowed.iter().position(fits) {
+            Some(p) => last = p,
+            None => return Err(outside(format!("piece {k}"), a, e)),
+        }
+    }
+    Ok(())
+}
+
 /// Destination bounds [start, end) of a scatter ((0, 0) for none).
 fn scatter_bounds(list: &ScatterList) -> (u64, u64) {
     let mut lo = u64::MAX;
@@ -875,6 +938,8 @@ fn scatter_bounds(list: &ScatterList) -> (u64, u64) {
                 hi = hi.max(a.saturating_add(u.segment_len));
             }
         }
+        // Validated scatters have bounds (no overflow).
+        ScatterList::Blocks(b) => (lo, hi) = b.dst_bounds().unwrap_or((0, 0)),
     }
     if list.is_empty() {
         (0, 0)
@@ -1744,6 +1809,12 @@ impl Machine {
                                 region_handle: credit.region_handle,
                                 scatter,
                             }),
+                            ScatterList::Blocks(scatter) => Message::DataBlocks(DataBlocks {
+                                request_id: rid,
+                                chunk_index: i as u32,
+                                region_handle: credit.region_handle,
+                                scatter,
+                            }),
                         };
                         let traced = req.traced;
                         let to = match self.spare_names.pop() {
@@ -1792,6 +1863,10 @@ impl Machine {
                 format!("could not send DATA for chunk {}", d.chunk_index),
             ),
             Message::DataUniform(d) => (
+                d.request_id,
+                format!("could not send DATA for chunk {}", d.chunk_index),
+            ),
+            Message::DataBlocks(d) => (
                 d.request_id,
                 format!("could not send DATA for chunk {}", d.chunk_index),
             ),
@@ -2158,6 +2233,13 @@ impl Machine {
                 d.region_handle,
                 ScatterList::Uniform(d.scatter),
             ),
+            Message::DataBlocks(d) => self.on_data(
+                from,
+                d.request_id,
+                d.chunk_index,
+                d.region_handle,
+                ScatterList::Blocks(d.scatter),
+            ),
             Message::Ack(a) => self.on_ack(from, a),
             Message::Reject(r) => self.on_reject(from, r),
             // Handshakes never travel here; notices are the reactor's.
@@ -2490,18 +2572,7 @@ impl Machine {
                 if u.segment_len == 0 || u.dsts.is_empty() {
                     return Err("uniform scatter is empty".into());
                 }
-                if u.region_stride < u.segment_len {
-                    return Err(format!(
-                        "uniform scatter stride {} is below its piece length {}",
-                        u.region_stride, u.segment_len
-                    ));
-                }
-                let end = u.region_end().ok_or("uniform scatter overflows")?;
-                if end > region_len {
-                    return Err(format!(
-                        "uniform scatter ends at region byte {end}, beyond the granted {region_len} bytes"
-                    ));
-                }
+                check_piece_layout(u.segment_len, u.region_stride, u.region_end(), region_len)?;
                 if self.cfg.mutations.unchecked_uniform_dsts {
                     return Ok(());
                 }
@@ -2516,33 +2587,38 @@ impl Machine {
                     .iter()
                     .fold((u64::MAX, 0u64), |(lo, hi), &a| (lo.min(a), hi.max(a)));
                 if let Some(end) = hi.checked_add(u.segment_len) {
-                    if allowed
-                        .iter()
-                        .any(|&(a, l)| lo >= a && end <= a.saturating_add(l))
-                    {
+                    if in_one_range(allowed, lo, end) {
                         return Ok(());
                     }
                 }
-                // Otherwise piece by piece (several ranges, or the first
-                // piece outside, named): keep the last range that held a
-                // piece and try it first.
-                let mut last = 0usize;
-                for (k, &a) in u.dsts.iter().enumerate() {
-                    let e = a
-                        .checked_add(u.segment_len)
-                        .ok_or_else(|| format!("piece {k} destination overflows"))?;
-                    let fits = |&(lo, l): &(u64, u64)| a >= lo && e <= lo.saturating_add(l);
-                    if allowed.get(last).is_some_and(fits) {
-                        continue;
-                    }
-                    match allowed.iter().position(fits) {
-                        Some(p) => last = p,
-                        None => return Err(outside(format!("piece {k}"), a, e)),
+                return check_pieces(allowed, &u.dsts, u.segment_len, outside);
+            }
+            ScatterList::Blocks(_) if !self.cfg.block_data => {
+                return Err("a DATA_BLOCKS, which this agent does not take (blockData off)".into());
+            }
+            ScatterList::Blocks(b) => {
+                if b.segment_len == 0 || b.count == 0 || b.offsets.is_empty() {
+                    return Err("block scatter is empty".into());
+                }
+                check_piece_layout(b.segment_len, b.region_stride, b.region_end(), region_len)?;
+                if self.cfg.mutations.unchecked_uniform_dsts {
+                    return Ok(());
+                }
+                // [lowest, highest + piece length) from the first and last
+                // planes and the offsets' extremes: one pass over a block's
+                // entry, not a piece's (512, not 8,192, for a 32 MiB chunk
+                // of a 512-block hand-off).
+                if let Some((lo, end)) = b.dst_bounds() {
+                    if in_one_range(allowed, lo, end) {
+                        return Ok(());
                     }
                 }
-                // Pieces do not overlap in the region (stride ≥ length):
-                // their total is below the region end checked above.
-                return Ok(());
+                // Several ranges, or a piece outside (named): piece by
+                // piece, as DATA_UNIFORM.
+                let u = b
+                    .to_uniform()
+                    .ok_or("block scatter destination overflows")?;
+                return check_pieces(allowed, &u.dsts, u.segment_len, outside);
             }
         };
         let mut total: u64 = 0;
@@ -2846,6 +2922,7 @@ mod tests {
             grant_policy: GrantPolicy::RoundRobin,
             grant_size_weight: crate::scheduler::DEFAULT_SIZE_WEIGHT,
             uniform_data: true,
+            block_data: true,
             arena_base: 0x7000_0000,
             device_id: 0,
             endpoint: name.as_bytes().to_vec(),
@@ -3515,6 +3592,7 @@ mod tests {
                 grant_policy: GrantPolicy::RoundRobin,
                 grant_size_weight: crate::scheduler::DEFAULT_SIZE_WEIGHT,
                 uniform_data: true,
+                block_data: true,
                 arena_base: 0x7000_0000,
                 device_id: 0,
                 endpoint: b"b".to_vec(),
@@ -4151,6 +4229,117 @@ mod tests {
                 &[RejectReason::InvalidRuns]
             };
             assert_eq!(rejects(&acts), want_rejects, "{what}");
+        }
+    }
+
+    /// DATA_BLOCKS (issue 18 step 3): pieces named by block and plane are
+    /// scattered as named when every derived destination is inside
+    /// memory, across planes, from a first piece inside a plane and over
+    /// two registered ranges; refused (REJECT `InvalidRuns`, no scatter)
+    /// past the region, outside memory, in the gap between two ranges, on
+    /// overflow, and by an agent with `blockData` off.
+    #[test]
+    fn block_data_is_validated_like_uniform_data() {
+        let blocks = |region: u64, count: u32, first: u64, plane: u64, offsets: &[u64]| {
+            Message::DataBlocks(DataBlocks {
+                request_id: 1,
+                chunk_index: 0,
+                region_handle: region,
+                scatter: crate::BlockScatter {
+                    segment_len: 256,
+                    region_stride: 256,
+                    first,
+                    count,
+                    plane_stride: plane,
+                    offsets: offsets.to_vec(),
+                },
+            })
+        };
+        // Memory: the agent's [0x1000, 0x101000) and [0x20_0000, +0x1000).
+        // (what, blockData, count, first, plane stride, offsets, the
+        // destinations scattered or None for a REJECT)
+        type Case<'a> = (&'a str, bool, u32, u64, u64, &'a [u64], Option<&'a [u64]>);
+        let cases: [Case<'_>; 8] = [
+            (
+                "two planes",
+                true,
+                4,
+                0,
+                0x1_0000,
+                &[0x3000, 0x1000],
+                Some(&[0x3000, 0x1000, 0x1_3000, 0x1_1000]),
+            ),
+            (
+                "from inside a plane",
+                true,
+                4,
+                1,
+                0x1_0000,
+                &[0x3000, 0x1000],
+                Some(&[0x1000, 0x1_3000, 0x1_1000, 0x2_3000]),
+            ),
+            (
+                "over two ranges",
+                true,
+                2,
+                0,
+                0x1F_E000,
+                &[0x2000],
+                Some(&[0x2000, 0x20_0000]),
+            ),
+            ("past the region", true, 5, 0, 0x1_0000, &[0x3000], None),
+            (
+                "plane outside memory",
+                true,
+                4,
+                0,
+                0x10_0000,
+                &[0x3000, 0x1000],
+                None,
+            ),
+            ("in the gap", true, 2, 0, 0x17_E000, &[0x2000], None),
+            (
+                "overflows",
+                true,
+                4,
+                0,
+                u64::MAX / 2,
+                &[0x3000, 0x1000],
+                None,
+            ),
+            ("blockData off", false, 2, 0, 0x1000, &[0x3000], None),
+        ];
+        for (what, take, count, first, plane, offsets, expect) in cases {
+            let mut b = machine("b");
+            b.cfg.block_data = take;
+            b.handle(
+                1,
+                Input::AllowScatter {
+                    addr: 0x20_0000,
+                    len: 0x1000,
+                },
+            );
+            let g = grants(&from_a(&mut b, 1, want(1, &[1024], 0)));
+            let acts = from_a(
+                &mut b,
+                2,
+                blocks(g[0].region_handle, count, first, plane, offsets),
+            );
+            let scatter = acts.iter().find_map(|x| match x {
+                Action::StartScatter { runs, .. } => Some(runs.clone()),
+                _ => None,
+            });
+            match (expect, scatter) {
+                (Some(dsts), Some(ScatterList::Blocks(s))) => {
+                    assert_eq!(s.to_uniform().unwrap().dsts, dsts, "{what}");
+                    assert!(rejects(&acts).is_empty(), "{what}");
+                }
+                (None, None) => {
+                    assert_eq!(rejects(&acts), [RejectReason::InvalidRuns], "{what}");
+                    assert_eq!(b.counters().data_rejected, 1, "{what}");
+                }
+                (expect, got) => panic!("{what}: wanted {expect:?}, got {got:?}"),
+            }
         }
     }
 

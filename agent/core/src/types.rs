@@ -150,14 +150,149 @@ impl UniformScatter {
     }
 }
 
-/// How one chunk's region is scattered: the seed's run list, or the
-/// uniform form ([`UniformScatter`]).
+/// A chunk's scatter named by block, not by piece (issue 18 step 3, the
+/// receiver-derived scatter; kvfabric's own, DATA_BLOCKS): the request's
+/// destinations repeat with a period — a hand-off of `n` blocks into a
+/// layer-major pool writes the same `n` block offsets in every plane
+/// (layer × K/V), one plane `plane_stride` bytes after the other
+/// (`layout::block_descriptors`, the engine API's pool layout) — so the
+/// chunk is described by the `n` addresses of the first plane and the
+/// stride, not by one address a piece (a 32 MiB chunk of 4 KiB blocks of a
+/// 512-block request: 512 entries, not 8,192).
+///
+/// Piece `j` (`0 ≤ j < count`) of `segment_len` bytes, at region offset
+/// `j × region_stride`, goes to
+///
+/// ```text
+/// k = first + j
+/// dst(j) = (k / n) × plane_stride + offsets[k % n]     (n = offsets.len())
+/// ```
+///
+/// (`k` is the piece's index in the whole request: a chunk may start and
+/// end inside a plane).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BlockScatter {
+    /// Bytes of every piece (> 0 in a valid scatter).
+    pub segment_len: u64,
+    /// Region bytes between consecutive pieces (≥ `segment_len` in a
+    /// valid scatter).
+    pub region_stride: u64,
+    /// Index of the chunk's first piece in the request's piece order.
+    pub first: u64,
+    /// Pieces in the chunk (≥ 1 in a valid scatter).
+    pub count: u32,
+    /// Bytes between one plane's destinations and the next's.
+    pub plane_stride: u64,
+    /// Destination address of each block in the first plane (≥ 1 entry in
+    /// a valid scatter), in the request's piece order.
+    pub offsets: Vec<u64>,
+}
+
+impl BlockScatter {
+    /// Total bytes moved: `segment_len × count`, saturating (decoded
+    /// scatters are untrusted).
+    pub fn total_bytes(&self) -> u64 {
+        self.segment_len.saturating_mul(u64::from(self.count))
+    }
+
+    /// One past the last region byte a piece touches (0 for no pieces), or
+    /// `None` on arithmetic overflow.
+    pub fn region_end(&self) -> Option<u64> {
+        match self.count {
+            0 => Some(0),
+            n => self
+                .region_stride
+                .checked_mul(u64::from(n) - 1)?
+                .checked_add(self.segment_len),
+        }
+    }
+
+    /// The plane (`k / n`) of the first and of the last piece, or `None`
+    /// for no offsets, no pieces or an index that overflows.
+    fn planes(&self) -> Option<(u64, u64)> {
+        let n = self.offsets.len() as u64;
+        if n == 0 || self.count == 0 {
+            return None;
+        }
+        let last = self.first.checked_add(u64::from(self.count) - 1)?;
+        Some((self.first / n, last / n))
+    }
+
+    /// `[lowest destination, highest destination + segment_len)`: every
+    /// piece lies inside it (the planes' bases grow with `k`, and every
+    /// offset is between the lowest and the highest). `None` for an empty
+    /// scatter or on arithmetic overflow anywhere in the scatter (then
+    /// [`BlockScatter::to_uniform`] is `None` too, or names the piece).
+    pub fn dst_bounds(&self) -> Option<(u64, u64)> {
+        let (q0, q1) = self.planes()?;
+        let (lo, hi) = self
+            .offsets
+            .iter()
+            .fold((u64::MAX, 0u64), |(lo, hi), &a| (lo.min(a), hi.max(a)));
+        let start = q0.checked_mul(self.plane_stride)?.checked_add(lo)?;
+        let end = q1
+            .checked_mul(self.plane_stride)?
+            .checked_add(hi)?
+            .checked_add(self.segment_len)?;
+        Some((start, end))
+    }
+
+    /// The destination of piece `j`, or `None` when `j ≥ count` or the
+    /// address overflows.
+    pub fn dst(&self, j: u32) -> Option<u64> {
+        if j >= self.count || self.offsets.is_empty() {
+            return None;
+        }
+        let n = self.offsets.len() as u64;
+        let k = self.first.checked_add(u64::from(j))?;
+        (k / n)
+            .checked_mul(self.plane_stride)?
+            .checked_add(self.offsets[(k % n) as usize])
+    }
+
+    /// The same scatter with one destination a piece (DATA_UNIFORM's
+    /// form: for a peer that does not take blocks, for copy engines without
+    /// a block path, and to name the first piece outside memory). `None`
+    /// when a destination overflows (no valid scatter does).
+    pub fn to_uniform(&self) -> Option<UniformScatter> {
+        let n = self.offsets.len() as u64;
+        if n == 0 {
+            return (self.count == 0).then(|| UniformScatter {
+                segment_len: self.segment_len,
+                region_stride: self.region_stride,
+                dsts: Vec::new(),
+            });
+        }
+        let mut dsts = Vec::with_capacity(self.count as usize);
+        let (mut q, mut i) = (self.first / n, (self.first % n) as usize);
+        let mut base = q.checked_mul(self.plane_stride)?;
+        for _ in 0..self.count {
+            dsts.push(base.checked_add(self.offsets[i])?);
+            i += 1;
+            if i == self.offsets.len() {
+                i = 0;
+                q += 1;
+                base = q.checked_mul(self.plane_stride)?;
+            }
+        }
+        Some(UniformScatter {
+            segment_len: self.segment_len,
+            region_stride: self.region_stride,
+            dsts,
+        })
+    }
+}
+
+/// How one chunk's region is scattered: the seed's run list, the uniform
+/// form ([`UniformScatter`]) or the block form ([`BlockScatter`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum ScatterList {
     /// Scatter runs (seed §4).
     Runs(Vec<ScatterRun>),
     /// Equal-length pieces, one destination each.
     Uniform(UniformScatter),
+    /// Equal-length pieces, destinations by block and plane.
+    Blocks(BlockScatter),
 }
 
 impl Default for ScatterList {
@@ -175,14 +310,16 @@ impl ScatterList {
                 .map(ScatterRun::total_bytes)
                 .fold(0, u64::saturating_add),
             ScatterList::Uniform(u) => u.total_bytes(),
+            ScatterList::Blocks(b) => b.total_bytes(),
         }
     }
 
-    /// Entries: runs, or pieces of the uniform form.
+    /// Entries: runs, or pieces of the uniform and block forms.
     pub fn len(&self) -> usize {
         match self {
             ScatterList::Runs(runs) => runs.len(),
             ScatterList::Uniform(u) => u.dsts.len(),
+            ScatterList::Blocks(b) => b.count as usize,
         }
     }
 
@@ -191,11 +328,14 @@ impl ScatterList {
         self.len() == 0
     }
 
-    /// The list as runs (the uniform form one run a piece).
+    /// The list as runs (the uniform and block forms one run a piece; a
+    /// block form whose destinations overflow — never a valid one — gives
+    /// no runs).
     pub fn into_runs(self) -> Vec<ScatterRun> {
         match self {
             ScatterList::Runs(runs) => runs,
             ScatterList::Uniform(u) => u.to_runs(),
+            ScatterList::Blocks(b) => b.to_uniform().map(|u| u.to_runs()).unwrap_or_default(),
         }
     }
 }

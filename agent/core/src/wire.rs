@@ -7,7 +7,7 @@
 //! offset size field
 //!      0    4 magic        = b"KVFB"
 //!      4    2 version      = WIRE_VERSION
-//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE, 7 REJECT, 8 DATA_UNIFORM)
+//!      6    1 type         = MessageType code (1 WANT, 2 GRANT, 3 DATA, 4 ACK, 5 HANDSHAKE, 6 NOTICE, 7 REJECT, 8 DATA_UNIFORM, 9 DATA_BLOCKS)
 //!      7    1 reserved     = 0
 //!      8    4 entry count  (number of fixed-size entries)
 //!     12    4 trailer len  (bytes of the variable trailer, e.g. the endpoint)
@@ -23,6 +23,7 @@
 //! | DATA | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | region_offset u64, addr u64, segment_len u64, region_stride u64, addr_stride u64, count u32, reserved u32 (48) | none |
 //! | ACK | request_id u64, region_handle u64, chunk_index u32, reserved u32 (24) | none (count 0) | none |
 //! | DATA_UNIFORM | request_id u64, region_handle u64, chunk_index u32, reserved u32, segment_len u64, region_stride u64 (40) | destination address u64 (8) | none |
+//! | DATA_BLOCKS | request_id u64, region_handle u64, chunk_index u32, count u32, segment_len u64, region_stride u64, first u64, plane_stride u64 (56) | first plane's block destination u64 (8) | none |
 //! | HANDSHAKE | wire_version u16, control_kind u8, reserved u8, capabilities u32, arena_usable_capacity_bytes u64, max_chunk_size_bytes u64, config_generation u64 (32) | none (count 0) | endpoint |
 //! | NOTICE | topic u64 (8) | none (count 0) | payload (≤ [`MAX_ENDPOINT_LEN`]) |
 //! | REJECT | request_id u64, reason u32, reserved u32 (16) | none (count 0) | none |
@@ -44,6 +45,12 @@
 //! capability bits (strict decoding), so such a pair does not engage
 //! bounce until both run a build that knows the word (or the new one is
 //! configured with `uniformData: false`).
+//!
+//! DATA_BLOCKS (issue 18 step 3, [`CAP_BLOCK_DATA`]) is kvfabric's own too:
+//! the same pieces named by block — the destinations of the request's
+//! first plane and the stride between planes ([`BlockScatter`]) — for a
+//! request whose destinations repeat plane after plane (a block hand-off
+//! into a layer-major pool): 8 bytes a block, not a piece.
 //!
 //! NOTICE is kvfabric's own (not in the seed): an opaque, bounded payload
 //! the service layer sends between agents on the control channel, e.g. "the
@@ -69,7 +76,7 @@
 //! All decoders return an error value on any malformed input; none panics,
 //! and the module contains no `unsafe`.
 
-use crate::types::{ControlKind, ScatterRun, UniformScatter};
+use crate::types::{BlockScatter, ControlKind, ScatterRun, UniformScatter};
 use std::fmt;
 use thiserror::Error;
 
@@ -109,6 +116,13 @@ pub const DATA_UNIFORM_ENTRY_LEN: usize = 8;
 /// ([`DataUniform`]). kvfabric's own (issue 18 step 3).
 pub const CAP_UNIFORM_DATA: u32 = 1;
 
+/// Handshake capability bit: the agent decodes and scatters DATA_BLOCKS
+/// ([`DataBlocks`]). kvfabric's own (issue 18 step 3).
+pub const CAP_BLOCK_DATA: u32 = 2;
+
+/// Entry size of a DATA_BLOCKS block destination, bytes.
+pub const DATA_BLOCKS_ENTRY_LEN: usize = 8;
+
 /// Message type, the header's `type` byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MessageType {
@@ -130,6 +144,9 @@ pub enum MessageType {
     /// Sender → receiver: like DATA, the scatter as equal-length pieces
     /// and their destinations (kvfabric's own, [`CAP_UNIFORM_DATA`]).
     DataUniform,
+    /// Sender → receiver: like DATA_UNIFORM, the destinations by block
+    /// and plane (kvfabric's own, [`CAP_BLOCK_DATA`]).
+    DataBlocks,
 }
 
 impl MessageType {
@@ -144,6 +161,7 @@ impl MessageType {
             MessageType::Notice => 6,
             MessageType::Reject => 7,
             MessageType::DataUniform => 8,
+            MessageType::DataBlocks => 9,
         }
     }
 
@@ -158,6 +176,7 @@ impl MessageType {
             6 => Some(MessageType::Notice),
             7 => Some(MessageType::Reject),
             8 => Some(MessageType::DataUniform),
+            9 => Some(MessageType::DataBlocks),
             _ => None,
         }
     }
@@ -170,6 +189,7 @@ impl MessageType {
             MessageType::Data | MessageType::Ack => 24,
             MessageType::Handshake => 32,
             MessageType::DataUniform => 40,
+            MessageType::DataBlocks => 56,
         }
     }
 
@@ -180,6 +200,7 @@ impl MessageType {
             MessageType::Grant => GRANT_ENTRY_LEN,
             MessageType::Data => DATA_ENTRY_LEN,
             MessageType::DataUniform => DATA_UNIFORM_ENTRY_LEN,
+            MessageType::DataBlocks => DATA_BLOCKS_ENTRY_LEN,
             MessageType::Ack
             | MessageType::Handshake
             | MessageType::Notice
@@ -208,6 +229,7 @@ impl fmt::Display for MessageType {
             MessageType::Notice => "NOTICE",
             MessageType::Reject => "REJECT",
             MessageType::DataUniform => "DATA_UNIFORM",
+            MessageType::DataBlocks => "DATA_BLOCKS",
         })
     }
 }
@@ -408,6 +430,23 @@ pub struct DataUniform {
     pub scatter: UniformScatter,
 }
 
+/// DATA_BLOCKS (sender → receiver, kvfabric's own, issue 18 step 3): as
+/// [`DataUniform`], the destinations by block and plane
+/// ([`BlockScatter`]). Sent only to a peer advertising [`CAP_BLOCK_DATA`].
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct DataBlocks {
+    /// The sender's request id.
+    pub request_id: u64,
+    /// Chunk index within the request.
+    pub chunk_index: u32,
+    /// The granted region the chunk was written to.
+    pub region_handle: u64,
+    /// The pieces: `segment_len > 0`, `region_stride >= segment_len`, at
+    /// least one piece and one block. Bounds against the region and the
+    /// destination's memory are the receiver's job, as for runs.
+    pub scatter: BlockScatter,
+}
+
 /// ACK (receiver → sender, seed §5): chunk scattered, region recyclable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Ack {
@@ -543,6 +582,8 @@ pub enum Message {
     Reject(Reject),
     /// See [`DataUniform`].
     DataUniform(DataUniform),
+    /// See [`DataBlocks`].
+    DataBlocks(DataBlocks),
 }
 
 // ---------------------------------------------------------------- encoding
@@ -622,6 +663,7 @@ impl Message {
             Message::Notice(_) => MessageType::Notice,
             Message::Reject(_) => MessageType::Reject,
             Message::DataUniform(_) => MessageType::DataUniform,
+            Message::DataBlocks(_) => MessageType::DataBlocks,
         }
     }
 
@@ -631,6 +673,7 @@ impl Message {
             Message::Grant(g) => (g.credits.len(), 0),
             Message::Data(d) => (d.runs.len(), 0),
             Message::DataUniform(d) => (d.scatter.dsts.len(), 0),
+            Message::DataBlocks(d) => (d.scatter.offsets.len(), 0),
             Message::Ack(_) | Message::Reject(_) => (0, 0),
             Message::Handshake(h) => (0, h.endpoint.len()),
             Message::Notice(n) => (0, n.payload.len()),
@@ -677,6 +720,9 @@ impl Message {
         }
         if let Message::DataUniform(d) = self {
             check_uniform(&d.scatter)?;
+        }
+        if let Message::DataBlocks(d) = self {
+            check_blocks(&d.scatter)?;
         }
         Ok(())
     }
@@ -764,6 +810,19 @@ impl Message {
                     put_u64(out, a);
                 }
             }
+            Message::DataBlocks(d) => {
+                put_u64(out, d.request_id);
+                put_u64(out, d.region_handle);
+                put_u32(out, d.chunk_index);
+                put_u32(out, d.scatter.count);
+                put_u64(out, d.scatter.segment_len);
+                put_u64(out, d.scatter.region_stride);
+                put_u64(out, d.scatter.first);
+                put_u64(out, d.scatter.plane_stride);
+                for &a in &d.scatter.offsets {
+                    put_u64(out, a);
+                }
+            }
         }
     }
 
@@ -783,6 +842,7 @@ impl Message {
             MessageType::Notice => frame.notice().map(Message::Notice),
             MessageType::Reject => frame.reject().map(Message::Reject),
             MessageType::DataUniform => frame.data_uniform().map(Message::DataUniform),
+            MessageType::DataBlocks => frame.data_blocks().map(Message::DataBlocks),
         }
     }
 }
@@ -802,6 +862,12 @@ impl From<Data> for Message {
         Message::Data(m)
     }
 }
+impl From<DataBlocks> for Message {
+    fn from(m: DataBlocks) -> Self {
+        Message::DataBlocks(m)
+    }
+}
+
 impl From<DataUniform> for Message {
     fn from(m: DataUniform) -> Self {
         Message::DataUniform(m)
@@ -854,6 +920,26 @@ fn check_uniform(u: &UniformScatter) -> Result<(), WireError> {
         "segment_len is 0"
     } else if u.region_stride < u.segment_len {
         "region_stride is below segment_len"
+    } else {
+        return Ok(());
+    };
+    Err(WireError::InvalidRun { index: 0, reason })
+}
+
+/// A DATA_BLOCKS' structure: pieces and blocks present, `segment_len > 0`,
+/// `region_stride >= segment_len`, and the last piece's index
+/// (`first + count - 1`) representable.
+fn check_blocks(b: &BlockScatter) -> Result<(), WireError> {
+    let reason = if b.offsets.is_empty() {
+        "no block destinations"
+    } else if b.count == 0 {
+        "no pieces"
+    } else if b.segment_len == 0 {
+        "segment_len is 0"
+    } else if b.region_stride < b.segment_len {
+        "region_stride is below segment_len"
+    } else if b.first.checked_add(u64::from(b.count)).is_none() {
+        "first + count overflows"
     } else {
         return Ok(());
     };
@@ -1245,6 +1331,40 @@ impl<'a> Frame<'a> {
         };
         check_uniform(&scatter)?;
         Ok(DataUniform {
+            request_id,
+            chunk_index,
+            region_handle,
+            scatter,
+        })
+    }
+}
+
+impl Frame<'_> {
+    fn data_blocks(mut self) -> Result<DataBlocks, WireError> {
+        let request_id = self.body.u64()?;
+        let region_handle = self.body.u64()?;
+        let chunk_index = self.body.u32()?;
+        let count = self.body.u32()?;
+        let segment_len = self.body.u64()?;
+        let region_stride = self.body.u64()?;
+        let first = self.body.u64()?;
+        let plane_stride = self.body.u64()?;
+        // `parse` checked that exactly `count` (entry count) entries follow.
+        let entries = self.body.take_slice(self.count * DATA_BLOCKS_ENTRY_LEN)?;
+        let offsets = entries
+            .chunks_exact(DATA_BLOCKS_ENTRY_LEN)
+            .map(|e| u64::from_le_bytes(e.try_into().expect("chunks_exact")))
+            .collect();
+        let scatter = BlockScatter {
+            segment_len,
+            region_stride,
+            first,
+            count,
+            plane_stride,
+            offsets,
+        };
+        check_blocks(&scatter)?;
+        Ok(DataBlocks {
             request_id,
             chunk_index,
             region_handle,

@@ -362,3 +362,87 @@ proptest! {
         check(&Case { max, descs })?;
     }
 }
+
+/// A block hand-off's descriptors as `layout::block_descriptors` orders
+/// them: plane-major (`planes` planes `plane` bytes apart), the same
+/// `blocks` (ids into a pool of `len`-byte blocks) in each.
+fn block_handoff(blocks: &[u64], planes: u64, plane: u64, len: u64) -> Vec<Descriptor> {
+    (0..planes)
+        .flat_map(|q| {
+            blocks.iter().enumerate().map(move |(i, &b)| {
+                Descriptor::new(i as u64 * len, (1 << 40) + q * plane + b * len, len)
+            })
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// DATA_BLOCKS (issue 18 step 3): a block hand-off's destinations are
+    /// found to repeat plane after plane (`DstPlanes::of`), with a plane of
+    /// at most the request's blocks, and every chunk's block form names
+    /// exactly its pieces' destinations — also from a chunk that starts
+    /// inside a plane. Whatever the list (random destinations too), a
+    /// period found always names every descriptor's destination.
+    #[test]
+    fn block_form_names_every_pieces_destination(
+        max in prop::sample::select(vec![4096u64, 65_536, 1 << 20]),
+        ids in prop::collection::vec(0u64..4096, 1..80),
+        planes in 2u64..12,
+        len in prop::sample::select(vec![64u64, 4096]),
+        random in prop::collection::vec(0u64..1 << 20, 2..60),
+    ) {
+        let plane = 4096 * len;
+        let descs = block_handoff(&ids, planes, plane, len);
+        let p = kvfabric_core::plan::DstPlanes::of(&descs);
+        let p = p.expect("a block hand-off repeats plane after plane");
+        prop_assert!(p.offsets.len() <= ids.len());
+        prop_assert_eq!(ids.len() % p.offsets.len(), 0);
+        let (bounds, measured) = TransferPlan::chunk_bounds_measured(&descs, max).unwrap();
+        for b in &bounds {
+            let Some(u) = TransferPlan::uniform_pieces_of_len(&descs, b, max, measured.unwrap())
+            else {
+                continue;
+            };
+            let want: Vec<u64> = descs[u.first_desc..u.first_desc + u.count].iter().map(|d| d.dst).collect();
+            match p.scatter(&u) {
+                Some(s) => {
+                    prop_assert!(u.count > p.offsets.len());
+                    prop_assert_eq!(s.first, u.first_desc as u64);
+                    prop_assert_eq!(&s.to_uniform().unwrap().dsts, &want);
+                    let (lo, hi) = s.dst_bounds().unwrap();
+                    prop_assert!(want.iter().all(|&a| a >= lo && a + len <= hi));
+                }
+                None => prop_assert!(u.count <= p.offsets.len()),
+            }
+        }
+        // Any list: a period found is a true one.
+        let descs: Vec<Descriptor> = random.iter().map(|&d| Descriptor::new(0, d * 64, 64)).collect();
+        if let Some(p) = kvfabric_core::plan::DstPlanes::of(&descs) {
+            let n = p.offsets.len();
+            for (k, d) in descs.iter().enumerate() {
+                prop_assert_eq!(d.dst, (k / n) as u64 * p.plane_stride + p.offsets[k % n]);
+            }
+        }
+    }
+}
+
+/// Lists without a period: random destinations, a plane that differs in
+/// one block, fewer than two planes.
+#[test]
+fn no_block_form_without_a_period() {
+    use kvfabric_core::plan::DstPlanes;
+    let mut descs = block_handoff(&[5, 1, 9, 2], 3, 1 << 20, 4096);
+    assert!(DstPlanes::of(&descs).is_some());
+    descs[9].dst += 4096;
+    assert_eq!(DstPlanes::of(&descs), None);
+    assert_eq!(
+        DstPlanes::of(&block_handoff(&[5, 1, 9, 2], 1, 1 << 20, 4096)),
+        None
+    );
+    assert_eq!(DstPlanes::of(&descs[..1]), None);
+    // Contiguous destinations: one block a plane.
+    let p = DstPlanes::of(&block_handoff(&[0, 1, 2, 3], 2, 4 * 4096, 4096)).unwrap();
+    assert_eq!((p.offsets.len(), p.plane_stride), (1, 4096));
+}

@@ -34,7 +34,7 @@ fn seeds_part(part: u64, parts: u64) {
     let start = env_u64("KVFABRIC_SIM_START", 0);
     let t0 = std::time::Instant::now();
     let (mut steps, mut ok, mut failed, mut crashes) = (0u64, 0u64, 0u64, 0u64);
-    let mut uniform = 0u64;
+    let (mut uniform, mut blocks) = (0u64, 0u64);
     let mut c = kvfabric_core::protocol::Counters::default();
     let mut seed = start + part;
     while seed < start + n {
@@ -45,6 +45,7 @@ fn seeds_part(part: u64, parts: u64) {
                 failed += s.failed;
                 crashes += s.crashes;
                 uniform += s.uniform_scatters;
+                blocks += s.block_scatters;
                 sim::add_counters(&mut c, &s.counters);
             }
             Err(f) => panic!("{f}"),
@@ -52,7 +53,7 @@ fn seeds_part(part: u64, parts: u64) {
         seed += parts;
     }
     eprintln!(
-        "protocol_sim part {part}/{parts}: {} seeds from {start}, {steps} steps, {ok} requests succeeded, {failed} failed, {crashes} crashes, {uniform} uniform scatters, {:.1} s",
+        "protocol_sim part {part}/{parts}: {} seeds from {start}, {steps} steps, {ok} requests succeeded, {failed} failed, {crashes} crashes, {uniform} uniform scatters, {blocks} block scatters, {:.1} s",
         n.div_ceil(parts),
         t0.elapsed().as_secs_f64()
     );
@@ -61,6 +62,10 @@ fn seeds_part(part: u64, parts: u64) {
     assert!(
         n < 100 || uniform > 0,
         "no DATA_UNIFORM was scattered in {n} seeds"
+    );
+    assert!(
+        n < 100 || blocks > 0,
+        "no DATA_BLOCKS was scattered in {n} seeds"
     );
 }
 

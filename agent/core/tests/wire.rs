@@ -4,11 +4,11 @@
 use kvfabric_core::plan::TransferPlan;
 use kvfabric_core::wire::{
     decode_ack, decode_data, decode_grant, decode_handshake, decode_want, encode_cancel,
-    encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, DataUniform, Grant, Handshake,
-    Message, MessageType, Reject, RejectReason, Want, WireError, CAP_UNIFORM_DATA, HEADER_LEN,
-    MAGIC, MAX_ENDPOINT_LEN, MAX_ENTRIES, WIRE_VERSION,
+    encode_handshake, is_cancel_want, peek_type, Ack, Credit, Data, DataBlocks, DataUniform, Grant,
+    Handshake, Message, MessageType, Reject, RejectReason, Want, WireError, CAP_BLOCK_DATA,
+    CAP_UNIFORM_DATA, HEADER_LEN, MAGIC, MAX_ENDPOINT_LEN, MAX_ENTRIES, WIRE_VERSION,
 };
-use kvfabric_core::{ControlKind, Descriptor, ScatterRun, UniformScatter};
+use kvfabric_core::{BlockScatter, ControlKind, Descriptor, ScatterRun, UniformScatter};
 
 fn want() -> Want {
     Want {
@@ -80,7 +80,85 @@ fn all() -> Vec<Message> {
         }
         .into(),
         data_uniform().into(),
+        data_blocks().into(),
     ]
+}
+
+/// 40 pieces of 4 KiB from piece 100 of a request of 32-block planes
+/// (the last 28 blocks of plane 3, the first 12 of plane 4).
+fn data_blocks() -> DataBlocks {
+    DataBlocks {
+        request_id: 10,
+        chunk_index: 2,
+        region_handle: 2 << 20,
+        scatter: BlockScatter {
+            segment_len: 4096,
+            region_stride: 4096,
+            first: 100,
+            count: 40,
+            plane_stride: 1 << 30,
+            offsets: (0..32u64)
+                .map(|i| 0x7f00_0000_0000 + (i * 7 % 32) * 4096)
+                .collect(),
+        },
+    }
+}
+
+/// DATA_BLOCKS (issue 18 step 3): 56 fixed bytes and 8 a block (not a
+/// piece); the destinations it names are those of the same pieces listed
+/// one by one (`to_uniform`), inside `dst_bounds`; structurally invalid
+/// scatters are refused by the decoder and by `check_limits`.
+#[test]
+fn data_blocks_round_trip_and_name_the_same_destinations() {
+    let d = data_blocks();
+    let m = Message::from(d.clone());
+    let b = m.encode();
+    assert_eq!(b.len(), HEADER_LEN + 56 + 32 * 8);
+    assert_eq!(peek_type(&b).unwrap(), MessageType::DataBlocks);
+    assert_eq!(Message::decode(&b).unwrap(), m);
+    let s = &d.scatter;
+    let u = s.to_uniform().unwrap();
+    assert_eq!(u.dsts.len(), 40);
+    for (j, &a) in u.dsts.iter().enumerate() {
+        let k = 100 + j as u64;
+        let want = (k / 32) * (1 << 30) + 0x7f00_0000_0000 + ((k % 32) * 7 % 32) * 4096;
+        assert_eq!(a, want, "piece {j}");
+        assert_eq!(s.dst(j as u32), Some(a));
+    }
+    assert_eq!(s.dst(40), None);
+    let (lo, hi) = s.dst_bounds().unwrap();
+    assert!(u.dsts.iter().all(|&a| a >= lo && a + 4096 <= hi));
+    assert_eq!(lo, 3 * (1 << 30) + 0x7f00_0000_0000);
+    assert_eq!(hi, 4 * (1 << 30) + 0x7f00_0000_0000 + 31 * 4096 + 4096);
+    assert_eq!(s.total_bytes(), u.total_bytes());
+    assert_eq!(s.region_end(), u.region_end());
+    let bad = |f: &dyn Fn(&mut BlockScatter), reason: &str| {
+        let mut x = d.clone();
+        f(&mut x.scatter);
+        let m = Message::from(x);
+        let want = WireError::InvalidRun {
+            index: 0,
+            reason: reason.to_string().leak(),
+        };
+        assert_eq!(m.check_limits().unwrap_err(), want);
+        assert_eq!(Message::decode(&m.encode()).unwrap_err(), want);
+    };
+    bad(&|b| b.offsets.clear(), "no block destinations");
+    bad(&|b| b.count = 0, "no pieces");
+    bad(&|b| b.segment_len = 0, "segment_len is 0");
+    bad(
+        &|b| b.region_stride = 4095,
+        "region_stride is below segment_len",
+    );
+    bad(&|b| b.first = u64::MAX - 10, "first + count overflows");
+    // Overflowing destinations: no bounds, no list.
+    let mut x = d.scatter.clone();
+    x.plane_stride = u64::MAX / 2;
+    assert_eq!(x.dst_bounds(), None);
+    assert_eq!(x.to_uniform(), None);
+    let mut h = handshake();
+    h.capabilities = CAP_UNIFORM_DATA | CAP_BLOCK_DATA;
+    assert_eq!(decode_handshake(&encode_handshake(&h)).unwrap(), h);
 }
 
 fn data_uniform() -> DataUniform {
@@ -241,7 +319,7 @@ fn rejects_wrong_version() {
 
 #[test]
 fn rejects_unknown_type() {
-    for code in [0u8, 9, 0xff] {
+    for code in [0u8, 10, 0xff] {
         let mut b = Message::from(ack()).encode();
         b[6] = code;
         assert_eq!(Message::decode(&b), Err(WireError::UnknownType { code }));

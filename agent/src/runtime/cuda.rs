@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
-use kvfabric_core::{Descriptor, ScatterRun, UniformScatter};
+use kvfabric_core::{BlockScatter, Descriptor, ScatterRun, UniformScatter};
 
 use super::engine::{
     EngineError, MemDesc, MemKind, PreparedList, TransferEngine, XferHandle, XferState,
@@ -51,6 +51,10 @@ pub const GATHER_SRCS_KERNEL: &str = "kvf_gather_srcs";
 /// The uniform scatter's kernel: a DATA_UNIFORM's pieces to their
 /// destinations (issue 18 step 3).
 pub const SCATTER_DSTS_KERNEL: &str = "kvf_scatter_dsts";
+
+/// The block scatter's kernel: a DATA_BLOCKS' pieces to the destinations
+/// it derives from the request's block destinations (issue 18 step 3).
+pub const SCATTER_BLOCKS_KERNEL: &str = "kvf_scatter_blocks";
 
 /// Default bytes per kernel task (one warp each): longer segments are split
 /// into pieces of this size, shorter ones grouped up to it.
@@ -326,6 +330,7 @@ pub struct CudaGpu {
     block_copy: KernelFn,
     gather_srcs: KernelFn,
     scatter_dsts: KernelFn,
+    scatter_blocks: KernelFn,
     info: GpuInfo,
 }
 
@@ -382,6 +387,7 @@ impl CudaGpu {
         let block_copy = KernelFn::load(module, BLOCK_COPY_KERNEL)?;
         let gather_srcs = KernelFn::load(module, GATHER_SRCS_KERNEL)?;
         let scatter_dsts = KernelFn::load(module, SCATTER_DSTS_KERNEL)?;
+        let scatter_blocks = KernelFn::load(module, SCATTER_BLOCKS_KERNEL)?;
         let info = GpuInfo {
             ordinal,
             name,
@@ -399,6 +405,7 @@ impl CudaGpu {
                 block_copy.info.clone(),
                 gather_srcs.info.clone(),
                 scatter_dsts.info.clone(),
+                scatter_blocks.info.clone(),
             ],
         };
         tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
@@ -410,6 +417,7 @@ impl CudaGpu {
             block_copy,
             gather_srcs,
             scatter_dsts,
+            scatter_blocks,
             info,
         }))
     }
@@ -525,6 +533,61 @@ impl CudaGpu {
     ) -> Result<(), CudaError> {
         // SAFETY: as this function's contract.
         unsafe { self.launch_pieces(&self.scatter_dsts, stream, dsts, n, len, stride, region) }
+    }
+
+    /// Enqueues `kvf_scatter_blocks` on `stream`: piece `w < n` of `len`
+    /// bytes from `region + w * stride` to `(k / nblocks) * plane_stride +
+    /// offsets[k % nblocks]`, `k = first + w` (a warp a piece).
+    ///
+    /// # Safety
+    /// `offsets` must be a device-readable table of `nblocks ≥ 1` u64 that
+    /// stays valid until the launch completes; every derived destination
+    /// and every piece of the region must be valid device memory of this
+    /// context for `len` bytes (the receiver validated them).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_scatter_blocks(
+        &self,
+        stream: sys::CUstream,
+        offsets: u64,
+        nblocks: u32,
+        first: u64,
+        n: u32,
+        plane_stride: u64,
+        len: u64,
+        stride: u64,
+        region: u64,
+    ) -> Result<(), CudaError> {
+        let k = &self.scatter_blocks;
+        let threads = 256u32.min(k.info.max_threads.max(32) as u32) / 32 * 32;
+        let g = u64::from(n)
+            .div_ceil(u64::from(threads / 32))
+            .clamp(1, i32::MAX as u64) as u32;
+        let (mut o, mut nb, mut f, mut cnt, mut ps, mut l, mut st, mut r) = (
+            offsets,
+            nblocks,
+            first,
+            n,
+            plane_stride,
+            len,
+            stride,
+            region,
+        );
+        let mut params: [*mut c_void; 8] = [
+            (&mut o as *mut u64).cast(),
+            (&mut nb as *mut u32).cast(),
+            (&mut f as *mut u64).cast(),
+            (&mut cnt as *mut u32).cast(),
+            (&mut ps as *mut u64).cast(),
+            (&mut l as *mut u64).cast(),
+            (&mut st as *mut u64).cast(),
+            (&mut r as *mut u64).cast(),
+        ];
+        // SAFETY: the parameters match `kvf_scatter_blocks`; the caller
+        // guarantees the stream, the table, the region and destinations.
+        drv("cuLaunchKernel", unsafe {
+            result::launch_kernel(k.f, (g, 1, 1), (threads, 1, 1), 0, stream, &mut params)
+        })?;
+        Ok(())
     }
 
     /// Launches one of the piece kernels (`kvf_gather_srcs`,
@@ -1991,6 +2054,76 @@ impl CudaCopyEngine {
         )
     }
 
+    /// The block scatter ([`CopyEngine::scatter_blocks`], DATA_BLOCKS): the
+    /// plane's block destinations (8 bytes a block, not a piece) are
+    /// written to the context's pinned buffer (read there, or uploaded:
+    /// [`CudaCopyConfig::plan_source`]) and one `kvf_scatter_blocks`
+    /// launch derives every piece's destination.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for more than `u32::MAX` blocks, no blocks,
+    /// a stride below the piece length or a last piece index that
+    /// overflows; the driver's error otherwise.
+    pub fn run_scatter_blocks(&self, region_addr: u64, b: &BlockScatter) -> Result<(), CudaError> {
+        let nblocks = u32::try_from(b.offsets.len()).map_err(|_| {
+            CudaError::Invalid(format!("{} blocks in one scatter", b.offsets.len()))
+        })?;
+        if b.region_stride < b.segment_len {
+            return Err(CudaError::Invalid(format!(
+                "block scatter stride {} below its piece length {}",
+                b.region_stride, b.segment_len
+            )));
+        }
+        if b.count == 0 || b.segment_len == 0 {
+            return Ok(());
+        }
+        if nblocks == 0 || b.first.checked_add(u64::from(b.count)).is_none() {
+            return Err(CudaError::Invalid(
+                "block scatter without blocks, or its last piece index overflows".into(),
+            ));
+        }
+        let t0 = Instant::now();
+        let mut ctx = self.acquire();
+        let enqueued = self.gpu.bind().and_then(|()| {
+            let table =
+                self.stage_piece_table(&mut ctx, b.offsets.iter().copied(), b.offsets.len())?;
+            // SAFETY: the stream is this context's; the table stays valid
+            // until the completion event; the receiver validated the
+            // region and every derived destination.
+            unsafe {
+                self.gpu.launch_scatter_blocks(
+                    ctx.stream,
+                    table,
+                    nblocks,
+                    b.first,
+                    b.count,
+                    b.plane_stride,
+                    b.segment_len,
+                    b.region_stride,
+                    region_addr,
+                )
+            }?;
+            ctx.record_done()
+        });
+        let t_enqueued = t0.elapsed();
+        let out = enqueued.and_then(|()| ctx.wait_done());
+        tracing::trace!(
+            pieces = b.count,
+            blocks = nblocks,
+            enqueued_us = t_enqueued.as_micros() as u64,
+            done_us = t0.elapsed().as_micros() as u64,
+            "cuda block scatter"
+        );
+        if out.is_err() {
+            let _ = ctx.synchronize();
+        }
+        self.release(ctx);
+        if let Err(e) = &out {
+            tracing::error!(error = %e, "CUDA block scatter failed");
+        }
+        out
+    }
+
     /// The batched uniform gather ([`CopyEngine::gather_uniform_batch`]):
     /// every item's source addresses (8 bytes a piece) written once to the
     /// context's pinned buffer (read there by the kernels, or uploaded with
@@ -2346,6 +2479,18 @@ impl CopyEngine for CudaCopyEngine {
             return self.scatter(region_addr, &u.to_runs());
         }
         self.run_scatter_uniform(region_addr, u)
+            .map_err(CopyError::from)
+    }
+    fn scatter_blocks(&self, region_addr: u64, b: &BlockScatter) -> Result<(), CopyError> {
+        // As the uniform scatter: a warp a piece on the kernel path; the
+        // others take the destinations listed.
+        if self.cfg.path != CopyPath::Kernel || b.segment_len > self.cfg.piece_bytes {
+            let u = b
+                .to_uniform()
+                .ok_or_else(|| CopyError("block scatter destination overflows".into()))?;
+            return self.scatter(region_addr, &u.to_runs());
+        }
+        self.run_scatter_blocks(region_addr, b)
             .map_err(CopyError::from)
     }
     fn name(&self) -> &'static str {

@@ -4,13 +4,13 @@
 //! off the IO thread and report completion back to it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use kvfabric_core::plan::{ChunkBound, TransferPlan, UniformPieces};
-use kvfabric_core::{Descriptor, ScatterList, ScatterRun, UniformScatter};
+use kvfabric_core::plan::{ChunkBound, DstPlanes, TransferPlan, UniformPieces};
+use kvfabric_core::{BlockScatter, Descriptor, ScatterList, ScatterRun, UniformScatter};
 
 use super::spin::SpinSlots;
 use super::waker::Waker;
@@ -103,6 +103,22 @@ pub trait CopyEngine: Send + Sync {
     /// The engine's copy error.
     fn scatter_uniform(&self, region_addr: u64, u: &UniformScatter) -> Result<(), CopyError> {
         self.scatter(region_addr, &u.to_runs())
+    }
+    /// Scatters a DATA_BLOCKS' pieces (issue 18 step 3): piece `j` of
+    /// `b.segment_len` bytes from `region_addr + j * b.region_stride` to
+    /// [`BlockScatter::dst`]`(j)`. The receiver validated every
+    /// destination and the region bounds. The default lists the
+    /// destinations ([`BlockScatter::to_uniform`]) and scatters them as
+    /// [`CopyEngine::scatter_uniform`] does.
+    ///
+    /// # Errors
+    /// A destination that overflows (never a validated scatter's); the
+    /// engine's copy error.
+    fn scatter_blocks(&self, region_addr: u64, b: &BlockScatter) -> Result<(), CopyError> {
+        let u = b
+            .to_uniform()
+            .ok_or_else(|| CopyError("block scatter destination overflows".into()))?;
+        self.scatter_uniform(region_addr, &u)
     }
     /// Gathers several uniform chunks ([`UniformGather`]) as one
     /// submission (issue 18 step 3: one driver submission for a request's
@@ -346,6 +362,9 @@ pub enum CopyPlan {
     /// A receiver's scatter of a DATA_UNIFORM ([`CopyEngine::scatter_uniform`];
     /// only valid with [`CopyKind::Scatter`]).
     Uniform(UniformScatter),
+    /// A receiver's scatter of a DATA_BLOCKS ([`CopyEngine::scatter_blocks`];
+    /// only valid with [`CopyKind::Scatter`]).
+    Blocks(BlockScatter),
     /// A sender's chunk, planned on the worker: build the chunk's runs from
     /// the request's descriptors ([`TransferPlan::build_chunk`]), gather
     /// them, and hand the scatter back in [`CopyDone::scatter`]
@@ -391,6 +410,13 @@ pub struct ChunkGather {
     /// over them: a uniform chunk is then found without another pass over
     /// its descriptors (`None`: found by comparing them).
     pub uniform_len: Option<u64>,
+    /// The peer takes DATA_BLOCKS: the request's destination planes
+    /// ([`DstPlanes::of`]), found once by the first of its chunks to
+    /// describe its scatter (while its gather runs) and shared by all;
+    /// a uniform chunk larger than a plane is then described by its
+    /// blocks ([`ScatterList::Blocks`]). `None`: the peer does not take
+    /// them.
+    pub block_planes: Option<Arc<OnceLock<Option<DstPlanes>>>>,
 }
 
 /// The chunk's uniform layout ([`TransferPlan::uniform_pieces`]), in O(1)
@@ -435,6 +461,7 @@ impl CopyPlan {
         match self {
             CopyPlan::Runs(r) => r.len(),
             CopyPlan::Uniform(u) => u.dsts.len(),
+            CopyPlan::Blocks(b) => b.count as usize,
             CopyPlan::Chunk(c) => c.bound.pieces as usize,
             CopyPlan::Batch(b) => b.iter().map(|c| c.chunk.bound.pieces as usize).sum(),
         }
@@ -536,6 +563,25 @@ fn run_job(
                 .and_then(|()| engine.scatter_uniform(region_addr, &u));
             (r, none())
         }
+        CopyPlan::Blocks(b) => {
+            if kind != CopyKind::Scatter {
+                return (
+                    Err(CopyError("a block scatter can only be scattered".into())),
+                    none(),
+                );
+            }
+            let first = b.dst(0).map(|addr| ScatterRun {
+                region_offset: 0,
+                addr,
+                segment_len: b.segment_len,
+                region_stride: 0,
+                addr_stride: 0,
+                count: 1,
+            });
+            let r = flip_if_armed(engine, region_addr, first.as_slice())
+                .and_then(|()| engine.scatter_blocks(region_addr, &b));
+            (r, none())
+        }
         CopyPlan::Chunk(c) => {
             if kind != CopyKind::Gather {
                 return (
@@ -565,6 +611,14 @@ fn describe_uniform_scatter(
     // (always, now that a chunk holds at most `plan::MAX_CHUNK_PIECES`;
     // kept as the guard), or the seed's (merged) runs.
     let fits = u.count <= kvfabric_core::wire::MAX_ENTRIES as usize;
+    if let Some(cell) = &c.block_planes {
+        // DATA_BLOCKS: the request's planes (found once, by the first
+        // chunk here), a chunk's pieces named by their blocks.
+        let planes = cell.get_or_init(|| DstPlanes::of(&c.descs));
+        if let Some(b) = planes.as_ref().and_then(|p| p.scatter(u)) {
+            return Ok(ScatterList::Blocks(b));
+        }
+    }
     if c.uniform_data && fits {
         // DATA_UNIFORM: the destinations, nothing planned.
         Ok(ScatterList::Uniform(UniformScatter {
@@ -1023,9 +1077,91 @@ mod tests {
                 merge_runs: true,
                 uniform_data,
                 uniform_len,
+                block_planes: None,
             }),
         );
         (region, r.map(|()| runs))
+    }
+
+    /// DATA_BLOCKS end to end on the host (issue 18 step 3): a block
+    /// hand-off (3 planes of 24 blocks, 4 KiB each, shuffled ids) gathered
+    /// for a peer that takes blocks hands back each uniform chunk's block
+    /// form — the plane's 24 destinations, not one a piece, also for the
+    /// chunks starting inside a plane — and scattering it (the host
+    /// engine through the trait's default) lands exactly the bytes of the
+    /// planned runs, nothing else in the pool; a chunk no larger than a
+    /// plane keeps the uniform form.
+    #[test]
+    fn block_data_scatters_like_the_planned_runs() {
+        let (blocks, planes, len) = (24usize, 3usize, 4096usize);
+        let n = blocks * planes;
+        let src: Vec<u8> = (0..n * len).map(|i| (i * 31 + i / 4096) as u8).collect();
+        let pool_len = planes * 2 * blocks * len;
+        let mut dst_a = vec![0x5Au8; pool_len];
+        let mut dst_ref = vec![0x5Au8; pool_len];
+        let descs_for = |pool: &mut Vec<u8>| -> Arc<Vec<Descriptor>> {
+            let (s, d) = (src.as_ptr() as u64, pool.as_mut_ptr() as u64);
+            Arc::new(
+                (0..n)
+                    .map(|k| {
+                        let (q, i) = (k / blocks, k % blocks);
+                        let id = (i * 7 + 3) % (2 * blocks);
+                        let dst = d + ((q * 2 * blocks + id) * len) as u64;
+                        Descriptor::new(s + (k * len) as u64, dst, len as u64)
+                    })
+                    .collect(),
+            )
+        };
+        let (a, r) = (descs_for(&mut dst_a), descs_for(&mut dst_ref));
+        for (max, want_blocks) in [(40 * 4096u64, true), (16 * 4096, false)] {
+            let (bounds, uniform_len) = TransferPlan::chunk_bounds_measured(&a, max).unwrap();
+            let cell = Arc::new(OnceLock::new());
+            for (index, bound) in bounds.iter().enumerate() {
+                let mut region = vec![0xA5u8; bound.packed_bytes as usize + GUARD];
+                let (res, list) = run_job(
+                    &HostCopyEngine,
+                    CopyKind::Gather,
+                    region.as_mut_ptr() as u64,
+                    CopyPlan::Chunk(ChunkGather {
+                        descs: a.clone(),
+                        bound: *bound,
+                        max_chunk_size_bytes: max,
+                        merge_runs: true,
+                        uniform_data: true,
+                        uniform_len,
+                        block_planes: Some(cell.clone()),
+                    }),
+                );
+                res.unwrap();
+                let (rr, runs) = gather_chunk(&HostCopyEngine, &r, max, index);
+                assert_eq!(region, rr);
+                match list {
+                    ScatterList::Blocks(b) => {
+                        assert!(want_blocks, "chunk {index}: blocks for a small chunk");
+                        assert_eq!(b.offsets.len(), blocks);
+                        assert_eq!(b.first, bound.first_desc as u64);
+                        let (res, _) = run_job(
+                            &HostCopyEngine,
+                            CopyKind::Scatter,
+                            region.as_ptr() as u64,
+                            CopyPlan::Blocks(b),
+                        );
+                        res.unwrap();
+                    }
+                    ScatterList::Uniform(u) if !want_blocks || bound.pieces <= 24 => {
+                        HostCopyEngine
+                            .scatter_uniform(region.as_ptr() as u64, &u)
+                            .unwrap();
+                    }
+                    other => panic!("chunk {index}: {other:?}"),
+                }
+                HostCopyEngine
+                    .scatter(rr.as_ptr() as u64, &runs.unwrap())
+                    .unwrap();
+            }
+            assert_eq!(dst_a, dst_ref);
+            assert!(dst_ref.iter().any(|&x| x != 0x5A) && dst_ref.contains(&0x5A));
+        }
     }
 
     /// [`gather_chunk_as`] with runs (a peer without DATA_UNIFORM).
@@ -1280,6 +1416,7 @@ mod tests {
                     merge_runs: true,
                     uniform_data,
                     uniform_len,
+                    block_planes: None,
                 },
             })
             .collect()

@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvfabric_core::config::EffectiveBounceConfig;
 use kvfabric_core::text::LogSafe;
-use kvfabric_core::wire::{self, Handshake, Notice, CAP_UNIFORM_DATA, WIRE_VERSION};
+use kvfabric_core::wire::{
+    self, Handshake, Notice, CAP_BLOCK_DATA, CAP_UNIFORM_DATA, WIRE_VERSION,
+};
 use kvfabric_core::{ControlKind, Descriptor};
 
 use super::arena::HostArena;
@@ -638,6 +640,7 @@ impl FabricAgent {
             grant_policy: cfg.grant_policy(),
             grant_size_weight: cfg.grant_size_weight(),
             uniform_data: cfg.uniform_data(),
+            block_data: cfg.block_data(),
             merge_runs: !cfg.config().disable_scatter_run_merging,
             batch_gathers: cfg.batch_gathers(),
             busy_poll: cfg.busy_poll(host_cpus()),
@@ -667,7 +670,7 @@ impl FabricAgent {
                 CAP_UNIFORM_DATA
             } else {
                 0
-            },
+            } | if cfg.block_data() { CAP_BLOCK_DATA } else { 0 },
         };
         Ok((transport, arena, hs))
     }

@@ -97,6 +97,9 @@ pub struct TransportSettings {
     /// Take DATA_UNIFORM from peers (config `uniformData`; what is sent
     /// follows the capabilities both handshakes advertise).
     pub uniform_data: bool,
+    /// Take DATA_BLOCKS from peers (config `blockData`; what is sent
+    /// follows the capabilities both handshakes advertise).
+    pub block_data: bool,
     /// Coalesce scatter runs (false = seed DISABLE_SCATTER_RUN_MERGING).
     pub merge_runs: bool,
     /// Hand the gathers one input starts (a new request's first chunks)
@@ -169,6 +172,7 @@ impl Default for TransportSettings {
             grant_policy: GrantPolicy::ShortestFirst,
             grant_size_weight: kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT,
             uniform_data: true,
+            block_data: true,
             merge_runs: true,
             batch_gathers: true,
             busy_poll: Duration::ZERO,
@@ -671,8 +675,11 @@ pub struct TransportStats {
     /// DATA_UNIFORM messages sent (to peers advertising
     /// [`wire::CAP_UNIFORM_DATA`]).
     pub data_uniform: AtomicU64,
-    /// Encoded bytes of all DATA and DATA_UNIFORM messages sent (the
-    /// control-plane cost of describing scatters).
+    /// DATA_BLOCKS messages sent (to peers advertising
+    /// [`wire::CAP_BLOCK_DATA`]).
+    pub data_blocks: AtomicU64,
+    /// Encoded bytes of all DATA, DATA_UNIFORM and DATA_BLOCKS messages
+    /// sent (the control-plane cost of describing scatters).
     pub data_wire_bytes: AtomicU64,
     /// Credits granted by this agent's receiver role (GRANTs actually sent).
     pub grants: AtomicU64,
@@ -1055,6 +1062,7 @@ impl BounceTransport {
             grant_policy: settings.grant_policy,
             grant_size_weight: settings.grant_size_weight,
             uniform_data: settings.uniform_data,
+            block_data: settings.block_data,
             arena_base: arena.base,
             device_id: arena.device_id as i32,
             endpoint: endpoint.clone(),
@@ -1619,6 +1627,10 @@ struct ReqIo {
     chunk_cap: u64,
     /// Every descriptor's length when all have one (bytes; from sizing).
     uniform_len: Option<u64>,
+    /// The peer took DATA_BLOCKS at submit: the request's destination
+    /// planes, found by its first chunk's gather job and shared by all
+    /// (`ChunkGather::block_planes`).
+    block_planes: Option<Arc<std::sync::OnceLock<Option<kvfabric_core::plan::DstPlanes>>>>,
 }
 
 /// A posted write (of a live request, or orphaned: its request resolved).
@@ -1998,6 +2010,7 @@ impl Io {
                         merge_runs: self.settings.merge_runs,
                         uniform_data: r.uniform_data,
                         uniform_len: r.uniform_len,
+                        block_planes: r.block_planes.clone(),
                     },
                 };
                 // Only chunks the engine submits at once are held: whole
@@ -2043,6 +2056,7 @@ impl Io {
                         plan: match runs {
                             ScatterList::Runs(runs) => CopyPlan::Runs(runs),
                             ScatterList::Uniform(u) => CopyPlan::Uniform(u),
+                            ScatterList::Blocks(b) => CopyPlan::Blocks(b),
                         },
                     });
                 }
@@ -2088,6 +2102,14 @@ impl Io {
             .is_some_and(|c| c & wire::CAP_UNIFORM_DATA != 0)
     }
 
+    /// Whether DATA to `peer` may be DATA_BLOCKS (both agents advertise
+    /// [`wire::CAP_BLOCK_DATA`]).
+    fn peer_takes_blocks(&self, peer: &str) -> bool {
+        self.peer_caps
+            .get(peer)
+            .is_some_and(|c| c & wire::CAP_BLOCK_DATA != 0)
+    }
+
     /// Sends `msg` to `to`; a WANT or DATA that does not leave goes back to
     /// the machine ([`Input::SendFailed`]), as does a GRANT (its credits
     /// were counted before it left). A cancel goes only where a route is.
@@ -2102,6 +2124,24 @@ impl Io {
         // A uniform scatter for a peer that does not take DATA_UNIFORM
         // (its capabilities changed after the gather was planned): the
         // same scatter as runs, one a piece.
+        let msg = match msg {
+            // A block scatter for a peer that no longer takes it: the
+            // same pieces one destination each (or as runs, below).
+            Message::DataBlocks(d) if !self.peer_takes_blocks(&to) => {
+                match d.scatter.to_uniform() {
+                    Some(scatter) => Message::DataUniform(wire::DataUniform {
+                        request_id: d.request_id,
+                        chunk_index: d.chunk_index,
+                        region_handle: d.region_handle,
+                        scatter,
+                    }),
+                    // Never for a scatter built from descriptors; the
+                    // receiver refuses it like any bad DATA.
+                    None => Message::DataBlocks(d),
+                }
+            }
+            other => other,
+        };
         let msg = match msg {
             Message::DataUniform(d) if !self.peer_takes_uniform(&to) => Message::Data(wire::Data {
                 request_id: d.request_id,
@@ -2119,9 +2159,20 @@ impl Io {
         msg.encode_into(&mut bytes);
         let encoded = t.map(|t| t.elapsed());
         let sent = self.channel.send_to(&to, &bytes);
-        if sent.is_ok() && matches!(msg, Message::Data(_) | Message::DataUniform(_)) {
-            if matches!(msg, Message::DataUniform(_)) {
-                self.stats.data_uniform.fetch_add(1, Ordering::Relaxed);
+        if sent.is_ok()
+            && matches!(
+                msg,
+                Message::Data(_) | Message::DataUniform(_) | Message::DataBlocks(_)
+            )
+        {
+            match msg {
+                Message::DataUniform(_) => {
+                    self.stats.data_uniform.fetch_add(1, Ordering::Relaxed);
+                }
+                Message::DataBlocks(_) => {
+                    self.stats.data_blocks.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
             }
             self.stats
                 .data_wire_bytes
@@ -2366,6 +2417,9 @@ impl Io {
                 }
                 let remote_kind = self.peer_kinds.get(&peer).copied().unwrap_or(MemKind::Dram);
                 let uniform_data = self.peer_takes_uniform(&peer);
+                let block_planes = self
+                    .peer_takes_blocks(&peer)
+                    .then(|| Arc::new(std::sync::OnceLock::new()));
                 self.reqs.insert(
                     rid,
                     ReqIo {
@@ -2375,6 +2429,7 @@ impl Io {
                         uniform_data,
                         chunk_cap,
                         uniform_len,
+                        block_planes,
                     },
                 );
                 let now = self.now();

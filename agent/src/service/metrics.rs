@@ -34,7 +34,8 @@
 //! | `kvfabric_rejects_received_total` | counter | | REJECTs received: own bounce requests a receiver refused (destination engine not attached or detached, WANT refused, DATA runs outside the destination's memory) |
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
 //! | `kvfabric_data_uniform_total` | counter | | DATA_UNIFORM messages sent: uniform chunks described by their pieces' destinations (issue 18 step 3) |
-//! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA and DATA_UNIFORM messages sent |
+//! | `kvfabric_data_blocks_total` | counter | | DATA_BLOCKS messages sent: uniform chunks of a block hand-off described by their blocks (issue 18 step 3) |
+//! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA, DATA_UNIFORM and DATA_BLOCKS messages sent |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
 //! | `kvfabric_peers_loaded_total` | counter | | peers loaded |
 //! | `kvfabric_peers_forgotten_total` | counter | | peers forgotten |
@@ -372,9 +373,15 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         |t| &t.data_uniform,
     ),
     (
+        "kvfabric.data.blocks",
+        None,
+        "DATA_BLOCKS messages sent (both agents advertise blockData)",
+        |t| &t.data_blocks,
+    ),
+    (
         "kvfabric.data.wire",
         Some("By"),
-        "Encoded bytes of the DATA and DATA_UNIFORM messages sent (the control-plane cost of describing scatters)",
+        "Encoded bytes of the DATA, DATA_UNIFORM and DATA_BLOCKS messages sent (the control-plane cost of describing scatters)",
         |t| &t.data_wire_bytes,
     ),
     (

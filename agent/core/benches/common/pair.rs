@@ -32,6 +32,7 @@ pub fn config(name: &str, policy: GrantPolicy, timeout_ns: u64) -> Config {
         grant_policy: policy,
         grant_size_weight: kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT,
         uniform_data: true,
+        block_data: true,
         arena_base: 0x7000_0000_0000,
         device_id: 0,
         endpoint: name.as_bytes().to_vec(),

@@ -17,9 +17,9 @@ use kvfabric_core::protocol::{
     Action, Config, Counters, Input, Machine, Mutations, Nanos, Outcome, Route,
 };
 use kvfabric_core::wire::{
-    Ack, Credit, Data, DataUniform, Grant, Message, Reject, RejectReason, Want,
+    Ack, Credit, Data, DataBlocks, DataUniform, Grant, Message, Reject, RejectReason, Want,
 };
-use kvfabric_core::{FlowKey, ScatterList, ScatterRun, UniformScatter};
+use kvfabric_core::{BlockScatter, FlowKey, ScatterList, ScatterRun, UniformScatter};
 
 /// The simulator's generator ([`kvfabric_core::rng::SplitMix64`]).
 pub type Rng = kvfabric_core::rng::SplitMix64;
@@ -291,6 +291,8 @@ pub struct Stats {
     pub violations: u64,
     /// Scatters started from a DATA_UNIFORM (issue 18 step 3).
     pub uniform_scatters: u64,
+    /// Scatters started from a DATA_BLOCKS (issue 18 step 3).
+    pub block_scatters: u64,
     /// Machine counters summed over every incarnation.
     pub counters: Counters,
 }
@@ -488,6 +490,7 @@ impl Sim {
                 kvfabric_core::scheduler::DEFAULT_SIZE_WEIGHT
             },
             uniform_data: true,
+            block_data: true,
             arena_base: ARENA_BASE,
             device_id: 0,
             endpoint: Vec::new(),
@@ -1113,8 +1116,27 @@ impl Sim {
             }),
         };
         // Odd rogue DATA in the uniform form: its runs' first length (the
-        // pieces back to back in the region), one destination a run.
+        // pieces back to back in the region), one destination a run; one
+        // in two of those in the block form (one plane, the destinations
+        // as its blocks).
         let msg = match msg {
+            Message::Data(d)
+                if self.uniform_data && d.request_id % 4 == 3 && !d.runs.is_empty() =>
+            {
+                Message::DataBlocks(DataBlocks {
+                    request_id: d.request_id,
+                    chunk_index: d.chunk_index,
+                    region_handle: d.region_handle,
+                    scatter: BlockScatter {
+                        segment_len: d.runs[0].segment_len,
+                        region_stride: d.runs[0].segment_len,
+                        first: 0,
+                        count: d.runs.len() as u32,
+                        plane_stride: d.runs[0].addr,
+                        offsets: d.runs.iter().map(|r| r.addr).collect(),
+                    },
+                })
+            }
             Message::Data(d)
                 if self.uniform_data && d.request_id % 2 == 1 && !d.runs.is_empty() =>
             {
@@ -1234,7 +1256,19 @@ impl Sim {
                         },
                         None => run_for(t, len),
                     };
-                    Ok(if self.uniform_data && job % 2 == 1 && len % 2 == 0 {
+                    Ok(if self.uniform_data && job % 4 == 3 && len % 2 == 0 {
+                        // The same bytes as two equal pieces in two
+                        // planes of one block.
+                        let h = len / 2;
+                        ScatterList::Blocks(BlockScatter {
+                            segment_len: h,
+                            region_stride: h,
+                            first: 0,
+                            count: 2,
+                            plane_stride: h,
+                            offsets: vec![run.addr],
+                        })
+                    } else if self.uniform_data && job % 2 == 1 && len % 2 == 0 {
                         // The same bytes as two equal pieces.
                         let h = len / 2;
                         ScatterList::Uniform(UniformScatter {
@@ -1675,6 +1709,11 @@ impl Sim {
                     ScatterList::Uniform(u) => {
                         self.stats.uniform_scatters += 1;
                         join_adjacent(u.to_runs())
+                    }
+                    ScatterList::Blocks(b) => {
+                        self.stats.block_scatters += 1;
+                        // Validated: destinations do not overflow.
+                        join_adjacent(b.to_uniform().expect("validated block scatter").to_runs())
                     }
                     ScatterList::Runs(r) => r,
                 };
