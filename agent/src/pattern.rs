@@ -67,6 +67,31 @@ pub fn random_slots(src: u64, dst: u64, count: usize, block: u64, seed: u64) -> 
         .collect()
 }
 
+/// [`random_slots`] as a block hand-off into a layer-major pool lays out
+/// its destinations: `planes` equal planes of the pool at `dst`, the same
+/// `count / planes` random block slots in each, plane after plane (the
+/// sources random slots of the whole pool at `src`). `planes` must divide
+/// `count` (1 = [`random_slots`]' destinations in one plane).
+pub fn plane_slots(
+    src: u64,
+    dst: u64,
+    count: usize,
+    planes: usize,
+    block: u64,
+    seed: u64,
+) -> Vec<Descriptor> {
+    let per = count / planes.max(1);
+    let s = permutation(count, seed);
+    let d = permutation(per, seed.wrapping_add(0x5151));
+    (0..count)
+        .map(|i| {
+            let (q, k) = (i / per, i % per);
+            let slot = (q * per + d[k]) as u64;
+            Descriptor::new(src + s[i] as u64 * block, dst + slot * block, block)
+        })
+        .collect()
+}
+
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 30;
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -127,6 +152,31 @@ pub unsafe fn check_fast(addr: u64, len: u64, seed: u64, k: u64) -> Result<(), u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `plane_slots`: every destination slot used once, plane `q` inside
+    /// its own `count / planes` slots, the same blocks in every plane (the
+    /// period DATA_BLOCKS finds), sources a permutation.
+    #[test]
+    fn plane_slots_repeat_the_blocks_in_every_plane() {
+        let (count, planes, block) = (1024usize, 8usize, 4096u64);
+        let d = plane_slots(0, 1 << 30, count, planes, block, 7);
+        let mut dst: Vec<u64> = d.iter().map(|x| (x.dst - (1 << 30)) / block).collect();
+        let mut src: Vec<u64> = d.iter().map(|x| x.src / block).collect();
+        for (i, &slot) in dst.iter().enumerate() {
+            assert_eq!(slot as usize / (count / planes), i / (count / planes));
+        }
+        let p = kvfabric_core::plan::DstPlanes::of(&d).unwrap();
+        assert_eq!(p.offsets.len(), count / planes);
+        assert_eq!(p.plane_stride, (count / planes) as u64 * block);
+        dst.sort_unstable();
+        src.sort_unstable();
+        assert!(dst.iter().copied().eq(0..count as u64));
+        assert!(src.iter().copied().eq(0..count as u64));
+        assert_eq!(
+            kvfabric_core::plan::DstPlanes::of(&random_slots(0, 1 << 30, count, block, 7)),
+            None
+        );
+    }
 
     #[test]
     fn fast_pattern_round_trips_and_catches_corruption() {

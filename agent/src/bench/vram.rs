@@ -40,7 +40,7 @@ use kvfabric_core::Descriptor;
 use serde::Serialize;
 
 use super::dataplane::{read_descriptor, read_descs, write_descriptor, write_descs, PeerProcess};
-use super::pattern::{check_fast, fill_fast, random_slots};
+use super::pattern::{check_fast, fill_fast, plane_slots, random_slots};
 pub use super::timeline::BounceTimeline;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::cuda::pattern::{PatDesc, PatternKernels};
@@ -74,6 +74,10 @@ pub struct VramOptions {
     pub copy: CudaCopyConfig,
     /// Skip the standard path (it takes ~0.1 s per 16,384 descriptors).
     pub skip_standard: bool,
+    /// Destinations as this many planes of the same random blocks (a
+    /// block hand-off into a layer-major pool, which DATA_BLOCKS names by
+    /// block); 1: random slots in one plane. Divides the descriptor count.
+    pub planes: usize,
     /// Where each iteration's payload is written and checked.
     pub fill: FillMode,
 }
@@ -446,7 +450,18 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                 device_id: opts.peer_device as u64,
             },
         );
-        let descs = random_slots(pool.base_addr(), rpool, count, block, block ^ 0x5eed);
+        let descs = if opts.planes > 1 {
+            plane_slots(
+                pool.base_addr(),
+                rpool,
+                count,
+                opts.planes,
+                block,
+                block ^ 0x5eed,
+            )
+        } else {
+            random_slots(pool.base_addr(), rpool, count, block, block ^ 0x5eed)
+        };
         if !agent.should_use_bounce(&rdesc.name, &descs, MemKind::Vram, MemKind::Vram) {
             return Err("the routing gate does not send VRAM→VRAM to bounce".into());
         }
@@ -609,6 +624,9 @@ pub struct VramBenchArgs {
     pub iterations: usize,
     /// Skip the standard per-descriptor path.
     pub skip_standard: bool,
+    /// Destinations in this many planes of the same blocks (1: random
+    /// slots); must divide `total / block`.
+    pub planes: usize,
     /// Per-descriptor scatter runs (no run merging).
     pub no_merge: bool,
     /// Copy worker threads per agent (default:
@@ -640,6 +658,13 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
     if block == 0 || block > total {
         return Err(format!(
             "--block: expected 1 to --total ({total}) bytes, got {block}"
+        ));
+    }
+    let count = total / block;
+    if a.planes == 0 || count % a.planes as u64 != 0 {
+        return Err(format!(
+            "--planes: expected a divisor of the descriptor count ({count} = --total / --block), got {}",
+            a.planes
         ));
     }
     let peer_device = a.peer_device.unwrap_or(device);
@@ -714,6 +739,7 @@ pub fn run_cli(gpu: &Arc<CudaGpu>, device: usize, a: &VramBenchArgs) -> Result<(
         peer_device,
         copy: CudaCopyConfig::default(),
         skip_standard: a.skip_standard,
+        planes: a.planes,
         fill: a.fill,
     };
     let out = run(&exe, gpu, &opts);

@@ -245,6 +245,13 @@ struct VramArgs {
     /// Skip the standard per-descriptor path.
     #[arg(long)]
     skip_standard: bool,
+    /// Lay the destinations out as this many planes of the same random
+    /// blocks, as a block hand-off into a layer-major pool does (layers ×
+    /// K/V; agents that both take DATA_BLOCKS then name a chunk's pieces
+    /// by block); 1: random slots in one plane. Must divide the
+    /// descriptor count (--total / --block).
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    planes: usize,
     /// Send per-descriptor scatter runs (no run merging; in random slots
     /// the merge pass only finds strided pairs, ≈37% fewer runs, at about
     /// twice the planning cost). Also on with
@@ -339,6 +346,7 @@ fn run_on_gpu(device: usize, cmd: Cmd) -> Result<(), String> {
                 inflight: a.inflight,
                 iterations: a.iterations,
                 skip_standard: a.skip_standard,
+                planes: a.planes,
                 no_merge: a.no_merge,
                 workers: a.workers,
                 json: a.json,
