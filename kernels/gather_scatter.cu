@@ -286,6 +286,29 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// Block gather (issue 18 step 3): the sender's side of the block scatter.
+// Piece w of the chunk is piece k = first + w of the request and is read
+// from (k / nblocks) * plane_stride + offsets[k % nblocks] (the request's
+// source blocks of its first plane, plane after plane); warp w copies it
+// to region_base + w * stride, `len` bytes. The host found the planes in
+// the request's descriptors and checked their lengths.
+extern "C" __global__ void __launch_bounds__(256)
+    kvf_gather_blocks(const kvf_u64* __restrict__ offsets, kvf_u32 nblocks, kvf_u64 first,
+                      kvf_u32 n, kvf_u64 plane_stride, kvf_u64 len, kvf_u64 stride,
+                      kvf_u64 region_base) {
+    const kvf_u32 lane = threadIdx.x & 31u;
+    const kvf_u64 warps_per_block = blockDim.x >> 5;
+    for (kvf_u64 w = (kvf_u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5); w < n;
+         w += (kvf_u64)gridDim.x * warps_per_block) {
+        const kvf_u64 k = first + w;
+        const kvf_u64 q = k / nblocks;
+        const kvf_u64 i = k - q * nblocks;
+        const unsigned char* s = (const unsigned char*)(q * plane_stride + offsets[i]);
+        unsigned char* d = (unsigned char*)(region_base + w * stride);
+        kvf_copy(d, s, len, lane, 32u);
+    }
+}
+
 // Same-node direct path (issue 19): copies whole KV blocks between two pools
 // straight from their block ids, no run table. Warp w copies block pair
 // p = w % npairs of plane (layer x K/V) q = w / npairs:

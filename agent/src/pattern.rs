@@ -165,7 +165,7 @@ mod tests {
         for (i, &slot) in dst.iter().enumerate() {
             assert_eq!(slot as usize / (count / planes), i / (count / planes));
         }
-        let p = kvfabric_core::plan::DstPlanes::of(&d).unwrap();
+        let p = kvfabric_core::plan::BlockPlanes::of_dsts(&d).unwrap();
         assert_eq!(p.offsets.len(), count / planes);
         assert_eq!(p.plane_stride, (count / planes) as u64 * block);
         dst.sort_unstable();
@@ -173,7 +173,7 @@ mod tests {
         assert!(dst.iter().copied().eq(0..count as u64));
         assert!(src.iter().copied().eq(0..count as u64));
         assert_eq!(
-            kvfabric_core::plan::DstPlanes::of(&random_slots(0, 1 << 30, count, block, 7)),
+            kvfabric_core::plan::BlockPlanes::of_dsts(&random_slots(0, 1 << 30, count, block, 7)),
             None
         );
     }

@@ -563,39 +563,50 @@ pub struct UniformPieces {
     pub stride: u64,
 }
 
-/// A request's destinations as planes of blocks (issue 18 step 3,
-/// DATA_BLOCKS): descriptor `k`'s destination is
+/// A request's destinations (or sources) as planes of blocks (issue 18
+/// step 3, DATA_BLOCKS): descriptor `k`'s address is
 /// `(k / n) × plane_stride + offsets[k % n]` (`n = offsets.len()`), as a
-/// block hand-off into a layer-major pool lays them out
+/// block hand-off between layer-major pools lays them out
 /// (`layout::block_descriptors`: the same block offsets in every layer ×
-/// K/V plane). Found by [`DstPlanes::of`]; a chunk's pieces are then
-/// described by [`DstPlanes::scatter`] — the `n` offsets, not one
-/// address a piece.
+/// K/V plane). Found by [`BlockPlanes::of_dsts`] / [`BlockPlanes::of_srcs`];
+/// a chunk's pieces are then described by [`BlockPlanes::scatter`] — the
+/// `n` offsets, not one address a piece — and gathered from them.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DstPlanes {
-    /// Bytes between one plane's destinations and the next's.
+pub struct BlockPlanes {
+    /// Bytes between one plane's addresses and the next's.
     pub plane_stride: u64,
-    /// The first plane's destinations, one a block.
+    /// The first plane's addresses, one a block.
     pub offsets: Vec<u64>,
 }
 
-impl DstPlanes {
+impl BlockPlanes {
     /// Most blocks a plane may have: a DATA_BLOCKS entry each, within the
     /// decoder's cap.
     pub const MAX_BLOCKS: usize = crate::wire::MAX_ENTRIES as usize;
 
-    /// The smallest period `n` (a divisor of `descs.len()`, at most half
-    /// of it, so there are at least two planes) at which the destinations
-    /// repeat: `descs[k + n].dst == descs[k].dst + plane_stride` for every
+    /// The smallest period `n` of the destinations (a divisor of
+    /// `descs.len()`, at most half of it, so there are at least two
+    /// planes): `descs[k + n].dst == descs[k].dst + plane_stride` for every
     /// `k`, `plane_stride = descs[n].dst - descs[0].dst` (no wrap-around).
     /// `None` when there is none (fewer than two descriptors, destinations
-    /// with no such period, or a period above [`DstPlanes::MAX_BLOCKS`]).
+    /// with no such period, or a period above [`BlockPlanes::MAX_BLOCKS`]).
     ///
     /// Cost: a few samples per divisor of the count, then one pass over
     /// the descriptors for the period that passes them (≈ 10–25 µs for
-    /// 16,384 descriptors on the H200 host: run it off the submit path).
-    pub fn of(descs: &[Descriptor]) -> Option<DstPlanes> {
-        let total = descs.len();
+    /// 16,384 cold descriptors on the H200 host: run it off the submit
+    /// path, or right after a pass that brought them into cache).
+    pub fn of_dsts(descs: &[Descriptor]) -> Option<BlockPlanes> {
+        Self::of_addrs(descs.len(), |k| descs[k].dst)
+    }
+
+    /// [`BlockPlanes::of_dsts`] of the sources: the sender gathers a chunk
+    /// of a block hand-off from these (`n` addresses instead of one a
+    /// piece).
+    pub fn of_srcs(descs: &[Descriptor]) -> Option<BlockPlanes> {
+        Self::of_addrs(descs.len(), |k| descs[k].src)
+    }
+
+    fn of_addrs(total: usize, addr: impl Fn(usize) -> u64) -> Option<BlockPlanes> {
         if total < 2 {
             return None;
         }
@@ -610,14 +621,13 @@ impl DstPlanes {
         }
         divisors.sort_unstable();
         divisors.dedup();
-        let repeats = |k: usize, n: usize, stride: u64| {
-            descs[k].dst.checked_add(stride) == Some(descs[k + n].dst)
-        };
+        let repeats =
+            |k: usize, n: usize, stride: u64| addr(k).checked_add(stride) == Some(addr(k + n));
         for n in divisors {
             if n > total / 2 || n > Self::MAX_BLOCKS {
                 break;
             }
-            let Some(stride) = descs[n].dst.checked_sub(descs[0].dst) else {
+            let Some(stride) = addr(n).checked_sub(addr(0)) else {
                 continue;
             };
             // Cheap samples first (most periods fail at once), then all.
@@ -627,13 +637,25 @@ impl DstPlanes {
                 continue;
             }
             if (0..total - n).all(|k| repeats(k, n, stride)) {
-                return Some(DstPlanes {
+                return Some(BlockPlanes {
                     plane_stride: stride,
-                    offsets: descs[..n].iter().map(|d| d.dst).collect(),
+                    offsets: (0..n).map(&addr).collect(),
                 });
             }
         }
         None
+    }
+
+    /// The address of piece `k` of the request (`None` past the offsets'
+    /// arithmetic range).
+    pub fn addr(&self, k: u64) -> Option<u64> {
+        let n = self.offsets.len() as u64;
+        if n == 0 {
+            return None;
+        }
+        (k / n)
+            .checked_mul(self.plane_stride)?
+            .checked_add(self.offsets[(k % n) as usize])
     }
 
     /// The block form of uniform chunk `u` of the request these planes

@@ -380,7 +380,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(500))]
 
     /// DATA_BLOCKS (issue 18 step 3): a block hand-off's destinations are
-    /// found to repeat plane after plane (`DstPlanes::of`), with a plane of
+    /// found to repeat plane after plane (`BlockPlanes::of`), with a plane of
     /// at most the request's blocks, and every chunk's block form names
     /// exactly its pieces' destinations — also from a chunk that starts
     /// inside a plane. Whatever the list (random destinations too), a
@@ -395,7 +395,7 @@ proptest! {
     ) {
         let plane = 4096 * len;
         let descs = block_handoff(&ids, planes, plane, len);
-        let p = kvfabric_core::plan::DstPlanes::of(&descs);
+        let p = kvfabric_core::plan::BlockPlanes::of_dsts(&descs);
         let p = p.expect("a block hand-off repeats plane after plane");
         prop_assert!(p.offsets.len() <= ids.len());
         prop_assert_eq!(ids.len() % p.offsets.len(), 0);
@@ -419,7 +419,7 @@ proptest! {
         }
         // Any list: a period found is a true one.
         let descs: Vec<Descriptor> = random.iter().map(|&d| Descriptor::new(0, d * 64, 64)).collect();
-        if let Some(p) = kvfabric_core::plan::DstPlanes::of(&descs) {
+        if let Some(p) = kvfabric_core::plan::BlockPlanes::of_dsts(&descs) {
             let n = p.offsets.len();
             for (k, d) in descs.iter().enumerate() {
                 prop_assert_eq!(d.dst, (k / n) as u64 * p.plane_stride + p.offsets[k % n]);
@@ -432,17 +432,29 @@ proptest! {
 /// one block, fewer than two planes.
 #[test]
 fn no_block_form_without_a_period() {
-    use kvfabric_core::plan::DstPlanes;
+    use kvfabric_core::plan::BlockPlanes;
     let mut descs = block_handoff(&[5, 1, 9, 2], 3, 1 << 20, 4096);
-    assert!(DstPlanes::of(&descs).is_some());
+    assert!(BlockPlanes::of_dsts(&descs).is_some());
     descs[9].dst += 4096;
-    assert_eq!(DstPlanes::of(&descs), None);
+    assert_eq!(BlockPlanes::of_dsts(&descs), None);
     assert_eq!(
-        DstPlanes::of(&block_handoff(&[5, 1, 9, 2], 1, 1 << 20, 4096)),
+        BlockPlanes::of_dsts(&block_handoff(&[5, 1, 9, 2], 1, 1 << 20, 4096)),
         None
     );
-    assert_eq!(DstPlanes::of(&descs[..1]), None);
+    assert_eq!(BlockPlanes::of_dsts(&descs[..1]), None);
     // Contiguous destinations: one block a plane.
-    let p = DstPlanes::of(&block_handoff(&[0, 1, 2, 3], 2, 4 * 4096, 4096)).unwrap();
+    let p = BlockPlanes::of_dsts(&block_handoff(&[0, 1, 2, 3], 2, 4 * 4096, 4096)).unwrap();
     assert_eq!((p.offsets.len(), p.plane_stride), (1, 4096));
+    // Sources: a hand-off's sources found the same way, every one derived.
+    let d = block_handoff(&[5, 1, 9, 2], 3, 1 << 20, 4096);
+    let mut d2 = d.clone();
+    for (k, x) in d2.iter_mut().enumerate() {
+        (x.src, x.dst) = (x.dst + 7, k as u64 * 64);
+    }
+    let p = BlockPlanes::of_srcs(&d2).unwrap();
+    assert_eq!(p.offsets.len(), 4);
+    for (k, x) in d2.iter().enumerate() {
+        assert_eq!(p.addr(k as u64), Some(x.src));
+    }
+    assert_eq!(BlockPlanes::of_srcs(&d2[..4]), None);
 }

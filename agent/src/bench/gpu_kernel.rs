@@ -23,6 +23,7 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 use serde_json::json;
 
+use crate::core::plan::BlockPlanes;
 use crate::core::{BlockScatter, Descriptor, ScatterRun, UniformScatter};
 use crate::runtime::cuda::{
     self, CopyPath, CudaArena, CudaCopyConfig, CudaCopyEngine, CudaError, CudaGpu, Direction,
@@ -663,6 +664,7 @@ fn uniform_checks(
                                 region_addr: base + w[0] as u64 * stride,
                                 descs: &descs[w[0]..w[1]],
                                 stride,
+                                src_planes: None,
                             })
                             .collect();
                         let mut reports = Vec::new();
@@ -857,6 +859,79 @@ fn block_scatter_checks(
                 "pieces": count, "bytes": u64::from(count) * len, "pass": pass,
                 "status": status, "wall_ms": ms,
             }));
+            // The same pieces gathered from the planes as a batch of two
+            // items (the sender's side): region piece j = the derived
+            // source of piece first + j.
+            rng.fill(&mut host_u);
+            rng.fill(&mut host_r);
+            user.upload(0, &host_u).map_err(e2s)?;
+            region.upload(0, &host_r).map_err(e2s)?;
+            let planes = BlockPlanes {
+                plane_stride: plane,
+                offsets: b.offsets.clone(),
+            };
+            let descs: Vec<Descriptor> = (0..u64::from(count))
+                .map(|j| Descriptor::new(planes.addr(first + j).unwrap_or(0), 0, len))
+                .collect();
+            for (j, d) in descs.iter().enumerate() {
+                let (u, r) = ((d.src - user.base_addr()) as usize, j * stride as usize);
+                host_r[r..r + len as usize].copy_from_slice(&host_u[u..u + len as usize]);
+            }
+            let mid = descs.len() / 2;
+            let items: Vec<UniformGather<'_>> = [(0, mid), (mid, descs.len())]
+                .iter()
+                .map(|&(a, e)| UniformGather {
+                    region_addr: region.base_addr() + a as u64 * stride,
+                    descs: &descs[a..e],
+                    stride,
+                    src_planes: Some((&planes, first + a as u64)),
+                })
+                .collect();
+            let (mut called, mut reports) = (0u32, Vec::new());
+            let t0 = Instant::now();
+            engine.gather_uniform_batch(&items, &mut || called += 1, &mut |i, r| {
+                reports.push((i, r))
+            });
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let order: Vec<usize> = reports.iter().map(|r| r.0).collect();
+            let mut status = if order != [0, 1] {
+                format!("items reported as {order:?}, expected [0, 1]")
+            } else if called != 1 {
+                format!("meanwhile ran {called} times, expected once")
+            } else {
+                match reports.into_iter().try_for_each(|r| r.1) {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("error: {e}"),
+                }
+            };
+            if status == "ok" {
+                let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
+                if let Some(m) = compare_buffers(&user, &region, want, got, "")? {
+                    status = m;
+                }
+            }
+            let pass = status == "ok";
+            if !pass {
+                failures += 1;
+            }
+            println!(
+                "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
+                if pass { "PASS" } else { "FAIL" },
+                name,
+                "BatchPl",
+                vname,
+                count,
+                u64::from(count) * len,
+                ms
+            );
+            if !pass {
+                println!("      {status}");
+            }
+            results.push(json!({
+                "case": name, "variant": vname, "direction": "BatchPlanes",
+                "pieces": count, "bytes": u64::from(count) * len, "pass": pass,
+                "status": status, "wall_ms": ms,
+            }));
         }
     }
     Ok(failures)
@@ -894,6 +969,7 @@ fn odd_batch_check(
                 region_addr: region.base_addr() + (k * 512) as u64 * len,
                 descs: &descs[k * 512..(k + 1) * 512],
                 stride: len,
+                src_planes: None,
             })
             .collect();
         let (mut called, mut reports) = (0u32, Vec::new());

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
+use kvfabric_core::plan::BlockPlanes;
 use kvfabric_core::{BlockScatter, Descriptor, ScatterRun, UniformScatter};
 
 use super::engine::{
@@ -55,6 +56,10 @@ pub const SCATTER_DSTS_KERNEL: &str = "kvf_scatter_dsts";
 /// The block scatter's kernel: a DATA_BLOCKS' pieces to the destinations
 /// it derives from the request's block destinations (issue 18 step 3).
 pub const SCATTER_BLOCKS_KERNEL: &str = "kvf_scatter_blocks";
+
+/// The block gather's kernel: a chunk's pieces from the sources it derives
+/// from the request's source blocks (issue 18 step 3).
+pub const GATHER_BLOCKS_KERNEL: &str = "kvf_gather_blocks";
 
 /// Default bytes per kernel task (one warp each): longer segments are split
 /// into pieces of this size, shorter ones grouped up to it.
@@ -331,6 +336,7 @@ pub struct CudaGpu {
     gather_srcs: KernelFn,
     scatter_dsts: KernelFn,
     scatter_blocks: KernelFn,
+    gather_blocks: KernelFn,
     info: GpuInfo,
 }
 
@@ -388,6 +394,7 @@ impl CudaGpu {
         let gather_srcs = KernelFn::load(module, GATHER_SRCS_KERNEL)?;
         let scatter_dsts = KernelFn::load(module, SCATTER_DSTS_KERNEL)?;
         let scatter_blocks = KernelFn::load(module, SCATTER_BLOCKS_KERNEL)?;
+        let gather_blocks = KernelFn::load(module, GATHER_BLOCKS_KERNEL)?;
         let info = GpuInfo {
             ordinal,
             name,
@@ -406,6 +413,7 @@ impl CudaGpu {
                 gather_srcs.info.clone(),
                 scatter_dsts.info.clone(),
                 scatter_blocks.info.clone(),
+                gather_blocks.info.clone(),
             ],
         };
         tracing::info!(?info, "CUDA device ready, kernels compiled to cubin");
@@ -418,6 +426,7 @@ impl CudaGpu {
             gather_srcs,
             scatter_dsts,
             scatter_blocks,
+            gather_blocks,
             info,
         }))
     }
@@ -557,7 +566,65 @@ impl CudaGpu {
         stride: u64,
         region: u64,
     ) -> Result<(), CudaError> {
-        let k = &self.scatter_blocks;
+        // SAFETY: as this function's contract.
+        unsafe {
+            self.launch_blocks(
+                &self.scatter_blocks,
+                stream,
+                [offsets, first, plane_stride, len, stride, region],
+                nblocks,
+                n,
+            )
+        }
+    }
+
+    /// Enqueues `kvf_gather_blocks` on `stream`: piece `w < n` of `len`
+    /// bytes from `(k / nblocks) * plane_stride + offsets[k % nblocks]`,
+    /// `k = first + w`, to `region + w * stride` (a warp a piece).
+    ///
+    /// # Safety
+    /// As [`CudaGpu::launch_scatter_blocks`], the derived addresses being
+    /// the sources.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_gather_blocks(
+        &self,
+        stream: sys::CUstream,
+        offsets: u64,
+        nblocks: u32,
+        first: u64,
+        n: u32,
+        plane_stride: u64,
+        len: u64,
+        stride: u64,
+        region: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as this function's contract.
+        unsafe {
+            self.launch_blocks(
+                &self.gather_blocks,
+                stream,
+                [offsets, first, plane_stride, len, stride, region],
+                nblocks,
+                n,
+            )
+        }
+    }
+
+    /// Launches `kvf_scatter_blocks` or `kvf_gather_blocks` (same
+    /// parameters; `w` = offsets, first, plane_stride, len, stride,
+    /// region), a warp a piece.
+    ///
+    /// # Safety
+    /// As [`CudaGpu::launch_scatter_blocks`].
+    unsafe fn launch_blocks(
+        &self,
+        k: &KernelFn,
+        stream: sys::CUstream,
+        w: [u64; 6],
+        nblocks: u32,
+        n: u32,
+    ) -> Result<(), CudaError> {
+        let [offsets, first, plane_stride, len, stride, region] = w;
         let threads = 256u32.min(k.info.max_threads.max(32) as u32) / 32 * 32;
         let g = u64::from(n)
             .div_ceil(u64::from(threads / 32))
@@ -582,8 +649,9 @@ impl CudaGpu {
             (&mut st as *mut u64).cast(),
             (&mut r as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match `kvf_scatter_blocks`; the caller
-        // guarantees the stream, the table, the region and destinations.
+        // SAFETY: the parameters match `kvf_scatter_blocks` and
+        // `kvf_gather_blocks`; the caller guarantees the stream, the
+        // table, the region and the derived addresses.
         drv("cuLaunchKernel", unsafe {
             result::launch_kernel(k.f, (g, 1, 1), (threads, 1, 1), 0, stream, &mut params)
         })?;
@@ -2151,8 +2219,54 @@ impl CudaCopyEngine {
         // stages the table (a separate pass over 16,384 descriptors cost
         // ≈ 10–25 µs on the H200 host, on the first gather's path).
         let odd = std::cell::Cell::new(0u64);
+        // Trace-only split of the enqueue (µs since t0): context acquired
+        // and bound, table staged, table uploaded (device plan source).
+        let t_acquired = t0.elapsed();
+        let (mut t_staged, mut t_table) = (Duration::ZERO, Duration::ZERO);
+        // Every item from source planes (a block hand-off; its lengths
+        // measured at sizing): a table of each item's plane (`n` block
+        // addresses) instead of one address a piece, and the block kernel.
+        let planes: Option<Vec<(&BlockPlanes, u64)>> = items.iter().map(|g| g.src_planes).collect();
         let enqueued = self.gpu.bind().and_then(|()| {
             ctx.ensure_marks(2)?;
+            if let Some(planes) = &planes {
+                let entries: usize = planes.iter().map(|(p, _)| p.offsets.len()).sum();
+                let offsets = planes.iter().flat_map(|(p, _)| p.offsets.iter().copied());
+                let bytes = Self::write_piece_table(&mut ctx, offsets, entries)?;
+                t_staged = t0.elapsed();
+                let table = piece_table(&self.cfg, &ctx, bytes)?;
+                t_table = t0.elapsed();
+                let mut at = 0u64;
+                for (i, ((g, &len), (p, first))) in items.iter().zip(lens).zip(planes).enumerate() {
+                    let nblocks = u32::try_from(p.offsets.len()).map_err(|_| {
+                        CudaError::Invalid("a plane of more than u32::MAX blocks".into())
+                    })?;
+                    let n = g.descs.len() as u32;
+                    // SAFETY: the stream is this context's; the table stays
+                    // valid until the marks complete; the planes were found
+                    // in the request's descriptors (every derived source is
+                    // one of theirs, of length `len`), the region holds
+                    // (n - 1) * stride + len bytes.
+                    unsafe {
+                        self.gpu.launch_gather_blocks(
+                            ctx.stream,
+                            table + at * 8,
+                            nblocks,
+                            *first,
+                            n,
+                            p.plane_stride,
+                            len,
+                            g.stride,
+                            g.region_addr,
+                        )
+                    }?;
+                    if i == 0 || i + 1 == items.len() {
+                        ctx.record_mark(usize::from(i != 0))?;
+                    }
+                    at += u64::from(nblocks);
+                }
+                return Ok(true);
+            }
             let odd = &odd;
             let srcs = items.iter().zip(lens).flat_map(|(g, &len)| {
                 g.descs.iter().map(move |d| {
@@ -2161,6 +2275,7 @@ impl CudaCopyEngine {
                 })
             });
             let bytes = Self::write_piece_table(&mut ctx, srcs, total)?;
+            t_staged = t0.elapsed();
             if odd.get() != 0 {
                 // Nothing enqueued (not even the table's upload): the
                 // pinned buffer is free again.
@@ -2168,6 +2283,7 @@ impl CudaCopyEngine {
                 return Ok(false);
             }
             let table = piece_table(&self.cfg, &ctx, bytes)?;
+            t_table = t0.elapsed();
             let mut first = 0u64;
             for (i, (g, &len)) in items.iter().zip(lens).enumerate() {
                 let n = g.descs.len() as u32;
@@ -2231,6 +2347,10 @@ impl CudaCopyEngine {
         tracing::trace!(
             chunks = items.len(),
             pieces = total,
+            planes = planes.is_some(),
+            acquired_us = t_acquired.as_micros() as u64,
+            staged_us = t_staged.as_micros() as u64,
+            table_us = t_table.as_micros() as u64,
             enqueued_us = t_enqueued.as_micros() as u64,
             done_us = t0.elapsed().as_micros() as u64,
             "cuda batched gather"

@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use kvfabric_core::plan::{ChunkBound, DstPlanes, TransferPlan, UniformPieces};
+use kvfabric_core::plan::{BlockPlanes, ChunkBound, TransferPlan, UniformPieces};
 use kvfabric_core::{BlockScatter, Descriptor, ScatterList, ScatterRun, UniformScatter};
 
 use super::spin::SpinSlots;
@@ -233,6 +233,12 @@ pub struct UniformGather<'a> {
     pub descs: &'a [Descriptor],
     /// Bytes between consecutive pieces in the region (≥ their length).
     pub stride: u64,
+    /// The request's source planes ([`BlockPlanes::of_srcs`]) and the
+    /// index of `descs[0]` in the request, when the sender found them: an
+    /// engine may read piece `i`'s source as the planes' address of piece
+    /// `first + i` (`n` block addresses staged instead of one a piece;
+    /// every length was measured at sizing). `None`: from `descs`.
+    pub src_planes: Option<(&'a BlockPlanes, u64)>,
 }
 
 /// [`CopyEngine::gather_uniform_batch`] one item after the other through
@@ -411,12 +417,16 @@ pub struct ChunkGather {
     /// its descriptors (`None`: found by comparing them).
     pub uniform_len: Option<u64>,
     /// The peer takes DATA_BLOCKS: the request's destination planes
-    /// ([`DstPlanes::of`]), found once by the first of its chunks to
+    /// ([`BlockPlanes::of`]), found once by the first of its chunks to
     /// describe its scatter (while its gather runs) and shared by all;
     /// a uniform chunk larger than a plane is then described by its
     /// blocks ([`ScatterList::Blocks`]). `None`: the peer does not take
     /// them.
-    pub block_planes: Option<Arc<OnceLock<Option<DstPlanes>>>>,
+    pub block_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
+    /// The request's source planes ([`BlockPlanes::of_srcs`]), found at
+    /// sizing when its descriptors all have one length and the engine
+    /// batches gathers: a batched gather reads the sources from them.
+    pub src_planes: Option<Arc<BlockPlanes>>,
 }
 
 /// The chunk's uniform layout ([`TransferPlan::uniform_pieces`]), in O(1)
@@ -614,7 +624,7 @@ fn describe_uniform_scatter(
     if let Some(cell) = &c.block_planes {
         // DATA_BLOCKS: the request's planes (found once, by the first
         // chunk here), a chunk's pieces named by their blocks.
-        let planes = cell.get_or_init(|| DstPlanes::of(&c.descs));
+        let planes = cell.get_or_init(|| BlockPlanes::of_dsts(&c.descs));
         if let Some(b) = planes.as_ref().and_then(|p| p.scatter(u)) {
             return Ok(ScatterList::Blocks(b));
         }
@@ -746,6 +756,11 @@ pub fn run_batch(
             region_addr: b.region_addr,
             descs: &b.chunk.descs[u.first_desc..u.first_desc + u.count],
             stride: u.stride,
+            src_planes: b
+                .chunk
+                .src_planes
+                .as_deref()
+                .map(|p| (p, u.first_desc as u64)),
         })
         .collect();
     let planned: std::cell::RefCell<Vec<Option<_>>> =
@@ -1078,6 +1093,7 @@ mod tests {
                 uniform_data,
                 uniform_len,
                 block_planes: None,
+                src_planes: None,
             }),
         );
         (region, r.map(|()| runs))
@@ -1130,6 +1146,7 @@ mod tests {
                         uniform_data: true,
                         uniform_len,
                         block_planes: Some(cell.clone()),
+                        src_planes: None,
                     }),
                 );
                 res.unwrap();
@@ -1417,6 +1434,7 @@ mod tests {
                     uniform_data,
                     uniform_len,
                     block_planes: None,
+                    src_planes: None,
                 },
             })
             .collect()
