@@ -67,11 +67,12 @@ pub fn random_slots(src: u64, dst: u64, count: usize, block: u64, seed: u64) -> 
         .collect()
 }
 
-/// [`random_slots`] as a block hand-off into a layer-major pool lays out
-/// its destinations: `planes` equal planes of the pool at `dst`, the same
-/// `count / planes` random block slots in each, plane after plane (the
-/// sources random slots of the whole pool at `src`). `planes` must divide
-/// `count` (1 = [`random_slots`]' destinations in one plane).
+/// [`random_slots`] as a block hand-off between layer-major pools lays
+/// them out: `planes` equal planes of each pool, the same `count / planes`
+/// random block slots in every plane of the pool at `dst` (and another
+/// random choice, the same in every plane, of the pool at `src`), plane
+/// after plane. `planes` must divide `count` (1 = random slots of one
+/// plane on each side).
 pub fn plane_slots(
     src: u64,
     dst: u64,
@@ -81,13 +82,13 @@ pub fn plane_slots(
     seed: u64,
 ) -> Vec<Descriptor> {
     let per = count / planes.max(1);
-    let s = permutation(count, seed);
+    let s = permutation(per, seed);
     let d = permutation(per, seed.wrapping_add(0x5151));
     (0..count)
         .map(|i| {
             let (q, k) = (i / per, i % per);
-            let slot = (q * per + d[k]) as u64;
-            Descriptor::new(src + s[i] as u64 * block, dst + slot * block, block)
+            let (from, to) = ((q * per + s[k]) as u64, (q * per + d[k]) as u64);
+            Descriptor::new(src + from * block, dst + to * block, block)
         })
         .collect()
 }
@@ -153,9 +154,9 @@ pub unsafe fn check_fast(addr: u64, len: u64, seed: u64, k: u64) -> Result<(), u
 mod tests {
     use super::*;
 
-    /// `plane_slots`: every destination slot used once, plane `q` inside
+    /// `plane_slots`: every slot used once on each side, plane `q` inside
     /// its own `count / planes` slots, the same blocks in every plane (the
-    /// period DATA_BLOCKS finds), sources a permutation.
+    /// periods DATA_BLOCKS and the block gather find).
     #[test]
     fn plane_slots_repeat_the_blocks_in_every_plane() {
         let (count, planes, block) = (1024usize, 8usize, 4096u64);
@@ -167,6 +168,8 @@ mod tests {
         }
         let p = kvfabric_core::plan::BlockPlanes::of_dsts(&d).unwrap();
         assert_eq!(p.offsets.len(), count / planes);
+        let ps = kvfabric_core::plan::BlockPlanes::of_srcs(&d).unwrap();
+        assert_eq!(ps.offsets.len(), count / planes);
         assert_eq!(p.plane_stride, (count / planes) as u64 * block);
         dst.sort_unstable();
         src.sort_unstable();

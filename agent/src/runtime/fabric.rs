@@ -630,6 +630,9 @@ impl FabricAgent {
                 cfg.max_chunk_size_bytes(),
                 cfg.granularity_bytes(),
             ),
+            block_gather: crate::runtime::transport::parse_block_gather(
+                std::env::var("KVFABRIC_BLOCK_GATHER").ok().as_deref(),
+            ),
             max_inflight_chunks: cfg.max_inflight_chunks_per_request() as usize,
             copy_contexts: cfg.copy_stream_count() as usize,
             copy_workers: cfg.scatter_worker_count() as usize,

@@ -73,6 +73,11 @@ pub struct TransportSettings {
     /// off. From `KVFABRIC_SOLO_CHUNK_BYTES` or its default
     /// ([`parse_solo_chunk`]).
     pub solo_chunk_size_bytes: u64,
+    /// A batched gather of a block hand-off reads its sources from the
+    /// request's source planes (issue 18 step 3). Experiment switch
+    /// `KVFABRIC_BLOCK_GATHER` (`0` / `false` / `off` turns it off; on by
+    /// default): sender-local, the wire is the same.
+    pub block_gather: bool,
     /// Per-flow in-flight cap W.
     pub max_inflight_chunks: usize,
     /// Exec contexts (concurrent copies).
@@ -162,6 +167,7 @@ impl Default for TransportSettings {
             granularity_bytes: 1 << 20,
             max_chunk_size_bytes: 32 << 20,
             solo_chunk_size_bytes: 0,
+            block_gather: true,
             max_inflight_chunks: 8,
             copy_contexts: 8,
             copy_workers: 4,
@@ -436,6 +442,17 @@ fn valid_solo_chunk(bytes: u64, max_chunk_size_bytes: u64, granularity_bytes: u6
     bytes % kvfabric_core::plan::ALIGN == 0
         && bytes >= granularity_bytes
         && bytes <= max_chunk_size_bytes
+}
+
+/// The switch `KVFABRIC_BLOCK_GATHER` ([`TransportSettings::block_gather`]):
+/// off for `0`, `false` or `off` (any case), on otherwise and when unset.
+pub fn parse_block_gather(value: Option<&str>) -> bool {
+    !value.is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "false" | "off"
+        )
+    })
 }
 
 /// The switch `KVFABRIC_SOLO_CHUNK_BYTES` (issue 18): the chunk cap of a
@@ -918,6 +935,8 @@ pub struct BounceTransport {
     max_chunk_size_bytes: u64,
     /// [`TransportSettings::solo_chunk_size_bytes`] (0: off).
     solo_chunk_size_bytes: u64,
+    /// `TransportSettings::block_gather`.
+    block_gather: bool,
     /// Requests submitted and not resolved yet (counted only while solo
     /// chunks are on).
     live: Arc<AtomicUsize>,
@@ -1091,6 +1110,7 @@ impl BounceTransport {
         let max_chunk_size_bytes = settings.max_chunk_size_bytes;
         // The solo chunk cap, checked here too (a public setting): a
         // multiple of 32 bytes within [granularity, max chunk], else off.
+        let settings_block_gather = settings.block_gather;
         let settings_solo_chunk = match settings.solo_chunk_size_bytes {
             0 => 0,
             s if valid_solo_chunk(s, max_chunk_size_bytes, settings.granularity_bytes) => {
@@ -1207,6 +1227,7 @@ impl BounceTransport {
             spin_relax,
             max_chunk_size_bytes,
             solo_chunk_size_bytes: settings_solo_chunk,
+            block_gather: settings_block_gather,
             live: Arc::new(AtomicUsize::new(0)),
             primer,
             max_inflight,
@@ -1543,7 +1564,7 @@ impl BounceTransport {
         // the H200 host). Found here, right after the sizing pass brought
         // the descriptors into this core's cache.
         let src_planes = match uniform_len {
-            Some(len) if len <= self.batched_piece_max && chunks.len() > 1 => {
+            Some(len) if self.block_gather && len <= self.batched_piece_max && chunks.len() > 1 => {
                 BlockPlanes::of_srcs(&descs).map(Arc::new)
             }
             _ => None,
@@ -2811,6 +2832,20 @@ mod tests {
         // A loaded peer stays admitted whatever the count.
         assert!(r.admit("x5"));
         assert!(r.admit("known"));
+    }
+
+    #[test]
+    fn block_gather_switch_is_on_unless_turned_off() {
+        for (v, on) in [
+            (None, true),
+            (Some("1"), true),
+            (Some("yes"), true),
+            (Some("0"), false),
+            (Some(" OFF "), false),
+            (Some("False"), false),
+        ] {
+            assert_eq!(parse_block_gather(v), on, "{v:?}");
+        }
     }
 
     #[test]
