@@ -423,10 +423,12 @@ pub struct ChunkGather {
     /// blocks ([`ScatterList::Blocks`]). `None`: the peer does not take
     /// them.
     pub block_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
-    /// The request's source planes ([`BlockPlanes::of_srcs`]), found at
-    /// sizing when its descriptors all have one length and the engine
-    /// batches gathers: a batched gather reads the sources from them.
-    pub src_planes: Option<Arc<BlockPlanes>>,
+    /// The request's source planes ([`BlockPlanes::of_srcs`]), found once
+    /// by the first batch of its chunks (on the copy worker, before it
+    /// stages) and shared by all; `Some` only when its descriptors all
+    /// have one length and the engine batches gathers: a batched gather
+    /// then reads the sources from them.
+    pub src_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
 }
 
 /// The chunk's uniform layout ([`TransferPlan::uniform_pieces`]), in O(1)
@@ -760,6 +762,10 @@ pub fn run_batch(
                 .chunk
                 .src_planes
                 .as_deref()
+                .and_then(|cell| {
+                    cell.get_or_init(|| BlockPlanes::of_srcs(&b.chunk.descs))
+                        .as_ref()
+                })
                 .map(|p| (p, u.first_desc as u64)),
         })
         .collect();
@@ -1404,6 +1410,118 @@ mod tests {
         }
         fn name(&self) -> &'static str {
             "one-submission"
+        }
+    }
+
+    /// A host engine whose batch gathers from the items' source planes
+    /// when they come with them (as the CUDA engine's block gather), from
+    /// the descriptors otherwise; counts the items that came with planes.
+    #[derive(Default)]
+    struct FromPlanes {
+        with_planes: std::sync::atomic::AtomicUsize,
+    }
+    impl CopyEngine for FromPlanes {
+        fn gather(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.gather(region_addr, runs)
+        }
+        fn scatter(&self, region_addr: u64, runs: &[ScatterRun]) -> Result<(), CopyError> {
+            HostCopyEngine.scatter(region_addr, runs)
+        }
+        fn gather_uniform_batch(
+            &self,
+            items: &[UniformGather<'_>],
+            meanwhile: &mut dyn FnMut(),
+            done: &mut dyn FnMut(usize, Result<(), CopyError>),
+        ) {
+            for g in items {
+                let Some((planes, first)) = g.src_planes else {
+                    let r =
+                        HostCopyEngine.gather_uniform(g.region_addr, g.descs, g.stride, &mut || {});
+                    assert!(r.is_ok());
+                    continue;
+                };
+                self.with_planes.fetch_add(1, Ordering::SeqCst);
+                for (i, d) in g.descs.iter().enumerate() {
+                    let src = planes.addr(first + i as u64).expect("in range");
+                    let to = g.region_addr + i as u64 * g.stride;
+                    // SAFETY: test buffers; the derived source is a
+                    // descriptor's source (the planes were found in them).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src as usize as *const u8,
+                            to as usize as *mut u8,
+                            d.len as usize,
+                        )
+                    };
+                }
+            }
+            meanwhile();
+            for i in 0..items.len() {
+                done(i, Ok(()));
+            }
+        }
+        fn max_batched_piece_bytes(&self) -> u64 {
+            u64::MAX
+        }
+        fn name(&self) -> &'static str {
+            "from-planes"
+        }
+    }
+
+    /// The block gather's wiring (issue 18 step 3): a batch of a block
+    /// hand-off's chunks (3 planes of 32 blocks, shuffled in each pool)
+    /// hands the engine the request's source planes — found once, by the
+    /// batch — and the chunk's first piece index, and gathering from them
+    /// lands exactly what the descriptors name; sources without planes
+    /// (random slots) reach the engine without.
+    #[test]
+    fn a_block_hand_off_batch_gathers_from_its_source_planes() {
+        let (blocks, planes, len) = (32usize, 3usize, 256usize);
+        let n = blocks * planes;
+        let src: Vec<u8> = (0..2 * n * len).map(|i| (i * 7 + i / 256) as u8).collect();
+        let base = src.as_ptr() as u64;
+        for (planar, want_planes) in [(true, 3usize), (false, 0)] {
+            let descs: Vec<Descriptor> = (0..n)
+                .map(|k| {
+                    let (q, i) = (k / blocks, k % blocks);
+                    let slot = if planar {
+                        q * 2 * blocks + (i * 5 + 3) % (2 * blocks)
+                    } else {
+                        (k * 37 + 11) % (2 * n)
+                    };
+                    Descriptor::new(base + (slot * len) as u64, 0, len as u64)
+                })
+                .collect();
+            let ds = Arc::new(descs);
+            let max = 40 * len as u64;
+            let bounds = TransferPlan::chunk_bounds(&ds, max).unwrap();
+            let mut regions: Vec<Vec<u8>> = bounds
+                .iter()
+                .map(|b| vec![0u8; b.packed_bytes as usize])
+                .collect();
+            let mut items = batch_items(&mut regions, &bounds, &ds, max, true, 1);
+            let cell = Arc::new(OnceLock::new());
+            for it in &mut items {
+                it.chunk.src_planes = Some(cell.clone());
+            }
+            let engine = FromPlanes::default();
+            let mut reported = 0;
+            run_batch(&engine, items, &mut |_, r, _| {
+                assert!(r.is_ok());
+                reported += 1;
+            });
+            assert_eq!(reported, bounds.len());
+            assert_eq!(engine.with_planes.load(Ordering::SeqCst), want_planes);
+            assert_eq!(cell.get().map(Option::is_some), Some(planar));
+            for (b, region) in bounds.iter().zip(&regions) {
+                for j in 0..b.pieces as usize {
+                    let d = ds[b.first_desc + j];
+                    // SAFETY: `d.src` lies in `src`.
+                    let want =
+                        unsafe { std::slice::from_raw_parts(d.src as usize as *const u8, len) };
+                    assert_eq!(&region[j * len..(j + 1) * len], want, "piece {j}");
+                }
+            }
         }
     }
 

@@ -29,7 +29,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -851,7 +851,7 @@ enum Command {
         uniform_len: Option<u64>,
         /// The request's source planes (`BlockPlanes::of_srcs`), found
         /// with `chunks` when the engine batches gathers of that length.
-        src_planes: Option<Arc<BlockPlanes>>,
+        src_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
         completion: Arc<Completion>,
     },
     AddPeer {
@@ -1560,12 +1560,12 @@ impl BounceTransport {
         };
         // A batched gather of a block hand-off reads its sources from the
         // planes (a table of a block a plane, not a piece: staging 16,384
-        // addresses took 43–53 µs of the first gather's 79–93 µs enqueue on
-        // the H200 host). Found here, right after the sizing pass brought
-        // the descriptors into this core's cache.
+        // addresses took 43–62 µs of the first gather's 79–122 µs enqueue
+        // on the H200 host). Found by the copy worker that stages the
+        // first batch (here it cost the submit 20–30 µs of sizing).
         let src_planes = match uniform_len {
             Some(len) if self.block_gather && len <= self.batched_piece_max && chunks.len() > 1 => {
-                BlockPlanes::of_srcs(&descs).map(Arc::new)
+                Some(Arc::new(OnceLock::new()))
             }
             _ => None,
         };
@@ -1573,7 +1573,6 @@ impl BounceTransport {
         tracing::trace!(
             rid,
             chunks = chunks.len(),
-            src_planes = src_planes.as_ref().map_or(0, |p| p.offsets.len()),
             sizing_us = t_size.elapsed().as_micros() as u64,
             "sized"
         );
@@ -1672,9 +1671,9 @@ struct ReqIo {
     /// The peer took DATA_BLOCKS at submit: the request's destination
     /// planes, found by its first chunk's gather job and shared by all
     /// (`ChunkGather::block_planes`).
-    block_planes: Option<Arc<std::sync::OnceLock<Option<BlockPlanes>>>>,
+    block_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
     /// The request's source planes, from sizing (`ChunkGather::src_planes`).
-    src_planes: Option<Arc<BlockPlanes>>,
+    src_planes: Option<Arc<OnceLock<Option<BlockPlanes>>>>,
 }
 
 /// A posted write (of a live request, or orphaned: its request resolved).
@@ -2465,7 +2464,7 @@ impl Io {
                 let uniform_data = self.peer_takes_uniform(&peer);
                 let block_planes = self
                     .peer_takes_blocks(&peer)
-                    .then(|| Arc::new(std::sync::OnceLock::new()));
+                    .then(|| Arc::new(OnceLock::new()));
                 self.reqs.insert(
                     rid,
                     ReqIo {
