@@ -4298,11 +4298,12 @@ mod tests {
                 None,
             ),
             ("in the gap", true, 2, 0, 0x17_E000, &[0x2000], None),
+            // Planes 1 and 2: 2 × (u64::MAX / 2) + 0x3000 wraps.
             (
                 "overflows",
                 true,
                 4,
-                0,
+                2,
                 u64::MAX / 2,
                 &[0x3000, 0x1000],
                 None,

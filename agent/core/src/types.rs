@@ -267,13 +267,15 @@ impl BlockScatter {
         let (mut q, mut i) = (self.first / n, (self.first % n) as usize);
         let mut base = q.checked_mul(self.plane_stride)?;
         for _ in 0..self.count {
-            dsts.push(base.checked_add(self.offsets[i])?);
-            i += 1;
             if i == self.offsets.len() {
+                // The next plane's base, only when a piece is in it (the
+                // plane after the last piece may lie past u64).
                 i = 0;
                 q += 1;
                 base = q.checked_mul(self.plane_stride)?;
             }
+            dsts.push(base.checked_add(self.offsets[i])?);
+            i += 1;
         }
         Some(UniformScatter {
             segment_len: self.segment_len,

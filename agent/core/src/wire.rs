@@ -926,14 +926,19 @@ fn check_uniform(u: &UniformScatter) -> Result<(), WireError> {
     Err(WireError::InvalidRun { index: 0, reason })
 }
 
-/// A DATA_BLOCKS' structure: pieces and blocks present, `segment_len > 0`,
-/// `region_stride >= segment_len`, and the last piece's index
-/// (`first + count - 1`) representable.
+/// A DATA_BLOCKS' structure: pieces and blocks present, at most
+/// [`MAX_ENTRIES`] pieces (a sender's chunk has at most
+/// `plan::MAX_CHUNK_PIECES`; the bound a DATA_UNIFORM of the same chunk
+/// has by its size, so an 80-byte message cannot make a receiver list
+/// 64 M pieces), `segment_len > 0`, `region_stride >= segment_len`, and
+/// the last piece's index (`first + count - 1`) representable.
 fn check_blocks(b: &BlockScatter) -> Result<(), WireError> {
     let reason = if b.offsets.is_empty() {
         "no block destinations"
     } else if b.count == 0 {
         "no pieces"
+    } else if b.count > MAX_ENTRIES {
+        "more pieces than MAX_ENTRIES"
     } else if b.segment_len == 0 {
         "segment_len is 0"
     } else if b.region_stride < b.segment_len {

@@ -417,12 +417,19 @@ proptest! {
                 None => prop_assert!(u.count <= p.offsets.len()),
             }
         }
-        // Any list: a period found is a true one.
-        let descs: Vec<Descriptor> = random.iter().map(|&d| Descriptor::new(0, d * 64, 64)).collect();
-        if let Some(p) = kvfabric_core::plan::BlockPlanes::of_dsts(&descs) {
-            let n = p.offsets.len();
-            for (k, d) in descs.iter().enumerate() {
-                prop_assert_eq!(d.dst, (k / n) as u64 * p.plane_stride + p.offsets[k % n]);
+        // Any list — random, or a hand-off with one destination moved (the
+        // samples may all pass and the full check not) — a period found is
+        // a true one.
+        let mut moved = block_handoff(&ids, planes, plane, len);
+        let at = random[0] as usize % moved.len();
+        moved[at].dst += len * (1 + random[1] % 3);
+        let random: Vec<Descriptor> = random.iter().map(|&d| Descriptor::new(0, d * 64, 64)).collect();
+        for descs in [random, moved] {
+            if let Some(p) = kvfabric_core::plan::BlockPlanes::of_dsts(&descs) {
+                let n = p.offsets.len();
+                for (k, d) in descs.iter().enumerate() {
+                    prop_assert_eq!(d.dst, (k / n) as u64 * p.plane_stride + p.offsets[k % n]);
+                }
             }
         }
     }

@@ -151,6 +151,22 @@ fn data_blocks_round_trip_and_name_the_same_destinations() {
         "region_stride is below segment_len",
     );
     bad(&|b| b.first = u64::MAX - 10, "first + count overflows");
+    bad(
+        &|b| b.count = MAX_ENTRIES + 1,
+        "more pieces than MAX_ENTRIES",
+    );
+    // The last piece fills its plane and the next plane's base is past
+    // u64: still a list (review: the next base was computed eagerly).
+    let edge = BlockScatter {
+        segment_len: 8,
+        region_stride: 8,
+        first: 0,
+        count: 2,
+        plane_stride: u64::MAX / 2,
+        offsets: vec![16],
+    };
+    assert_eq!(edge.to_uniform().unwrap().dsts, [16, u64::MAX / 2 + 16]);
+    assert_eq!(edge.dst_bounds(), Some((16, u64::MAX / 2 + 16 + 8)));
     // Overflowing destinations: no bounds, no list.
     let mut x = d.scatter.clone();
     x.plane_stride = u64::MAX / 2;

@@ -1117,8 +1117,9 @@ impl Sim {
         };
         // Odd rogue DATA in the uniform form: its runs' first length (the
         // pieces back to back in the region), one destination a run; one
-        // in two of those in the block form (one plane, the destinations
-        // as its blocks).
+        // in two of those in the block form (the destinations as the
+        // blocks of a plane, from a piece inside one and into the next
+        // plane, one piece length further on).
         let msg = match msg {
             Message::Data(d)
                 if self.uniform_data && d.request_id % 4 == 3 && !d.runs.is_empty() =>
@@ -1130,9 +1131,9 @@ impl Sim {
                     scatter: BlockScatter {
                         segment_len: d.runs[0].segment_len,
                         region_stride: d.runs[0].segment_len,
-                        first: 0,
-                        count: d.runs.len() as u32,
-                        plane_stride: d.runs[0].addr,
+                        first: u64::from(d.chunk_index) % d.runs.len() as u64,
+                        count: d.runs.len() as u32 + 1,
+                        plane_stride: d.runs[0].segment_len,
                         offsets: d.runs.iter().map(|r| r.addr).collect(),
                     },
                 })
