@@ -544,87 +544,39 @@ impl CudaGpu {
         unsafe { self.launch_pieces(&self.scatter_dsts, stream, dsts, n, len, stride, region) }
     }
 
-    /// Enqueues `kvf_scatter_blocks` on `stream`: piece `w < n` of `len`
-    /// bytes from `region + w * stride` to `(k / nblocks) * plane_stride +
-    /// offsets[k % nblocks]`, `k = first + w` (a warp a piece).
+    /// Enqueues `kvf_scatter_blocks` (`dir` Scatter: piece `w < n` from
+    /// `region + w * stride` to its derived address) or
+    /// `kvf_gather_blocks` (Gather: from its derived address to `region +
+    /// w * stride`) on `stream`, a warp a piece; the derived address of
+    /// piece `w` is `(k / nblocks) * plane_stride + offsets[k % nblocks]`,
+    /// `k = first + w` ([`BlockPieces`]).
     ///
     /// # Safety
-    /// `offsets` must be a device-readable table of `nblocks ≥ 1` u64 that
-    /// stays valid until the launch completes; every derived destination
+    /// `p.offsets` must be a device-readable table of `p.nblocks ≥ 1` u64
+    /// that stays valid until the launch completes; every derived address
     /// and every piece of the region must be valid device memory of this
-    /// context for `len` bytes (the receiver validated them).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch_scatter_blocks(
+    /// context for `p.len` bytes (a receiver validated its destinations; a
+    /// sender's planes were found in its own descriptors).
+    pub unsafe fn launch_blocks(
         &self,
+        dir: Direction,
         stream: sys::CUstream,
-        offsets: u64,
-        nblocks: u32,
-        first: u64,
-        n: u32,
-        plane_stride: u64,
-        len: u64,
-        stride: u64,
-        region: u64,
+        p: &BlockPieces,
     ) -> Result<(), CudaError> {
-        // SAFETY: as this function's contract.
-        unsafe {
-            self.launch_blocks(
-                &self.scatter_blocks,
-                stream,
-                [offsets, first, plane_stride, len, stride, region],
-                nblocks,
-                n,
-            )
-        }
-    }
-
-    /// Enqueues `kvf_gather_blocks` on `stream`: piece `w < n` of `len`
-    /// bytes from `(k / nblocks) * plane_stride + offsets[k % nblocks]`,
-    /// `k = first + w`, to `region + w * stride` (a warp a piece).
-    ///
-    /// # Safety
-    /// As [`CudaGpu::launch_scatter_blocks`], the derived addresses being
-    /// the sources.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch_gather_blocks(
-        &self,
-        stream: sys::CUstream,
-        offsets: u64,
-        nblocks: u32,
-        first: u64,
-        n: u32,
-        plane_stride: u64,
-        len: u64,
-        stride: u64,
-        region: u64,
-    ) -> Result<(), CudaError> {
-        // SAFETY: as this function's contract.
-        unsafe {
-            self.launch_blocks(
-                &self.gather_blocks,
-                stream,
-                [offsets, first, plane_stride, len, stride, region],
-                nblocks,
-                n,
-            )
-        }
-    }
-
-    /// Launches `kvf_scatter_blocks` or `kvf_gather_blocks` (same
-    /// parameters; `w` = offsets, first, plane_stride, len, stride,
-    /// region), a warp a piece.
-    ///
-    /// # Safety
-    /// As [`CudaGpu::launch_scatter_blocks`].
-    unsafe fn launch_blocks(
-        &self,
-        k: &KernelFn,
-        stream: sys::CUstream,
-        w: [u64; 6],
-        nblocks: u32,
-        n: u32,
-    ) -> Result<(), CudaError> {
-        let [offsets, first, plane_stride, len, stride, region] = w;
+        let k = match dir {
+            Direction::Gather => &self.gather_blocks,
+            Direction::Scatter => &self.scatter_blocks,
+        };
+        let BlockPieces {
+            offsets,
+            nblocks,
+            first,
+            n,
+            plane_stride,
+            len,
+            stride,
+            region,
+        } = *p;
         let threads = 256u32.min(k.info.max_threads.max(32) as u32) / 32 * 32;
         let g = u64::from(n)
             .div_ceil(u64::from(threads / 32))
@@ -695,6 +647,30 @@ impl CudaGpu {
         })?;
         Ok(())
     }
+}
+
+/// One launch of the block kernels ([`CudaGpu::launch_blocks`]): `n`
+/// pieces of `len` bytes, piece `w` at `region + w * stride` and at the
+/// derived address `(k / nblocks) * plane_stride + offsets[k % nblocks]`,
+/// `k = first + w` (the request's piece index).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockPieces {
+    /// Device address of the `nblocks` first-plane addresses (u64 each).
+    pub offsets: u64,
+    /// Blocks a plane (≥ 1).
+    pub nblocks: u32,
+    /// The first piece's index in the request.
+    pub first: u64,
+    /// Pieces.
+    pub n: u32,
+    /// Bytes between planes.
+    pub plane_stride: u64,
+    /// Bytes a piece.
+    pub len: u64,
+    /// Region bytes between pieces (≥ `len`).
+    pub stride: u64,
+    /// Region address of piece 0.
+    pub region: u64,
 }
 
 /// One direct block copy: block `src_ids[i]` → `dst_ids[i]` of every plane
@@ -2159,16 +2135,19 @@ impl CudaCopyEngine {
             // until the completion event; the receiver validated the
             // region and every derived destination.
             unsafe {
-                self.gpu.launch_scatter_blocks(
+                self.gpu.launch_blocks(
+                    Direction::Scatter,
                     ctx.stream,
-                    table,
-                    nblocks,
-                    b.first,
-                    b.count,
-                    b.plane_stride,
-                    b.segment_len,
-                    b.region_stride,
-                    region_addr,
+                    &BlockPieces {
+                        offsets: table,
+                        nblocks,
+                        first: b.first,
+                        n: b.count,
+                        plane_stride: b.plane_stride,
+                        len: b.segment_len,
+                        stride: b.region_stride,
+                        region: region_addr,
+                    },
                 )
             }?;
             ctx.record_done()
@@ -2248,16 +2227,19 @@ impl CudaCopyEngine {
                     // one of theirs, of length `len`), the region holds
                     // (n - 1) * stride + len bytes.
                     unsafe {
-                        self.gpu.launch_gather_blocks(
+                        self.gpu.launch_blocks(
+                            Direction::Gather,
                             ctx.stream,
-                            table + at * 8,
-                            nblocks,
-                            *first,
-                            n,
-                            p.plane_stride,
-                            len,
-                            g.stride,
-                            g.region_addr,
+                            &BlockPieces {
+                                offsets: table + at * 8,
+                                nblocks,
+                                first: *first,
+                                n,
+                                plane_stride: p.plane_stride,
+                                len,
+                                stride: g.stride,
+                                region: g.region_addr,
+                            },
                         )
                     }?;
                     if i == 0 || i + 1 == items.len() {
