@@ -59,6 +59,13 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes read from one connection per receive call, so a peer streaming
 /// a backlog cannot hold the IO thread (the rest is read next tick).
 pub const READ_BUDGET_BYTES: usize = 4 << 20;
+/// Most bytes of unfinished frames all accepted connections together may
+/// buffer (1 GiB: sixteen frames of [`MAX_FRAME_BYTES`] at once; a
+/// control frame in use is at most ≈ 1 MB). Past it the connection holding
+/// the most is closed (its peer reconnects; a message it was sending is
+/// lost, and its request fails or times out), so many connections each
+/// trickling a large frame cannot exhaust memory.
+pub const MAX_PARTIAL_BYTES: usize = 1 << 30;
 /// Accepted connections kept at most; at the cap a new connection takes
 /// the place of the oldest one that has not sent its hello, else of the
 /// newest of a name that has more than one connection (a peer has one
@@ -136,6 +143,11 @@ pub struct TcpControlChannel {
     cap_evictions: u64,
     /// [`MAX_CONNECTIONS`] (lower in tests).
     max_connections: usize,
+    /// [`MAX_PARTIAL_BYTES`] (lower in tests).
+    max_partial_bytes: usize,
+    /// Connections closed for holding the most unfinished-frame bytes
+    /// when all of them together passed [`MAX_PARTIAL_BYTES`].
+    partial_evictions: u64,
     /// [`HELLO_TIMEOUT`] (shorter in tests).
     hello_timeout: Duration,
     scratch: Vec<u8>,
@@ -325,6 +337,8 @@ impl TcpControlChannel {
             hello_timeouts: 0,
             cap_evictions: 0,
             max_connections: MAX_CONNECTIONS,
+            max_partial_bytes: MAX_PARTIAL_BYTES,
+            partial_evictions: 0,
             hello_timeout: HELLO_TIMEOUT,
             scratch: vec![0; 256 << 10],
             hello: Self::hello_frame(own_name),
@@ -359,6 +373,13 @@ impl TcpControlChannel {
     /// or a name without a route).
     pub fn cap_evictions(&self) -> u64 {
         self.cap_evictions
+    }
+
+    /// Accepted connections closed so far for holding the most bytes of
+    /// unfinished frames when all connections together held more than
+    /// [`MAX_PARTIAL_BYTES`].
+    pub fn partial_evictions(&self) -> u64 {
+        self.partial_evictions
     }
 
     fn hello_frame(own_name: &str) -> Vec<u8> {
@@ -568,6 +589,35 @@ impl TcpControlChannel {
                 // Order kept: an older connection of a peer is read first.
                 self.conns.remove(k);
             }
+        }
+        self.cap_partial_bytes();
+    }
+
+    /// While the connections' unfinished frames (their buffers: complete
+    /// frames were moved to the inbox) hold more than the cap together,
+    /// closes the one holding the most.
+    fn cap_partial_bytes(&mut self) {
+        let mut total: usize = self.conns.iter().map(|c| c.buf.len()).sum();
+        while total > self.max_partial_bytes {
+            let Some((k, held)) = self
+                .conns
+                .iter()
+                .enumerate()
+                .map(|(k, c)| (k, c.buf.len()))
+                .max_by_key(|&(_, held)| held)
+            else {
+                return;
+            };
+            let c = self.conns.remove(k);
+            tracing::warn!(
+                peer = ?c.peer,
+                held,
+                total,
+                cap = self.max_partial_bytes,
+                "unfinished control frames over the cap; the connection holding the most closed"
+            );
+            self.partial_evictions += 1;
+            total -= held;
         }
     }
 
@@ -1166,6 +1216,62 @@ mod tests {
             assert!(b.conns.iter().any(|k| k.peer.as_deref() == Some("a")));
             drop(strangers);
         }
+    }
+
+    /// Connections that each hold part of a large frame cannot buffer more
+    /// than the cap together: past it the one holding the most is closed
+    /// (counted), the others keep their bytes and a peer's complete
+    /// frames still arrive.
+    #[test]
+    fn unfinished_frames_over_the_cap_close_the_largest_holder() {
+        let (mut a, mut b) = pair();
+        b.max_partial_bytes = 96 << 10;
+        let addr = b.listener.local_addr().unwrap();
+        // Three connections announce 1 MiB frames and send 30, 10 and
+        // 70 KiB of them: 110 KiB together. The total passes the cap only
+        // once the third holds more than 56 KiB: it is then the largest.
+        let mut holders: Vec<TcpStream> = [30usize, 10, 70]
+            .iter()
+            .enumerate()
+            .map(|(i, &kib)| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(&TcpControlChannel::hello_frame(&format!("h{i}")))
+                    .unwrap();
+                s.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+                s.write_all(&vec![7u8; kib << 10]).unwrap();
+                s
+            })
+            .collect();
+        let end = Instant::now() + Duration::from_secs(5);
+        while b.partial_evictions() == 0 {
+            assert!(Instant::now() < end, "no connection closed over the cap");
+            let _ = b.recv(Duration::from_millis(10)).unwrap();
+        }
+        // Let every byte sent be read: the total stays under the cap.
+        for _ in 0..20 {
+            let _ = b.recv(Duration::from_millis(10)).unwrap();
+        }
+        assert_eq!(b.partial_evictions(), 1);
+        let held: Vec<usize> = b.conns.iter().map(|c| c.buf.len()).collect();
+        // Each holds its length prefix too.
+        assert_eq!(held.iter().sum::<usize>(), (40 << 10) + 8, "{held:?}");
+        assert!(
+            !b.conns.iter().any(|c| c.peer.as_deref() == Some("h2")),
+            "the largest holder stayed"
+        );
+        // h2's side sees the close; a real peer still gets through.
+        holders[2]
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut one = [0u8; 1];
+        assert!(matches!(holders[2].read(&mut one), Ok(0) | Err(_)));
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        a.send_to("b", b"still through").unwrap();
+        assert_eq!(
+            relay(&mut a, &mut b),
+            Some(("a".to_string(), b"still through".to_vec()))
+        );
+        drop(holders);
     }
 
     /// A connect that completed while nothing pumped the channel is not
