@@ -10,9 +10,9 @@
 //! (glibc's default thresholds make it page-fault fresh memory per plan).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvfabric_core::plan::TransferPlan;
-use kvfabric_core::wire::{decode_data, Data, DataUniform, Message};
-use kvfabric_core::{Descriptor, UniformScatter};
+use kvfabric_core::plan::{BlockPlanes, TransferPlan};
+use kvfabric_core::wire::{decode_data, Data, DataBlocks, DataUniform, Message};
+use kvfabric_core::{BlockScatter, Descriptor, UniformScatter};
 use std::time::Duration;
 
 const N: u64 = 16_384;
@@ -162,12 +162,78 @@ fn bench_data_uniform(c: &mut Criterion) {
     g.finish();
 }
 
+/// The seed shape's hand-off as `layout::block_descriptors` lists it:
+/// 72 planes (36 layers × K/V) of the same 512 shuffled blocks (8,192
+/// tokens of 16), 36,864 × 4 KiB, in pools of 4,096 blocks a plane.
+fn seed_handoff() -> Vec<Descriptor> {
+    let (planes, blocks, pool) = (72u64, 512u64, 4096u64);
+    let id = |i: u64, salt: u64| (i * 2_654_435_761 + salt) % pool;
+    (0..planes)
+        .flat_map(|q| {
+            (0..blocks).map(move |i| {
+                Descriptor::new(
+                    0x7f00_0000_0000 + (q * pool + id(i, 7)) * DESC_LEN,
+                    0x7e00_0000_0000 + (q * pool + id(i, 11)) * DESC_LEN,
+                    DESC_LEN,
+                )
+            })
+        })
+        .collect()
+}
+
+/// DATA_BLOCKS (issue 18 step 3): the same 32 MiB chunk described by the
+/// 512 block destinations of a plane (the seed shape) instead of 8,192
+/// piece destinations — encode and decode; and the sender's one search
+/// for a request's planes (`BlockPlanes::of_dsts`) over the seed shape's
+/// 36,864 descriptors, and over 16,384 random slots (no planes: the
+/// cost of finding none).
+fn bench_data_blocks(c: &mut Criterion) {
+    let mut g = c.benchmark_group("data_blocks_8192");
+    let descs = seed_handoff();
+    let planes = BlockPlanes::of_dsts(&descs).expect("the seed shape has planes");
+    assert_eq!(planes.offsets.len(), 512);
+    let msg = Message::DataBlocks(DataBlocks {
+        request_id: 1,
+        chunk_index: 1,
+        region_handle: 0,
+        scatter: BlockScatter {
+            segment_len: DESC_LEN,
+            region_stride: DESC_LEN,
+            first: 8192,
+            count: 8192,
+            plane_stride: planes.plane_stride,
+            offsets: planes.offsets.clone(),
+        },
+    });
+    let enc = msg.encode();
+    println!(
+        "DATA_BLOCKS of 8,192 pieces: {} bytes (DATA_UNIFORM: {} bytes)",
+        enc.len(),
+        16 + 40 + 8192 * 8
+    );
+    g.throughput(Throughput::Elements(8192));
+    g.bench_function("encode", |b| b.iter(|| black_box(&msg).encode().len()));
+    g.bench_function("decode", |b| {
+        b.iter(|| Message::decode(black_box(&enc)).unwrap())
+    });
+    g.finish();
+    let mut g = c.benchmark_group("block_planes");
+    g.bench_function("of_dsts_seed_36864", |b| {
+        b.iter(|| BlockPlanes::of_dsts(black_box(&descs)).map(|p| p.offsets.len()))
+    });
+    let random = scattered();
+    g.bench_function("of_dsts_random_16384", |b| {
+        b.iter(|| BlockPlanes::of_dsts(black_box(&random)).is_none())
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = bench_plan, bench_data, bench_data_uniform
+    targets = bench_plan, bench_data, bench_data_uniform, bench_data_blocks
 }
 criterion_main!(benches);
