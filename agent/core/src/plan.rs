@@ -649,13 +649,7 @@ impl BlockPlanes {
     /// The address of piece `k` of the request (`None` past the offsets'
     /// arithmetic range).
     pub fn addr(&self, k: u64) -> Option<u64> {
-        let n = self.offsets.len() as u64;
-        if n == 0 {
-            return None;
-        }
-        (k / n)
-            .checked_mul(self.plane_stride)?
-            .checked_add(self.offsets[(k % n) as usize])
+        crate::types::plane_addr(&self.offsets, self.plane_stride, k)
     }
 
     /// The block form of uniform chunk `u` of the request these planes

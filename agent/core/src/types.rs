@@ -150,6 +150,20 @@ impl UniformScatter {
     }
 }
 
+/// Address of piece `k` of a request whose addresses repeat plane after
+/// plane: `(k / n) × plane_stride + offsets[k % n]` (`n = offsets.len()`);
+/// `None` for no offsets or on overflow. The one formula of
+/// [`BlockScatter`] and `plan::BlockPlanes` (and of the block kernels).
+pub fn plane_addr(offsets: &[u64], plane_stride: u64, k: u64) -> Option<u64> {
+    let n = offsets.len() as u64;
+    if n == 0 {
+        return None;
+    }
+    (k / n)
+        .checked_mul(plane_stride)?
+        .checked_add(offsets[(k % n) as usize])
+}
+
 /// A chunk's scatter named by block, not by piece (issue 18 step 3, the
 /// receiver-derived scatter; kvfabric's own, DATA_BLOCKS): the request's
 /// destinations repeat with a period — a hand-off of `n` blocks into a
@@ -240,14 +254,14 @@ impl BlockScatter {
     /// The destination of piece `j`, or `None` when `j ≥ count` or the
     /// address overflows.
     pub fn dst(&self, j: u32) -> Option<u64> {
-        if j >= self.count || self.offsets.is_empty() {
+        if j >= self.count {
             return None;
         }
-        let n = self.offsets.len() as u64;
-        let k = self.first.checked_add(u64::from(j))?;
-        (k / n)
-            .checked_mul(self.plane_stride)?
-            .checked_add(self.offsets[(k % n) as usize])
+        plane_addr(
+            &self.offsets,
+            self.plane_stride,
+            self.first.checked_add(u64::from(j))?,
+        )
     }
 
     /// The same scatter with one destination a piece (DATA_UNIFORM's

@@ -84,6 +84,17 @@ fn all() -> Vec<Message> {
     ]
 }
 
+/// `m` is refused by `check_limits` and by the decoder of its encoding,
+/// both as `InvalidRun { index: 0, reason }`.
+fn refused_as_invalid(m: Message, reason: &str) {
+    let want = WireError::InvalidRun {
+        index: 0,
+        reason: reason.to_string().leak(),
+    };
+    assert_eq!(m.check_limits().unwrap_err(), want);
+    assert_eq!(Message::decode(&m.encode()).unwrap_err(), want);
+}
+
 /// 40 pieces of 4 KiB from piece 100 of a request of 32-block planes
 /// (the last 28 blocks of plane 3, the first 12 of plane 4).
 fn data_blocks() -> DataBlocks {
@@ -135,13 +146,7 @@ fn data_blocks_round_trip_and_name_the_same_destinations() {
     let bad = |f: &dyn Fn(&mut BlockScatter), reason: &str| {
         let mut x = d.clone();
         f(&mut x.scatter);
-        let m = Message::from(x);
-        let want = WireError::InvalidRun {
-            index: 0,
-            reason: reason.to_string().leak(),
-        };
-        assert_eq!(m.check_limits().unwrap_err(), want);
-        assert_eq!(Message::decode(&m.encode()).unwrap_err(), want);
+        refused_as_invalid(Message::from(x), reason);
     };
     bad(&|b| b.offsets.clear(), "no block destinations");
     bad(&|b| b.count = 0, "no pieces");
@@ -224,13 +229,7 @@ fn data_uniform_round_trips_and_refuses_bad_lists() {
     let bad = |f: &dyn Fn(&mut UniformScatter), reason: &str| {
         let mut x = d.clone();
         f(&mut x.scatter);
-        let m = Message::from(x);
-        let want = WireError::InvalidRun {
-            index: 0,
-            reason: reason.to_string().leak(),
-        };
-        assert_eq!(m.check_limits().unwrap_err(), want);
-        assert_eq!(Message::decode(&m.encode()).unwrap_err(), want);
+        refused_as_invalid(Message::from(x), reason);
     };
     bad(&|u| u.dsts.clear(), "no destinations");
     bad(&|u| u.segment_len = 0, "segment_len is 0");

@@ -827,38 +827,26 @@ fn block_scatter_checks(
             let t0 = Instant::now();
             let r = engine.scatter_blocks(region.base_addr(), &b);
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            let mut status = match r {
+            let status = match r {
                 Ok(()) => "ok".to_string(),
                 Err(e) => format!("error: {e}"),
             };
-            if status == "ok" {
-                let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
-                if let Some(m) = compare_buffers(&user, &region, want, got, "")? {
-                    status = m;
+            let status = match status.as_str() {
+                "ok" => {
+                    let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
+                    compare_buffers(&user, &region, want, got, "")?.unwrap_or(status)
                 }
-            }
-            let pass = status == "ok";
-            if !pass {
+                _ => status,
+            };
+            let bytes = u64::from(count) * len;
+            if !report_check(
+                results,
+                (name, "Blocks", "Blocks", vname),
+                (count, bytes, ms),
+                status,
+            ) {
                 failures += 1;
             }
-            println!(
-                "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
-                if pass { "PASS" } else { "FAIL" },
-                name,
-                "Blocks",
-                vname,
-                count,
-                u64::from(count) * len,
-                ms
-            );
-            if !pass {
-                println!("      {status}");
-            }
-            results.push(json!({
-                "case": name, "variant": vname, "direction": "Blocks",
-                "pieces": count, "bytes": u64::from(count) * len, "pass": pass,
-                "status": status, "wall_ms": ms,
-            }));
             // The same pieces gathered from the planes as a batch of two
             // items (the sender's side): region piece j = the derived
             // source of piece first + j.
@@ -894,7 +882,7 @@ fn block_scatter_checks(
             });
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             let order: Vec<usize> = reports.iter().map(|r| r.0).collect();
-            let mut status = if order != [0, 1] {
+            let status = if order != [0, 1] {
                 format!("items reported as {order:?}, expected [0, 1]")
             } else if called != 1 {
                 format!("meanwhile ran {called} times, expected once")
@@ -904,37 +892,58 @@ fn block_scatter_checks(
                     Err(e) => format!("error: {e}"),
                 }
             };
-            if status == "ok" {
-                let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
-                if let Some(m) = compare_buffers(&user, &region, want, got, "")? {
-                    status = m;
+            let status = match status.as_str() {
+                "ok" => {
+                    let (want, got) = ((&host_u[..], &host_r[..]), (&mut got_u, &mut got_r));
+                    compare_buffers(&user, &region, want, got, "")?.unwrap_or(status)
                 }
-            }
-            let pass = status == "ok";
-            if !pass {
+                _ => status,
+            };
+            let bytes = u64::from(count) * len;
+            if !report_check(
+                results,
+                (name, "BatchPl", "BatchPlanes", vname),
+                (count, bytes, ms),
+                status,
+            ) {
                 failures += 1;
             }
-            println!(
-                "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
-                if pass { "PASS" } else { "FAIL" },
-                name,
-                "BatchPl",
-                vname,
-                count,
-                u64::from(count) * len,
-                ms
-            );
-            if !pass {
-                println!("      {status}");
-            }
-            results.push(json!({
-                "case": name, "variant": vname, "direction": "BatchPlanes",
-                "pieces": count, "bytes": u64::from(count) * len, "pass": pass,
-                "status": status, "wall_ms": ms,
-            }));
         }
     }
     Ok(failures)
+}
+
+/// Prints one check's line (and its status when it failed) and pushes its
+/// JSON record: `what` = (case, direction as printed, direction in the
+/// JSON, variant), `size` = (pieces, bytes, wall ms). Returns whether it
+/// passed (`status` "ok").
+fn report_check(
+    results: &mut Vec<serde_json::Value>,
+    what: (&str, &str, &str, &str),
+    size: (u32, u64, f64),
+    status: String,
+) -> bool {
+    let ((name, shown, dir, vname), (pieces, bytes, ms)) = (what, size);
+    let pass = status == "ok";
+    println!(
+        "{:<5} {:<44} {:<8} {:<34} pieces {:>6} bytes {:>11} {:>9.2} ms",
+        if pass { "PASS" } else { "FAIL" },
+        name,
+        shown,
+        vname,
+        pieces,
+        bytes,
+        ms
+    );
+    if !pass {
+        println!("      {status}");
+    }
+    results.push(json!({
+        "case": name, "variant": vname, "direction": dir,
+        "pieces": pieces, "bytes": bytes, "pass": pass,
+        "status": status, "wall_ms": ms,
+    }));
+    pass
 }
 
 /// A batch of three uniform items whose middle one holds a descriptor
