@@ -52,11 +52,12 @@ before_exe() {
 # SPIN_ keys are the spin experiment switches (KVFABRIC_SPIN_ADAPTIVE,
 # KVFABRIC_SPIN_WORKERS, KVFABRIC_SPIN_WAITERS; agent/src/runtime/spin.rs);
 # SOLO_CHUNK_BYTES=16MiB sets KVFABRIC_SOLO_CHUNK_BYTES (solo chunks),
-# BLOCK_GATHER=0 sets KVFABRIC_BLOCK_GATHER (the block gather off).
+# BLOCK_GATHER=0 sets KVFABRIC_BLOCK_GATHER (the block gather off),
+# NIXL_REPOST=0 sets KVFABRIC_NIXL_REPOST (landed writes not reposted).
 # A BOOST=POLICY entry (nice:-15, fifo:10) is no variable: boost_start runs
 # e2e/gpu/boost_threads.py beside the bench (the agents' IO threads and
 # copy workers get that priority), boost_stop waits for it.
-cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | grep -v '^BOOST=' | sed 's/^/KVFABRIC_BOUNCE_/; s/^KVFABRIC_BOUNCE_SPIN_/KVFABRIC_SPIN_/; s/^KVFABRIC_BOUNCE_SOLO_/KVFABRIC_SOLO_/; s/^KVFABRIC_BOUNCE_BLOCK_GATHER/KVFABRIC_BLOCK_GATHER/'; }
+cfg_env() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | grep -v '^BOOST=' | sed 's/^/KVFABRIC_BOUNCE_/; s/^KVFABRIC_BOUNCE_SPIN_/KVFABRIC_SPIN_/; s/^KVFABRIC_BOUNCE_SOLO_/KVFABRIC_SOLO_/; s/^KVFABRIC_BOUNCE_BLOCK_GATHER/KVFABRIC_BLOCK_GATHER/; s/^KVFABRIC_BOUNCE_NIXL_/KVFABRIC_NIXL_/'; }
 boost_pid=""
 boost_start() {
   local p; p=$(echo "$1" | tr ',' '\n' | sed -n 's/^BOOST=//p')

@@ -55,8 +55,9 @@ impl MemDesc {
     }
 }
 
-/// Opaque id of one posted transfer. Each post creates a fresh request, so a
-/// handle is never reposted while in flight.
+/// Opaque id of one posted transfer. Every post gets a fresh id, so a handle
+/// is never reposted while in flight (an engine may repost the NIXL request
+/// behind a released handle: [`NixlTransferEngine`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct XferHandle(pub u64);
 
@@ -190,13 +191,72 @@ impl NixlDescriptor for RawRegion {
     }
 }
 
+/// The most landed single-descriptor write requests kept for reposting
+/// (each holds a few hundred bytes of NIXL/UCX state). Past it a released
+/// request replaces an arbitrary idle one.
+pub const MAX_IDLE_WRITES: usize = 512;
+
+/// What identifies a single-descriptor WRITE whose NIXL request can be
+/// posted again: the peer, and both sides' kind, address, length and device.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct WriteKey {
+    peer: String,
+    local_kind: MemKind,
+    local: MemDesc,
+    remote_kind: MemKind,
+    remote: MemDesc,
+}
+
+/// One posted transfer.
+struct Xfer {
+    req: XferRequest,
+    /// Set for a single-descriptor write that may be reposted once landed;
+    /// cleared when its peer is forgotten or reloaded, or a region goes.
+    key: Option<WriteKey>,
+    /// A poll saw it land (only a landed request is reposted).
+    landed: bool,
+}
+
+/// Counts of [`NixlTransferEngine`]'s request reuse.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RepostStats {
+    /// Writes posted by reposting a landed request (no `create_xfer_req`).
+    pub reposted: u64,
+    /// Writes posted through a new request.
+    pub created: u64,
+    /// Landed requests kept for reposting now.
+    pub idle: usize,
+}
+
 struct Inner {
     agent: Agent,
     backend: Backend,
+    /// The backend selection every request is made with (built once).
+    args: OptArgs,
     /// Registrations by base address (dropping a handle deregisters).
     regs: Vec<(u64, RegistrationHandle)>,
-    xfers: HashMap<u64, XferRequest>,
+    xfers: HashMap<u64, Xfer>,
     prepared: HashMap<u64, XferDlistHandle>,
+    /// Landed single-descriptor writes, by what they write (`None`: reuse
+    /// off, `KVFABRIC_NIXL_REPOST=0`).
+    idle: Option<HashMap<WriteKey, XferRequest>>,
+    stats: RepostStats,
+}
+
+impl Inner {
+    /// Drops the idle requests for which `stale` holds and stops the posted
+    /// ones it holds for from being kept (before NIXL forgets or reloads a
+    /// peer, or a region is deregistered).
+    fn forget_writes(&mut self, stale: impl Fn(&WriteKey) -> bool) {
+        if let Some(idle) = self.idle.as_mut() {
+            idle.retain(|k, _| !stale(k));
+        }
+        for x in self.xfers.values_mut() {
+            if x.key.as_ref().is_some_and(&stale) {
+                x.key = None;
+            }
+        }
+    }
 }
 
 // SAFETY: every NIXL object here is only touched under the engine's mutex;
@@ -207,6 +267,15 @@ unsafe impl Send for Inner {}
 /// progress thread is off (it busy-spins a core; DESIGN.md), so the owner
 /// calls [`TransferEngine::progress`] in its poll loop. All NIXL calls are
 /// serialized by one mutex (NIXL runs with thread sync off).
+///
+/// A single-descriptor write that landed is kept when released (up to
+/// [`MAX_IDLE_WRITES`]) and posted again for the next write of the same
+/// bytes to the same place — a bounce write is one arena region into one
+/// granted region, so the pairs recur — saving NIXL's `create_xfer_req`
+/// (issue 18: 31–42 µs for a request's first write on the H200, 34–37 µs
+/// on the dev machine's host memory). Kept requests of a peer are dropped
+/// before it is forgotten or reloaded, all of them before a region is
+/// deregistered.
 pub struct NixlTransferEngine {
     name: String,
     inner: Mutex<Inner>,
@@ -217,6 +286,8 @@ impl NixlTransferEngine {
     /// Creates agent `name` with a UCX backend. Extra UCX backend params come
     /// from `KVFABRIC_UCX_PARAMS` (`k=v,k=v`), e.g.
     /// `ucx_error_handling_mode=none` when TCP is excluded from `UCX_TLS`.
+    /// `KVFABRIC_NIXL_REPOST=0` turns the reposting of landed writes off
+    /// (an experiment switch: [`crate::runtime::transport::parse_on_switch`]).
     ///
     /// # Errors
     /// [`EngineError::Runtime`] when the NIXL libraries are missing (names
@@ -244,14 +315,23 @@ impl NixlTransferEngine {
         let backend = agent
             .create_backend("UCX", &params)
             .map_err(nixl("create UCX backend"))?;
+        let mut args = OptArgs::new().map_err(nixl("opt args"))?;
+        args.add_backend(&backend)
+            .map_err(nixl("opt args backend"))?;
+        let repost = super::transport::parse_on_switch(
+            std::env::var("KVFABRIC_NIXL_REPOST").ok().as_deref(),
+        );
         Ok(Self {
             name: name.to_string(),
             inner: Mutex::new(Inner {
                 agent,
                 backend,
+                args,
                 regs: Vec::new(),
                 xfers: HashMap::new(),
                 prepared: HashMap::new(),
+                idle: repost.then(HashMap::new),
+                stats: RepostStats::default(),
             }),
             next_id: AtomicU64::new(1),
         })
@@ -261,11 +341,13 @@ impl NixlTransferEngine {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn opt_args(inner: &Inner) -> Result<OptArgs, EngineError> {
-        let mut args = OptArgs::new().map_err(nixl("opt args"))?;
-        args.add_backend(&inner.backend)
-            .map_err(nixl("opt args backend"))?;
-        Ok(args)
+    /// The reuse counts so far (tests, benches).
+    pub fn repost_stats(&self) -> RepostStats {
+        let inner = self.lock();
+        RepostStats {
+            idle: inner.idle.as_ref().map_or(0, HashMap::len),
+            ..inner.stats
+        }
     }
 
     fn dlist(kind: MemKind, descs: &[MemDesc]) -> Result<XferDescList<'static>, EngineError> {
@@ -276,9 +358,21 @@ impl NixlTransferEngine {
         Ok(list)
     }
 
-    fn insert_xfer(&self, inner: &mut Inner, req: XferRequest) -> XferHandle {
+    fn insert_xfer(
+        &self,
+        inner: &mut Inner,
+        req: XferRequest,
+        key: Option<WriteKey>,
+    ) -> XferHandle {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        inner.xfers.insert(id, req);
+        inner.xfers.insert(
+            id,
+            Xfer {
+                req,
+                key,
+                landed: false,
+            },
+        );
         XferHandle(id)
     }
 
@@ -304,14 +398,25 @@ impl TransferEngine for NixlTransferEngine {
     }
 
     fn load_peer(&self, metadata: &[u8]) -> Result<String, EngineError> {
-        self.lock()
+        let mut inner = self.lock();
+        // The peer's name is known only once loaded: no idle request may
+        // outlive the metadata it was made against, so all go first (loads
+        // are rare: a handshake or a republished pool).
+        if let Some(idle) = inner.idle.as_mut() {
+            idle.clear();
+        }
+        let peer = inner
             .agent
             .load_remote_md(metadata)
-            .map_err(nixl("load_remote_md"))
+            .map_err(nixl("load_remote_md"))?;
+        inner.forget_writes(|k| k.peer == peer);
+        Ok(peer)
     }
 
     fn forget_peer(&self, peer: &str) -> Result<(), EngineError> {
-        self.lock()
+        let mut inner = self.lock();
+        inner.forget_writes(|k| k.peer == peer);
+        inner
             .agent
             .invalidate_remote_md(peer)
             .map_err(nixl("invalidate_remote_md"))
@@ -319,10 +424,9 @@ impl TransferEngine for NixlTransferEngine {
 
     fn register_region(&self, kind: MemKind, desc: MemDesc) -> Result<(), EngineError> {
         let mut inner = self.lock();
-        let args = Self::opt_args(&inner)?;
         let handle = inner
             .agent
-            .register_memory(&RawRegion { kind, desc }, Some(&args))
+            .register_memory(&RawRegion { kind, desc }, Some(&inner.args))
             .map_err(nixl("register_memory"))?;
         inner.regs.push((desc.addr, handle));
         Ok(())
@@ -332,6 +436,7 @@ impl TransferEngine for NixlTransferEngine {
         let mut inner = self.lock();
         match inner.regs.iter().position(|(a, _)| *a == addr) {
             Some(k) => {
+                inner.forget_writes(|_| true);
                 let (_, handle) = inner.regs.swap_remove(k);
                 drop(handle);
                 true
@@ -351,26 +456,56 @@ impl TransferEngine for NixlTransferEngine {
         // Timed only for the trace (issue 18: the first write of a request
         // is posted ≈ 100 µs slower than the next on the H200).
         let t0 = tracing::enabled!(tracing::Level::TRACE).then(std::time::Instant::now);
-        let local_list = Self::dlist(local_kind, local)?;
-        let remote_list = Self::dlist(remote_kind, remote)?;
         let mut inner = self.lock();
         let locked = t0.map(|t| t.elapsed());
-        let args = Self::opt_args(&inner)?;
-        let req = inner
-            .agent
-            .create_xfer_req(XferOp::Write, &local_list, &remote_list, peer, Some(&args))
-            .map_err(nixl("create_xfer_req"))?;
+        let key = match (local, remote, inner.idle.is_some()) {
+            ([l], [r], true) => Some(WriteKey {
+                peer: peer.to_string(),
+                local_kind,
+                local: *l,
+                remote_kind,
+                remote: *r,
+            }),
+            _ => None,
+        };
+        let kept = key
+            .as_ref()
+            .and_then(|k| inner.idle.as_mut().and_then(|idle| idle.remove(k)));
+        let reposted = kept.is_some();
+        let req = match kept {
+            Some(req) => req,
+            None => {
+                let local_list = Self::dlist(local_kind, local)?;
+                let remote_list = Self::dlist(remote_kind, remote)?;
+                inner
+                    .agent
+                    .create_xfer_req(
+                        XferOp::Write,
+                        &local_list,
+                        &remote_list,
+                        peer,
+                        Some(&inner.args),
+                    )
+                    .map_err(nixl("create_xfer_req"))?
+            }
+        };
         let created = t0.map(|t| t.elapsed());
         Self::post(&inner, &req)?;
+        if reposted {
+            inner.stats.reposted += 1;
+        } else {
+            inner.stats.created += 1;
+        }
         if let (Some(t0), Some(l), Some(c)) = (t0, locked, created) {
             tracing::trace!(
                 locked_us = l.as_micros() as u64,
                 create_us = (c - l).as_micros() as u64,
                 post_us = (t0.elapsed() - c).as_micros() as u64,
+                reposted,
                 "nixl write posted"
             );
         }
-        Ok(self.insert_xfer(&mut inner, req))
+        Ok(self.insert_xfer(&mut inner, req, key))
     }
 
     fn prepare_local(&self, kind: MemKind, descs: &[MemDesc]) -> Result<PreparedList, EngineError> {
@@ -385,10 +520,9 @@ impl TransferEngine for NixlTransferEngine {
     ) -> Result<PreparedList, EngineError> {
         let list = Self::dlist(kind, descs)?;
         let mut inner = self.lock();
-        let args = Self::opt_args(&inner)?;
         let handle = inner
             .agent
-            .prepare_xfer_dlist(peer, &list, Some(&args))
+            .prepare_xfer_dlist(peer, &list, Some(&inner.args))
             .map_err(nixl("prepare_xfer_dlist"))?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         inner.prepared.insert(id, handle);
@@ -403,7 +537,6 @@ impl TransferEngine for NixlTransferEngine {
         remote_idx: &[i32],
     ) -> Result<XferHandle, EngineError> {
         let mut inner = self.lock();
-        let args = Self::opt_args(&inner)?;
         let l = inner.prepared.get(&local.0).ok_or(EngineError::Unknown {
             what: "prepared list",
             id: local.0,
@@ -414,10 +547,17 @@ impl TransferEngine for NixlTransferEngine {
         })?;
         let req = inner
             .agent
-            .make_xfer_req(XferOp::Write, l, local_idx, r, remote_idx, Some(&args))
+            .make_xfer_req(
+                XferOp::Write,
+                l,
+                local_idx,
+                r,
+                remote_idx,
+                Some(&inner.args),
+            )
             .map_err(nixl("make_xfer_req"))?;
         Self::post(&inner, &req)?;
-        Ok(self.insert_xfer(&mut inner, req))
+        Ok(self.insert_xfer(&mut inner, req, None))
     }
 
     fn release_prepared(&self, list: PreparedList) {
@@ -425,23 +565,39 @@ impl TransferEngine for NixlTransferEngine {
     }
 
     fn poll(&self, handle: XferHandle) -> Result<XferState, EngineError> {
-        let inner = self.lock();
-        let req = inner.xfers.get(&handle.0).ok_or(EngineError::Unknown {
+        let mut inner = self.lock();
+        let Inner { agent, xfers, .. } = &mut *inner;
+        let x = xfers.get_mut(&handle.0).ok_or(EngineError::Unknown {
             what: "transfer",
             id: handle.0,
         })?;
-        match inner
-            .agent
-            .get_xfer_status(req)
+        match agent
+            .get_xfer_status(&x.req)
             .map_err(nixl("get_xfer_status"))?
         {
-            XferStatus::Success => Ok(XferState::Success),
+            XferStatus::Success => {
+                x.landed = true;
+                Ok(XferState::Success)
+            }
             XferStatus::InProgress => Ok(XferState::InProgress),
         }
     }
 
     fn release(&self, handle: XferHandle) {
-        self.lock().xfers.remove(&handle.0);
+        let mut inner = self.lock();
+        let Some(x) = inner.xfers.remove(&handle.0) else {
+            return;
+        };
+        // Only a request seen landed is kept: one still moving or failed is
+        // released to NIXL (which cancels a moving one).
+        if let (Some(key), true, Some(idle)) = (x.key, x.landed, inner.idle.as_mut()) {
+            if idle.len() >= MAX_IDLE_WRITES && !idle.contains_key(&key) {
+                if let Some(evict) = idle.keys().next().cloned() {
+                    idle.remove(&evict);
+                }
+            }
+            idle.insert(key, x.req);
+        }
     }
 
     fn progress(&self) -> Result<Vec<(String, Vec<u8>)>, EngineError> {

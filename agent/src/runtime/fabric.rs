@@ -630,7 +630,7 @@ impl FabricAgent {
                 cfg.max_chunk_size_bytes(),
                 cfg.granularity_bytes(),
             ),
-            block_gather: crate::runtime::transport::parse_block_gather(
+            block_gather: crate::runtime::transport::parse_on_switch(
                 std::env::var("KVFABRIC_BLOCK_GATHER").ok().as_deref(),
             ),
             max_inflight_chunks: cfg.max_inflight_chunks_per_request() as usize,

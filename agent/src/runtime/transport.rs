@@ -444,9 +444,12 @@ fn valid_solo_chunk(bytes: u64, max_chunk_size_bytes: u64, granularity_bytes: u6
         && bytes <= max_chunk_size_bytes
 }
 
-/// The switch `KVFABRIC_BLOCK_GATHER` ([`TransportSettings::block_gather`]):
-/// off for `0`, `false` or `off` (any case), on otherwise and when unset.
-pub fn parse_block_gather(value: Option<&str>) -> bool {
+/// An experiment switch that is on by default — `KVFABRIC_BLOCK_GATHER`
+/// ([`TransportSettings::block_gather`]), `KVFABRIC_NIXL_REPOST`
+/// ([`crate::runtime::engine::NixlTransferEngine::new`]): off for `0`,
+/// `false` or `off` (any case, surrounding blanks ignored), on otherwise and
+/// when unset.
+pub fn parse_on_switch(value: Option<&str>) -> bool {
     !value.is_some_and(|v| {
         matches!(
             v.trim().to_ascii_lowercase().as_str(),
@@ -2834,7 +2837,7 @@ mod tests {
     }
 
     #[test]
-    fn block_gather_switch_is_on_unless_turned_off() {
+    fn on_switches_are_on_unless_turned_off() {
         for (v, on) in [
             (None, true),
             (Some("1"), true),
@@ -2843,7 +2846,7 @@ mod tests {
             (Some(" OFF "), false),
             (Some("False"), false),
         ] {
-            assert_eq!(parse_block_gather(v), on, "{v:?}");
+            assert_eq!(parse_on_switch(v), on, "{v:?}");
         }
     }
 
