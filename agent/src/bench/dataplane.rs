@@ -21,10 +21,11 @@ use kvfabric_core::Descriptor;
 use serde::Serialize;
 
 use super::pattern::{check_raw, fill_raw, random_slots};
+use super::timeline::BounceTimeline;
 use crate::runtime::arena::HostArena;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::engine::{MemDesc, MemKind};
-use crate::runtime::fabric::{FabricAgent, FabricOptions, PeerDescriptor};
+use crate::runtime::fabric::{FabricAgent, FabricOptions, PathKind, PeerDescriptor};
 use crate::runtime::transport::TransferOutcome;
 
 /// Bound on one transfer in the bench.
@@ -69,6 +70,9 @@ pub struct DataplaneRow {
     pub gbps: f64,
     /// Every iteration verified byte-exact.
     pub verified: bool,
+    /// Bounce only: where a timed request's time went (stage medians, µs
+    /// after submit; the IO thread stamps instants it takes anyway).
+    pub timeline: Option<BounceTimeline>,
 }
 
 /// The report: rows plus ratios of bounce to the standard path and to the
@@ -109,6 +113,11 @@ impl DataplaneReport {
                 r.min_ms,
                 r.max_ms
             );
+        }
+        for r in &self.rows {
+            if let Some(t) = &r.timeline {
+                s += &format!("{}K {}\n", r.block_bytes / 1024, t.line());
+            }
         }
         let mut blocks: Vec<u64> = self.rows.iter().map(|r| r.block_bytes).collect();
         blocks.dedup();
@@ -458,6 +467,7 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
         paths.push(("one-descriptor", &one));
         for (path, ds) in paths {
             let mut times = Vec::new();
+            let mut timelines = Vec::new();
             let runs = opts.warmup + opts.iterations.max(1);
             for it in 0..runs {
                 seed += 1;
@@ -470,8 +480,17 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                 let t0 = Instant::now();
                 let h = match path {
                     "bounce" => {
-                        let t = agent.transport().ok_or("bounce is not running")?;
-                        t.submit(&rdesc.name, ds.clone())
+                        let (kind, h) = agent.submit_write_kinds_traced(
+                            &rdesc.name,
+                            ds.clone(),
+                            MemKind::Dram,
+                            MemKind::Dram,
+                            true,
+                        );
+                        if kind != PathKind::Bounce {
+                            return Err(format!("bounce {block}B transfer routed to {kind:?}"));
+                        }
+                        h
                     }
                     _ => agent.submit_standard(&rdesc.name, ds.clone()),
                 };
@@ -480,7 +499,12 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                     other => return Err(format!("{path} {block}B transfer: {other:?}")),
                 }
                 if it >= opts.warmup {
-                    times.push(t0.elapsed().as_secs_f64());
+                    let secs = t0.elapsed().as_secs_f64();
+                    times.push(secs);
+                    if path == "bounce" {
+                        let (events, _) = h.take_timeline();
+                        timelines.push(BounceTimeline::of(&events, t0, secs * 1e6));
+                    }
                 }
                 peer.command(&format!("VERIFY {seed} {}", descs_file.display()))
                     .map_err(|e| format!("{path} {block}B verification: {e}"))?;
@@ -496,6 +520,7 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                 max_ms: times[times.len() - 1] * 1e3,
                 gbps: total as f64 / med / 1e9,
                 verified: true,
+                timeline: BounceTimeline::median_of(&timelines),
             });
         }
     }
