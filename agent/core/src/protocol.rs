@@ -1194,6 +1194,12 @@ impl Machine {
             .sum()
     }
 
+    /// Peers with a live receiver flow here (WANT seen, last ACK not
+    /// sent, not reclaimed): O(flows).
+    pub fn flow_peers(&self) -> std::collections::HashSet<&str> {
+        self.scheduler.flow_peers()
+    }
+
     /// Live receiver flows of engine scope `scope` (those a
     /// [`Input::ForgetScope`] tells).
     pub fn flows_in_scope(&self, scope: u64) -> usize {

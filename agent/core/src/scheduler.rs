@@ -899,6 +899,11 @@ impl CreditScheduler {
             .map_or(0, |&s| self.flow(s).pending.len())
     }
 
+    /// The peers of the live flows (pending chunks or held regions): O(flows).
+    pub fn flow_peers(&self) -> std::collections::HashSet<&str> {
+        self.index.keys().map(|k| k.peer.as_str()).collect()
+    }
+
     /// Whether `flow` is live (has pending chunks or held regions).
     pub fn contains_flow(&self, flow: &FlowKey) -> bool {
         self.index.contains_key(flow)
@@ -1823,7 +1828,14 @@ mod tests {
         }
         let g = s.schedule();
         assert_eq!(g.len(), 8);
+        let peers = |s: &CreditScheduler| {
+            let mut v: Vec<String> = s.flow_peers().into_iter().map(String::from).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(peers(&s), ["p", "px", "q"]);
         let r = s.reclaim_by_prefix("p");
+        assert_eq!(peers(&s), ["px", "q"]);
         assert_eq!(r.flows, vec![key("p", 1), key("p", 2)]);
         assert_eq!(r.freed_regions, 4);
         assert_eq!(r.dropped_chunks, 2);

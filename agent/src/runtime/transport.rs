@@ -742,6 +742,10 @@ pub struct TransportStats {
     /// thread's request table, from their submit command until resolution
     /// (gauge, a count; stored by the IO thread each tick).
     pub send_flows: AtomicU64,
+    /// Reverse routes (seed §5: routes from WANTs of peers not loaded)
+    /// replaced at [`MAX_REVERSE_ROUTES`] by a WANT from a new name
+    /// ([`ReverseRoutes::admit`]).
+    pub reverse_routes_replaced: AtomicU64,
     /// Set at shutdown when writes that read the arena were still in flight
     /// at its 5 s bound: the arena's owner must not free or reuse the
     /// memory (the NIC may still read it). [`crate::runtime::fabric::FabricAgent`]
@@ -968,20 +972,41 @@ pub struct BounceTransport {
 const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 
 /// Routes kept at most to peers this agent was not told of (added from a
-/// WANT's endpoint: seed §5's reverse-path bootstrap). A WANT from yet
-/// another unknown name is rejected: names on the control channel are
-/// not authenticated, and each such route holds a socket and a send
-/// queue. Peers loaded from discovery do not count.
+/// WANT's endpoint: seed §5's reverse-path bootstrap). At the cap, a WANT
+/// from yet another unknown name takes the place of the reverse route
+/// heard from least recently among those with no live flow here, else it
+/// is rejected: names on the control channel are not authenticated, each
+/// such route holds a socket and a send queue, and made-up names must not
+/// lock the reverse path out for good (a name's flows end within twice
+/// the request timeout of its last message: the machine's silence sweep).
+/// Peers loaded from discovery do not count.
 pub const MAX_REVERSE_ROUTES: usize = 1024;
 
+/// What [`ReverseRoutes::admit`] decided for a peer with no route yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// The peer is loaded, or its reverse route is already held.
+    Held,
+    /// A new reverse route, under the cap.
+    Added,
+    /// A new reverse route in the place of this one (at the cap: the least
+    /// recently heard without a live flow), whose route must be removed.
+    Replaced(String),
+    /// At the cap, every reverse route's peer has a live flow.
+    Refused,
+}
+
 /// Which routes exist only because a peer's WANT named its endpoint
-/// (seed §5 reverse path), and the cap on them ([`MAX_REVERSE_ROUTES`]).
-/// Pure bookkeeping: the IO thread adds and removes the routes.
+/// (seed §5 reverse path), when each was last heard from, and the cap on
+/// them ([`MAX_REVERSE_ROUTES`]). Pure bookkeeping: the IO thread adds and
+/// removes the routes and passes the time in.
 #[derive(Debug)]
 pub struct ReverseRoutes {
     cap: usize,
     loaded: HashSet<String>,
-    reverse: HashSet<String>,
+    /// Reverse route → when its peer was last heard from (or admitted).
+    reverse: HashMap<String, Instant>,
+    replaced: u64,
 }
 
 impl ReverseRoutes {
@@ -990,7 +1015,8 @@ impl ReverseRoutes {
         Self {
             cap,
             loaded: HashSet::new(),
-            reverse: HashSet::new(),
+            reverse: HashMap::new(),
+            replaced: 0,
         }
     }
 
@@ -1007,17 +1033,38 @@ impl ReverseRoutes {
         self.loaded.remove(peer);
     }
 
-    /// Whether a reverse route to `peer` (which has no route now) may be
-    /// added; records it when so. `false` once [`Self::count`] reached the cap.
-    pub fn admit(&mut self, peer: &str) -> bool {
-        if self.loaded.contains(peer) || self.reverse.contains(peer) {
-            return true;
+    /// A message from `peer` arrived at `now` (kept for reverse routes).
+    pub fn heard(&mut self, peer: &str, now: Instant) {
+        if let Some(t) = self.reverse.get_mut(peer) {
+            *t = now;
         }
+    }
+
+    /// Whether a reverse route to `peer` may be held; records it (heard at
+    /// `now`) when new. At the cap it replaces the least recently heard
+    /// reverse route whose peer `busy` says has no live flow (ties: the
+    /// smaller name), else refuses. O(routes) at the cap.
+    pub fn admit(&mut self, peer: &str, now: Instant, busy: impl Fn(&str) -> bool) -> Admission {
+        if self.loaded.contains(peer) || self.reverse.contains_key(peer) {
+            return Admission::Held;
+        }
+        let mut out = Admission::Added;
         if self.reverse.len() >= self.cap {
-            return false;
+            let victim = self
+                .reverse
+                .iter()
+                .filter(|(p, _)| !busy(p))
+                .min_by(|a, b| a.1.cmp(b.1).then_with(|| a.0.cmp(b.0)))
+                .map(|(p, _)| p.clone());
+            let Some(victim) = victim else {
+                return Admission::Refused;
+            };
+            self.reverse.remove(&victim);
+            self.replaced += 1;
+            out = Admission::Replaced(victim);
         }
-        self.reverse.insert(peer.to_string());
-        true
+        self.reverse.insert(peer.to_string(), now);
+        out
     }
 
     /// A reverse route to `peer` could not be added after all.
@@ -1028,6 +1075,11 @@ impl ReverseRoutes {
     /// Reverse routes held.
     pub fn count(&self) -> usize {
         self.reverse.len()
+    }
+
+    /// Reverse routes replaced at the cap so far.
+    pub fn replaced(&self) -> u64 {
+        self.replaced
     }
 }
 
@@ -2674,6 +2726,7 @@ impl Io {
             return;
         }
         self.heard_at.insert(peer.to_string(), now);
+        self.reverse_routes.heard(peer, now);
         let ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -2681,6 +2734,38 @@ impl Io {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(peer.to_string(), ms);
+    }
+
+    /// Whether a reverse route to `peer` (WANT from a peer with no route)
+    /// may be added: at the cap, the route it replaces is removed here
+    /// (its peer had no live flow; a later WANT of it adds it again).
+    fn admit_reverse(&mut self, peer: &str) -> bool {
+        let flows = self.m.flow_peers();
+        match self
+            .reverse_routes
+            .admit(peer, Instant::now(), |p| flows.contains(p))
+        {
+            Admission::Held | Admission::Added => true,
+            Admission::Replaced(old) => {
+                tracing::info!(agent = %self.name, %peer, replaced = %old, max = MAX_REVERSE_ROUTES,
+                    "reverse routes at their cap: the least recently heard without a flow makes room");
+                self.channel.remove_peer(&old);
+                self.heard_at.remove(&old);
+                self.heard
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&old);
+                self.stats
+                    .reverse_routes_replaced
+                    .store(self.reverse_routes.replaced(), Ordering::Relaxed);
+                true
+            }
+            Admission::Refused => {
+                tracing::warn!(agent = %self.name, %peer, max = MAX_REVERSE_ROUTES,
+                    "WANT from a peer not loaded, with the reverse routes at their cap and each with a live flow");
+                false
+            }
+        }
     }
 
     fn on_message(&mut self, peer: String, bytes: &[u8]) {
@@ -2725,9 +2810,7 @@ impl Io {
                 // endpoint.
                 if self.channel.has_peer(&peer) {
                     Route::Usable
-                } else if !self.reverse_routes.admit(&peer) {
-                    tracing::warn!(agent = %self.name, %peer, max = MAX_REVERSE_ROUTES,
-                        "WANT from a peer not loaded, with the reverse routes at their cap");
+                } else if !self.admit_reverse(&peer) {
                     Route::Unusable
                 } else {
                     match self.channel.add_peer(&peer, &w.endpoint) {
@@ -2813,27 +2896,75 @@ mod tests {
     /// not count, and forgetting or loading one frees its place.
     #[test]
     fn reverse_routes_are_capped_and_loaded_peers_do_not_count() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let idle = |_: &str| false;
         let mut r = ReverseRoutes::new(2);
         r.loaded("known");
-        assert!(r.admit("known"));
+        assert_eq!(r.admit("known", at(0), idle), Admission::Held);
         assert_eq!(r.count(), 0);
-        assert!(r.admit("x1"));
-        assert!(r.admit("x2"));
-        assert!(r.admit("x1"), "one already held is admitted again");
-        assert!(!r.admit("x3"), "over the cap");
+        assert_eq!(r.admit("x1", at(1), idle), Admission::Added);
+        assert_eq!(r.admit("x2", at(2), idle), Admission::Added);
+        assert_eq!(
+            r.admit("x1", at(3), idle),
+            Admission::Held,
+            "one already held is admitted again"
+        );
         assert_eq!(r.count(), 2);
         // Loaded after all: no longer a reverse route.
         r.loaded("x1");
         assert_eq!(r.count(), 1);
-        assert!(r.admit("x3"));
-        assert!(!r.admit("x4"));
+        assert_eq!(r.admit("x3", at(4), idle), Admission::Added);
         r.forgotten("x2");
-        assert!(r.admit("x4"));
+        assert_eq!(r.admit("x4", at(5), idle), Admission::Added);
         r.undo("x4");
         assert_eq!(r.count(), 1);
         // A loaded peer stays admitted whatever the count.
-        assert!(r.admit("x5"));
-        assert!(r.admit("known"));
+        assert_eq!(r.admit("x5", at(6), idle), Admission::Added);
+        assert_eq!(r.admit("known", at(7), idle), Admission::Held);
+        assert_eq!(r.count(), 2);
+        assert_eq!(r.replaced(), 0);
+    }
+
+    #[test]
+    fn reverse_routes_at_the_cap_make_room_from_the_least_recently_heard_idle_one() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut r = ReverseRoutes::new(3);
+        for (k, p) in ["a", "b", "c"].into_iter().enumerate() {
+            assert_eq!(r.admit(p, at(k as u64), |_| false), Admission::Added);
+        }
+        // "a" was admitted first but heard last: "b" is the oldest now.
+        r.heard("a", at(10));
+        r.heard("loaded-or-unknown", at(11));
+        assert_eq!(
+            r.admit("d", at(12), |_| false),
+            Admission::Replaced("b".into())
+        );
+        assert_eq!(r.count(), 3);
+        // Peers with a live flow are never replaced: "c" is older, but busy.
+        assert_eq!(
+            r.admit("e", at(13), |p| p == "c"),
+            Admission::Replaced("a".into())
+        );
+        // All busy: refused, nothing changes.
+        assert_eq!(r.admit("f", at(14), |_| true), Admission::Refused);
+        assert_eq!(r.count(), 3);
+        assert_eq!(r.admit("c", at(15), |_| true), Admission::Held);
+        // Same time: the smaller name goes (deterministic).
+        let mut s = ReverseRoutes::new(2);
+        s.admit("q", at(0), |_| false);
+        s.admit("p", at(0), |_| false);
+        assert_eq!(
+            s.admit("z", at(1), |_| false),
+            Admission::Replaced("p".into())
+        );
+        assert_eq!(r.replaced() + s.replaced(), 3);
+        // A replaced name comes back as a new route (and makes room again).
+        assert_eq!(
+            r.admit("b", at(16), |_| false),
+            Admission::Replaced("c".into())
+        );
     }
 
     #[test]
