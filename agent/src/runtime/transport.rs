@@ -982,6 +982,11 @@ const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 /// Peers loaded from discovery do not count.
 pub const MAX_REVERSE_ROUTES: usize = 1024;
 
+/// A reverse route is replaced only once its peer has been silent this
+/// long: messages still queued to it (the last ACK of a flow that just
+/// ended) have left by then.
+pub const REVERSE_ROUTE_MIN_IDLE: Duration = Duration::from_secs(1);
+
 /// What [`ReverseRoutes::admit`] decided for a peer with no route yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
@@ -990,9 +995,11 @@ pub enum Admission {
     /// A new reverse route, under the cap.
     Added,
     /// A new reverse route in the place of this one (at the cap: the least
-    /// recently heard without a live flow), whose route must be removed.
+    /// recently heard without a live flow, silent for at least
+    /// [`REVERSE_ROUTE_MIN_IDLE`]), whose route must be removed.
     Replaced(String),
-    /// At the cap, every reverse route's peer has a live flow.
+    /// At the cap, every reverse route's peer has a live flow or was heard
+    /// within [`REVERSE_ROUTE_MIN_IDLE`].
     Refused,
 }
 
@@ -1042,8 +1049,9 @@ impl ReverseRoutes {
 
     /// Whether a reverse route to `peer` may be held; records it (heard at
     /// `now`) when new. At the cap it replaces the least recently heard
-    /// reverse route whose peer `busy` says has no live flow (ties: the
-    /// smaller name), else refuses. O(routes) at the cap.
+    /// reverse route whose peer `busy` says has no live flow and that was
+    /// silent for [`REVERSE_ROUTE_MIN_IDLE`] (ties: the smaller name), else
+    /// refuses. O(routes) at the cap.
     pub fn admit(&mut self, peer: &str, now: Instant, busy: impl Fn(&str) -> bool) -> Admission {
         if self.loaded.contains(peer) || self.reverse.contains_key(peer) {
             return Admission::Held;
@@ -1053,7 +1061,9 @@ impl ReverseRoutes {
             let victim = self
                 .reverse
                 .iter()
-                .filter(|(p, _)| !busy(p))
+                .filter(|(p, t)| {
+                    now.saturating_duration_since(**t) >= REVERSE_ROUTE_MIN_IDLE && !busy(p)
+                })
                 .min_by(|a, b| a.1.cmp(b.1).then_with(|| a.0.cmp(b.0)))
                 .map(|(p, _)| p.clone());
             let Some(victim) = victim else {
@@ -2929,7 +2939,8 @@ mod tests {
     #[test]
     fn reverse_routes_at_the_cap_make_room_from_the_least_recently_heard_idle_one() {
         let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // Seconds: a victim must have been silent REVERSE_ROUTE_MIN_IDLE.
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
         let mut r = ReverseRoutes::new(3);
         for (k, p) in ["a", "b", "c"].into_iter().enumerate() {
             assert_eq!(r.admit(p, at(k as u64), |_| false), Admission::Added);
@@ -2951,6 +2962,15 @@ mod tests {
         assert_eq!(r.admit("f", at(14), |_| true), Admission::Refused);
         assert_eq!(r.count(), 3);
         assert_eq!(r.admit("c", at(15), |_| true), Admission::Held);
+        // Heard within REVERSE_ROUTE_MIN_IDLE: not replaced yet.
+        let mut q = ReverseRoutes::new(1);
+        q.admit("fresh", at(100), |_| false);
+        let just = at(100) + REVERSE_ROUTE_MIN_IDLE - Duration::from_millis(1);
+        assert_eq!(q.admit("new", just, |_| false), Admission::Refused);
+        assert_eq!(
+            q.admit("new", at(100) + REVERSE_ROUTE_MIN_IDLE, |_| false),
+            Admission::Replaced("fresh".into())
+        );
         // Same time: the smaller name goes (deterministic).
         let mut s = ReverseRoutes::new(2);
         s.admit("q", at(0), |_| false);
@@ -2959,7 +2979,7 @@ mod tests {
             s.admit("z", at(1), |_| false),
             Admission::Replaced("p".into())
         );
-        assert_eq!(r.replaced() + s.replaced(), 3);
+        assert_eq!(r.replaced() + s.replaced() + q.replaced(), 4);
         // A replaced name comes back as a new route (and makes room again).
         assert_eq!(
             r.admit("b", at(16), |_| false),
