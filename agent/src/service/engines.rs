@@ -300,8 +300,11 @@ struct InFlight {
 const ARRIVAL_QUIESCE_LIMIT: Duration = Duration::from_secs(120);
 
 /// The session's quiesce worker: until no failed-hand-off arrival is held
-/// back, takes those held, waits (at most [`ARRIVAL_QUIESCE_LIMIT`]) until
-/// no scatter writes into the session's pool, and records them.
+/// back, takes those held, waits until no scatter writes into the
+/// session's pool, and records them. The wait ends at the batch's oldest
+/// arrival's hold time + [`ARRIVAL_QUIESCE_LIMIT`]: an arrival that came in
+/// during the previous batch's wait is held at most the limit in all, not
+/// the rest of that wait plus a whole limit of its own.
 fn quiesce_then_record(agent: &FabricAgent, hub: &Weak<EngineHub>, s: &Session) {
     // If this panics, the next failure starts a worker again rather than
     // queueing behind one that is gone (the loop below ends its slot
@@ -334,9 +337,18 @@ fn quiesce_then_record(agent: &FabricAgent, hub: &Weak<EngineHub>, s: &Session) 
             }
         };
         if let (Some(p), Some(t)) = (s.pool(), agent.transport()) {
-            let start = Instant::now();
-            while !t.quiesce_scatter_range(p.addr, p.len, Duration::from_secs(5)) {
-                if start.elapsed() >= ARRIVAL_QUIESCE_LIMIT {
+            let deadline = batch
+                .iter()
+                .map(|(_, held_at)| *held_at)
+                .min()
+                .unwrap_or_else(Instant::now)
+                + ARRIVAL_QUIESCE_LIMIT;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if t.quiesce_scatter_range(p.addr, p.len, left.min(Duration::from_secs(5))) {
+                    break;
+                }
+                if left <= Duration::from_secs(5) {
                     tracing::warn!(engine = %LogSafe(&s.engine_id), limit = ?ARRIVAL_QUIESCE_LIMIT, "failed hand-off: scatters into the pool still running at the limit; arrival reported anyway");
                     break;
                 }
@@ -344,7 +356,7 @@ fn quiesce_then_record(agent: &FabricAgent, hub: &Weak<EngineHub>, s: &Session) 
             }
         }
         let Some(h) = hub.upgrade() else { return };
-        for a in batch {
+        for (a, _) in batch {
             h.record_arrival(a);
         }
     }
@@ -406,7 +418,8 @@ struct Session {
     /// Failed-hand-off arrivals held back until no scatter writes into the
     /// pool; `Some` while this session's one quiesce worker runs (see
     /// [`EngineHub::on_notice`]).
-    held_arrivals: Mutex<Option<Vec<ArrivalNotice>>>,
+    /// Each with when it was held back.
+    held_arrivals: Mutex<Option<Vec<(ArrivalNotice, Instant)>>>,
 }
 
 impl Session {
@@ -1257,13 +1270,13 @@ impl EngineHub {
                     let mut held = s.held_arrivals.lock().unwrap_or_else(|p| p.into_inner());
                     if let Some(list) = held.as_mut() {
                         if list.len() < MAX_PENDING_ARRIVALS {
-                            list.push(a);
+                            list.push((a, Instant::now()));
                         } else {
                             tracing::warn!(engine = %LogSafe(&a.dst_engine), "too many failed-hand-off arrivals held back; dropped");
                         }
                         return;
                     }
-                    *held = Some(vec![a]);
+                    *held = Some(vec![(a, Instant::now())]);
                 }
                 let (agent, hub, s2) = (self.agent.clone(), self.weak_self(), s.clone());
                 let spawned = std::thread::Builder::new()
