@@ -25,7 +25,7 @@ use super::timeline::BounceTimeline;
 use crate::runtime::arena::HostArena;
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::engine::{MemDesc, MemKind};
-use crate::runtime::fabric::{FabricAgent, FabricOptions, PathKind, PeerDescriptor};
+use crate::runtime::fabric::{FabricAgent, FabricOptions, PeerDescriptor};
 use crate::runtime::transport::TransferOutcome;
 
 /// Bound on one transfer in the bench.
@@ -241,6 +241,7 @@ pub fn run_peer(dir: &Path, pool_bytes: u64) -> Result<(), String> {
         kv_regions: vec![(MemKind::Dram, MemDesc::host(pool.base_addr(), pool_bytes))],
         bind: BindAddr::Loopback,
         copy: None,
+        control_auth: Default::default(),
     })
     .map_err(|e| e.to_string())?;
     let desc = agent.local_descriptor().map_err(|e| e.to_string())?;
@@ -442,6 +443,7 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
         kv_regions: vec![(MemKind::Dram, MemDesc::host(pool.base_addr(), total))],
         bind: BindAddr::Loopback,
         copy: None,
+        control_auth: Default::default(),
     })
     .map_err(|e| e.to_string())?;
     let state = agent.load_peer(&rdesc).map_err(|e| e.to_string())?;
@@ -479,18 +481,12 @@ pub fn run(exe: &Path, opts: &DataplaneOptions) -> Result<DataplaneReport, Strin
                 peer.command("ZERO")?;
                 let t0 = Instant::now();
                 let h = match path {
+                    // Straight to the transport (every size is bounced,
+                    // past the routing gate's average-size bound), traced:
+                    // the IO thread records each chunk's stages.
                     "bounce" => {
-                        let (kind, h) = agent.submit_write_kinds_traced(
-                            &rdesc.name,
-                            ds.clone(),
-                            MemKind::Dram,
-                            MemKind::Dram,
-                            true,
-                        );
-                        if kind != PathKind::Bounce {
-                            return Err(format!("bounce {block}B transfer routed to {kind:?}"));
-                        }
-                        h
+                        let t = agent.transport().ok_or("bounce is not running")?;
+                        t.submit_traced(&rdesc.name, ds.clone())
                     }
                     _ => agent.submit_standard(&rdesc.name, ds.clone()),
                 };
