@@ -1,7 +1,7 @@
 //! Bounce end to end over the direct TCP control channel (bounce config
 //! `controlTransport: tcp`), real NIXL, byte-exact; and a ZMQ agent next to
 //! a TCP one falls back to the standard path (the handshake checks the
-//! control kind).
+//! control kind); with a control key, only agents holding it are heard.
 
 mod common;
 
@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::*;
 use kvfabric_agent::core::config::ControlTransport;
 use kvfabric_agent::core::ControlKind;
+use kvfabric_agent::runtime::control::auth::{AuthMode, ControlAuth};
 use kvfabric_agent::runtime::fabric::PathKind;
 use kvfabric_agent::runtime::transport::TransferOutcome;
 
@@ -70,4 +71,82 @@ fn bounce_over_the_tcp_control_channel_is_byte_exact_and_kinds_must_match() {
         Some(TransferOutcome::Success)
     );
     verify(&zdst, &descs, 9).unwrap();
+}
+
+#[test]
+fn with_a_control_key_only_agents_holding_it_are_heard() {
+    let cfg = config_with(
+        "8MiB",
+        "1MiB",
+        4,
+        &[
+            ("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", "tcp"),
+            ("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "1500"),
+        ],
+    );
+    let key = |k: &[u8]| ControlAuth::new(AuthMode::Required, Some(k)).unwrap();
+    let fabric_key = b"the-fabric-control-key-0123456789abcdef";
+    let mut src = Pool::new(512 * BLOCK);
+    let dst = Pool::new(512 * BLOCK);
+    let Some(tx) = agent_with_auth("ksnd", &cfg, &[&src], key(fabric_key)) else {
+        return;
+    };
+    let Some(rx) = agent_with_auth("krcv", &cfg, &[&dst], key(fabric_key)) else {
+        return;
+    };
+    let Some(intruder) = agent_with_auth(
+        "kbad",
+        &cfg,
+        &[&src],
+        key(b"not-the-fabric-key-0123456789abcdef!!"),
+    ) else {
+        return;
+    };
+    // Holders of the key: bounce, byte-exact.
+    connect(&tx, &rx);
+    let slots = permutation(512, 3);
+    let descs = block_descs(&src, 0, &dst, &slots, BLOCK);
+    fill(&mut src, &descs, 3);
+    let (path, h) = tx.submit_write(rx.name(), descs.clone());
+    assert_eq!(path, PathKind::Bounce);
+    assert_eq!(
+        h.wait(Duration::from_secs(20)),
+        Some(TransferOutcome::Success)
+    );
+    verify(&dst, &descs, 3).unwrap();
+    // Another key: its WANT never reaches rx (the connection's hello is
+    // refused), so the request fails at its timeout and rx's pool keeps
+    // tx's bytes.
+    connect(&intruder, &rx);
+    let descs2 = block_descs(&src, 0, &dst, &permutation(512, 4), BLOCK);
+    let (path, h) = intruder.submit_write(rx.name(), descs2);
+    assert_eq!(path, PathKind::Bounce);
+    match h.wait(Duration::from_secs(10)) {
+        Some(TransferOutcome::Failure(why)) => assert!(
+            why.contains("timed out") || why.contains("timeout"),
+            "{why}"
+        ),
+        other => panic!("a request from an agent without the key: {other:?}"),
+    }
+    verify(&dst, &descs, 3).unwrap();
+    assert_quiesced(&tx, Duration::from_secs(5));
+    assert_quiesced(&rx, Duration::from_secs(5));
+}
+
+#[test]
+fn a_control_key_needs_the_tcp_control_channel() {
+    let cfg = test_config("8MiB", "1MiB", 4);
+    let pool = Pool::new(64 * BLOCK);
+    let auth = ControlAuth::new(
+        AuthMode::Required,
+        Some(b"the-fabric-control-key-0123456789abcdef"),
+    )
+    .unwrap();
+    let Some(a) = agent_with_auth("kzmq", &cfg, &[&pool], auth) else {
+        return;
+    };
+    // Bounce does not start (ZMQ cannot carry the key); the agent says why.
+    assert!(a.handshake().is_none());
+    let why = format!("{:?}", a.bounce_unavailable());
+    assert!(why.contains("TCP control channel"), "{why}");
 }

@@ -293,6 +293,7 @@ fn run_in(
             kv_regions: vec![(MemKind::Vram, ppool.mem_desc())],
             bind: BindAddr::Loopback,
             copy: None,
+            control_auth: Default::default(),
         },
         ArenaChoice::Cuda {
             gpu: gpu.clone(),

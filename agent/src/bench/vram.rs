@@ -262,6 +262,7 @@ pub fn run_peer(
             kv_regions: vec![(MemKind::Vram, pool.mem_desc())],
             bind: BindAddr::Loopback,
             copy: None,
+            control_auth: Default::default(),
         },
         copy_choice(gpu, copy),
     )
@@ -432,6 +433,7 @@ pub fn run(exe: &Path, gpu: &Arc<CudaGpu>, opts: &VramOptions) -> Result<VramRep
                 kv_regions: vec![(MemKind::Vram, pool.mem_desc())],
                 bind: BindAddr::Loopback,
                 copy: None,
+                control_auth: Default::default(),
             },
             copy_choice(gpu, opts.copy),
         )

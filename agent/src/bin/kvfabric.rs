@@ -259,6 +259,15 @@ struct AgentArgs {
     /// etcd client private key (PEM; env KVFABRIC_ETCD_KEY_FILE).
     #[arg(long, value_name = "PEM")]
     etcd_key_file: Option<String>,
+    /// File holding the fabric's control key (at least 32 bytes): TCP
+    /// control hellos are signed and checked with it (needs
+    /// KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp; env KVFABRIC_CONTROL_KEY_FILE).
+    #[arg(long, value_name = "FILE")]
+    control_key_file: Option<String>,
+    /// off, optional (sign; still accept unsigned hellos: the rollout step)
+    /// or required (default with a key file; env KVFABRIC_CONTROL_AUTH).
+    #[arg(long, value_name = "MODE")]
+    control_auth: Option<String>,
     /// Print the effective config as YAML and exit.
     #[arg(long)]
     print_config: bool,
@@ -297,6 +306,8 @@ fn run_agent(a: AgentArgs) -> Result<(), String> {
         etcd_ca_file: a.etcd_ca_file,
         etcd_cert_file: a.etcd_cert_file,
         etcd_key_file: a.etcd_key_file,
+        control_key_file: a.control_key_file,
+        control_auth: a.control_auth,
     };
     let (cfg, warnings) = AgentConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
     daemon::init_logging(cfg.log_format);
@@ -548,6 +559,7 @@ fn run_embedded(
             kv_regions: vec![(MemKind::Dram, MemDesc::host(base, len))],
             bind: BindAddr::Loopback,
             copy: None,
+            control_auth: Default::default(),
         })
         .map_err(|e| format!("{role} agent: {e}"))
     };

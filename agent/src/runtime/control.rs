@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use super::waker::Waker;
 
+pub mod auth;
 pub mod notif;
 pub mod tcp;
 pub mod zmq;

@@ -246,6 +246,10 @@ pub struct FabricOptions {
     pub bind: BindAddr,
     /// Copy engine for gathers/scatters (host by default).
     pub copy: Option<Arc<dyn CopyEngine>>,
+    /// The fabric's control key (`controlKeyFile` / `controlAuth`; off by
+    /// default): signs and checks the TCP control channel's hellos. A key
+    /// with another control transport fails the bounce set-up.
+    pub control_auth: crate::runtime::control::auth::ControlAuth,
 }
 
 struct StdXfer {
@@ -279,6 +283,7 @@ pub struct FabricAgent {
     std_progress: Arc<AtomicBool>,
     arena_choice: ArenaChoice,
     bind: BindAddr,
+    control_auth: crate::runtime::control::auth::ControlAuth,
     copy: Option<Arc<dyn CopyEngine>>,
     kv_regions: Vec<(MemKind, MemDesc)>,
     /// Scatter destinations allowed beyond the KV regions (engine pools),
@@ -419,6 +424,7 @@ impl FabricAgent {
             std_progress: Arc::new(AtomicBool::new(true)),
             arena_choice: arena.clone(),
             bind: opts.bind.clone(),
+            control_auth: opts.control_auth.clone(),
             copy: opts.copy.clone(),
             kv_regions: opts.kv_regions.clone(),
             scatter_ranges: Mutex::new(Vec::new()),
@@ -605,6 +611,15 @@ impl FabricAgent {
         };
         // NIXL notifications, else the `controlTransport` socket kind.
         let control_kind = cfg.control_kind();
+        let auth = &self.control_auth;
+        if auth.mode() != crate::runtime::control::auth::AuthMode::Off
+            && control_kind != ControlKind::Tcp
+        {
+            return fail(format!(
+                "the control key (controlAuth {:?}) authenticates only the TCP control channel; this config asks for {control_kind:?} (set controlTransport: tcp)",
+                auth.mode()
+            ));
+        }
         let channel: Box<dyn ControlChannel> = match (reuse, control_kind) {
             (Some(c), _) => c,
             (None, ControlKind::Zmq) => match ZmqControlChannel::bind(name, bind.clone()) {
@@ -612,7 +627,11 @@ impl FabricAgent {
                 Err(e) => return fail(format!("binding the ZMQ control channel: {e}")),
             },
             (None, ControlKind::Tcp) => {
-                match crate::runtime::control::tcp::TcpControlChannel::bind(name, bind.clone()) {
+                match crate::runtime::control::tcp::TcpControlChannel::bind_with_auth(
+                    name,
+                    bind.clone(),
+                    auth.clone(),
+                ) {
                     Ok(c) => Box::new(c),
                     Err(e) => return fail(format!("binding the TCP control channel: {e}")),
                 }

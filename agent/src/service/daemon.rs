@@ -32,6 +32,7 @@ use crate::core::config::{
     is_config_env, parse_byte_size, BounceConfig, ByteSize, ConfigWarning, EXPECTED_BYTE_SIZE,
 };
 use crate::runtime::arena::HostArena;
+use crate::runtime::control::auth::{AuthMode, ControlAuth};
 use crate::runtime::control::zmq::BindAddr;
 use crate::runtime::engine::{MemDesc, MemKind};
 use crate::runtime::fabric::{FabricAgent, FabricOptions};
@@ -137,6 +138,19 @@ pub struct AgentConfig {
     /// Its private key (PEM). Env `KVFABRIC_ETCD_KEY_FILE`, flag
     /// `--etcd-key-file`.
     pub etcd_key_file: String,
+    /// File holding the fabric's control key (at least 32 bytes; trailing
+    /// newlines ignored; the chart makes one in a Secret): the TCP control
+    /// channel's hellos are signed with it, proving that a connection
+    /// speaks for the agent it names (`controlTransport: tcp` only; see
+    /// [`crate::runtime::control::auth`]). Empty (default) = names are not
+    /// authenticated. Read at start-up. Env `KVFABRIC_CONTROL_KEY_FILE`,
+    /// flag `--control-key-file`.
+    pub control_key_file: String,
+    /// `off`, `optional` (sign, check signed hellos, still take plain ones:
+    /// the rollout step) or `required`; empty (default) = `required` with a
+    /// `controlKeyFile`, else `off`. Env `KVFABRIC_CONTROL_AUTH`, flag
+    /// `--control-auth`.
+    pub control_auth: String,
     /// Fraction of hand-offs traced when the engine sends no sampled
     /// parent (`ParentBased(TraceIdRatioBased)`), 0 to 1. Default 0.01.
     /// Env `KVFABRIC_TRACE_SAMPLE_RATIO`, flag `--trace-sample-ratio`.
@@ -173,6 +187,8 @@ impl Default for AgentConfig {
             etcd_ca_file: String::new(),
             etcd_cert_file: String::new(),
             etcd_key_file: String::new(),
+            control_key_file: String::new(),
+            control_auth: String::new(),
             trace_sample_ratio: SampleRatio(super::traces::DEFAULT_SAMPLE_RATIO),
             bounce: BounceConfig::default(),
             env_warnings: Vec::new(),
@@ -249,6 +265,10 @@ pub struct AgentOverrides {
     pub etcd_cert_file: Option<String>,
     /// `--etcd-key-file`.
     pub etcd_key_file: Option<String>,
+    /// `--control-key-file`.
+    pub control_key_file: Option<String>,
+    /// `--control-auth`.
+    pub control_auth: Option<String>,
     /// `--trace-sample-ratio`.
     pub trace_sample_ratio: Option<f64>,
 }
@@ -326,6 +346,8 @@ impl AgentConfig {
                 "ETCD_CA_FILE" => self.etcd_ca_file = v.to_string(),
                 "ETCD_CERT_FILE" => self.etcd_cert_file = v.to_string(),
                 "ETCD_KEY_FILE" => self.etcd_key_file = v.to_string(),
+                "CONTROL_KEY_FILE" => self.control_key_file = v.to_string(),
+                "CONTROL_AUTH" => self.control_auth = v.to_string(),
                 "TRACE_SAMPLE_RATIO" => match v.parse::<f64>() {
                     Ok(r) if (0.0..=1.0).contains(&r) => self.trace_sample_ratio = SampleRatio(r),
                     _ => bad("a ratio from 0 to 1 (0.01 = one request in a hundred)"),
@@ -427,6 +449,49 @@ impl AgentConfig {
         if let Some(v) = o.trace_sample_ratio {
             self.trace_sample_ratio = SampleRatio(v);
         }
+        if let Some(v) = o.control_key_file.clone() {
+            self.control_key_file = v;
+        }
+        if let Some(v) = o.control_auth.clone() {
+            self.control_auth = v;
+        }
+    }
+
+    /// The control key and mode from `controlKeyFile` and `controlAuth`,
+    /// the key read now.
+    ///
+    /// # Errors
+    /// A message naming the setting: an unknown mode, a mode that needs a
+    /// key without one (or a key with `off`), an unreadable or short key
+    /// file, a key with a control transport other than `tcp`.
+    pub fn control_auth(&self) -> Result<ControlAuth, String> {
+        let mode = match self.control_auth.trim() {
+            "" if self.control_key_file.is_empty() => AuthMode::Off,
+            "" => AuthMode::Required,
+            m => AuthMode::parse(m).map_err(|e| format!("controlAuth: {e}"))?,
+        };
+        if mode == AuthMode::Off {
+            if !self.control_key_file.is_empty() {
+                return Err("controlAuth: off with a controlKeyFile: set optional or required, or drop the key".into());
+            }
+            return Ok(ControlAuth::off());
+        }
+        if self.control_key_file.is_empty() {
+            return Err(format!(
+                "controlAuth: {} needs controlKeyFile (a file of at least 32 bytes)",
+                self.control_auth.trim()
+            ));
+        }
+        let tcp = !self.bounce.use_nixl_notifications
+            && self.bounce.control_transport == kvfabric_core::config::ControlTransport::Tcp;
+        if !tcp {
+            return Err(
+                "controlKeyFile: the control key authenticates the TCP control channel; set bounce controlTransport: tcp (KVFABRIC_BOUNCE_CONTROL_TRANSPORT=tcp)"
+                    .into(),
+            );
+        }
+        ControlAuth::from_file(mode, std::path::Path::new(&self.control_key_file))
+            .map_err(|e| format!("controlKeyFile: {e}"))
     }
 
     /// The full pipeline: defaults → `yaml` file (if given) → `env`
@@ -613,6 +678,9 @@ impl AgentConfig {
         }
         if let Err(e) = self.bounce.validate() {
             errs.push(format!("bounce: {e}"));
+        }
+        if let Err(e) = self.control_auth() {
+            errs.push(e);
         }
         if crate::runtime::faults::requested() && !self.debug_api {
             errs.push(format!(
@@ -1113,6 +1181,7 @@ pub fn run(
         kv_regions: vec![(MemKind::Dram, MemDesc::host(pool_addr, pool_len))],
         bind: cfg.bind_addr()?,
         copy: None,
+        control_auth: cfg.control_auth()?,
     };
     // The UUID of the agent's GPU (the engine socket's path may name it).
     #[allow(unused_mut)]
@@ -1442,6 +1511,52 @@ mod tests {
         assert!(socket_path("/run/k/{x}.sock", Some(u))
             .unwrap_err()
             .contains("only placeholder"));
+    }
+
+    #[test]
+    fn control_key_settings_are_checked_at_start_up_naming_the_setting() {
+        let dir = std::env::temp_dir().join(format!("kvf-ckey-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("control.key");
+        std::fs::write(&key, "k".repeat(64) + "\n").unwrap();
+        let base = || AgentConfig {
+            logical_id: "x".into(),
+            ..AgentConfig::default()
+        };
+        // Neither set: off.
+        assert_eq!(base().control_auth().unwrap().mode(), AuthMode::Off);
+        // A key with the default (ZMQ) transport: refused, naming the fix.
+        let mut c = base();
+        c.apply_env_vars([("KVFABRIC_CONTROL_KEY_FILE", key.to_str().unwrap())]);
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("controlTransport: tcp"), "{e}");
+        // With tcp: required by default; optional when asked.
+        c.apply_env_vars([("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", "tcp")]);
+        assert_eq!(c.validate(), Ok(()));
+        assert_eq!(c.control_auth().unwrap().mode(), AuthMode::Required);
+        c.apply_overrides(&AgentOverrides {
+            control_auth: Some("optional".into()),
+            ..AgentOverrides::default()
+        });
+        assert_eq!(c.control_auth().unwrap().mode(), AuthMode::Optional);
+        // Unknown mode, off with a key, a mode without a key, a missing or
+        // short file: each named.
+        c.control_auth = "sometimes".into();
+        assert!(c.validate().unwrap_err().contains("controlAuth"));
+        c.control_auth = "off".into();
+        assert!(c.validate().unwrap_err().contains("drop the key"));
+        let mut n = base();
+        n.control_auth = "required".into();
+        assert!(n.validate().unwrap_err().contains("needs controlKeyFile"));
+        c.control_auth = String::new();
+        c.control_key_file = dir.join("missing").to_str().unwrap().into();
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("controlKeyFile") && e.contains("missing"), "{e}");
+        std::fs::write(&key, "short\n").unwrap();
+        c.control_key_file = key.to_str().unwrap().into();
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("at least 32"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

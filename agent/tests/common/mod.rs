@@ -73,6 +73,17 @@ pub fn test_config(arena: &str, max_chunk: &str, w: u32) -> BounceConfig {
 /// Builds an agent over `pools`, or `None` (with a printed reason) when the
 /// NIXL runtime is not installed.
 pub fn agent(label: &str, cfg: &BounceConfig, pools: &[&Pool]) -> Option<FabricAgent> {
+    agent_with_auth(label, cfg, pools, Default::default())
+}
+
+/// [`agent`] with a control key (`controlAuth`).
+#[allow(dead_code)]
+pub fn agent_with_auth(
+    label: &str,
+    cfg: &BounceConfig,
+    pools: &[&Pool],
+    control_auth: kvfabric_agent::runtime::control::auth::ControlAuth,
+) -> Option<FabricAgent> {
     let eff = cfg.validate().expect("valid test config");
     match FabricAgent::new(FabricOptions {
         name: unique(label),
@@ -80,6 +91,7 @@ pub fn agent(label: &str, cfg: &BounceConfig, pools: &[&Pool]) -> Option<FabricA
         kv_regions: pools.iter().map(|p| p.desc()).collect(),
         bind: BindAddr::Loopback,
         copy: None,
+        control_auth,
     }) {
         Ok(a) => Some(a),
         Err(EngineError::Runtime(e)) => {

@@ -10,7 +10,10 @@
 //!
 //! Wire (per connection, both directions independent): the connecting side
 //! first sends a hello frame — [`HELLO_MAGIC`] followed by its name
-//! (1..=[`MAX_NAME_LEN`] bytes, UTF-8) — then message frames. Every frame is
+//! (1..=[`MAX_NAME_LEN`] bytes, UTF-8), or with a control key the
+//! authenticated hello of [`super::auth`] (`controlAuth`: the name proven
+//! with the fabric's key, bound to the destination, the time and a nonce)
+//! — then message frames. Every frame is
 //! a little-endian `u32` payload length and the payload (at most
 //! [`MAX_FRAME_BYTES`]). Endpoints are `tcp://IP:PORT` with an IP literal
 //! (bracketed for IPv6): resolving names would block the IO thread.
@@ -40,6 +43,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::auth::{AuthMode, ControlAuth, HelloVerifier, AUTH_HELLO_HEADER};
 use super::zmq::{tcp_endpoint, validate_endpoint, BindAddr, MAX_NAME_LEN};
 use super::{ControlChannel, ControlError, Inbound};
 use crate::runtime::waker::Waker;
@@ -151,8 +155,15 @@ pub struct TcpControlChannel {
     /// [`HELLO_TIMEOUT`] (shorter in tests).
     hello_timeout: Duration,
     scratch: Vec<u8>,
-    /// Our hello frame, written first on every outbound connection.
+    /// Our plain hello frame, written first on every outbound connection
+    /// when no control key is set.
     hello: Vec<u8>,
+    /// The control key: signs our hellos, checks the peers'.
+    auth: ControlAuth,
+    verifier: HelloVerifier,
+    rng: ring::rand::SystemRandom,
+    /// Accepted connections closed for a hello the control key refused.
+    auth_failures: u64,
     /// Accepting paused until then (fd exhaustion, connection cap): the
     /// listener stays readable and would otherwise spin poll(2).
     accept_paused_until: Option<Instant>,
@@ -293,6 +304,37 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     (storage, len as libc::socklen_t)
 }
 
+/// What checks an accepted connection's hello (borrowed from the channel
+/// while a connection is read).
+struct HelloCheck<'a> {
+    verifier: &'a mut HelloVerifier,
+    own: &'a str,
+    failures: &'a mut u64,
+}
+
+/// Unix time in ms (0 before the epoch: such a clock fails every check).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// `own`'s signed hello frame for a connection to `peer`, when `auth` has
+/// a key (`Ok(None)` without one).
+fn signed_hello(
+    auth: &ControlAuth,
+    rng: &ring::rand::SystemRandom,
+    own: &str,
+    peer: &str,
+) -> Result<Option<Vec<u8>>, ring::error::Unspecified> {
+    if auth.mode() == AuthMode::Off {
+        return Ok(None);
+    }
+    let mut nonce = [0u8; 16];
+    ring::rand::SecureRandom::fill(rng, &mut nonce)?;
+    Ok(auth.hello(own, peer, unix_ms(), nonce).map(|p| frame(&p)))
+}
+
 impl TcpControlChannel {
     /// Listens at `bind` on a kernel-chosen port. `own_name` is what peers'
     /// [`ControlChannel::recv`] report for our messages (sent in each
@@ -302,6 +344,20 @@ impl TcpControlChannel {
     /// [`ControlError::Transport`] for a bad name, an unresolvable bind
     /// address ([`BindAddr::resolve`]) or a socket / bind failure.
     pub fn bind(own_name: &str, bind: BindAddr) -> Result<Self, ControlError> {
+        Self::bind_with_auth(own_name, bind, ControlAuth::off())
+    }
+
+    /// [`Self::bind`] with the fabric's control key (`controlAuth`): with a
+    /// key, hellos are signed, and checked as its mode says
+    /// ([`AuthMode`]).
+    ///
+    /// # Errors
+    /// As [`Self::bind`].
+    pub fn bind_with_auth(
+        own_name: &str,
+        bind: BindAddr,
+        auth: ControlAuth,
+    ) -> Result<Self, ControlError> {
         if own_name.is_empty() || own_name.len() > MAX_NAME_LEN {
             return Err(ControlError::Transport(format!(
                 "control channel name {own_name:?} must be 1..={MAX_NAME_LEN} bytes"
@@ -310,7 +366,10 @@ impl TcpControlChannel {
         let ip = bind.resolve()?;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| transport(&format!("bind control listener on {ip}"), e))?;
-        Self::on_listener(own_name, listener)
+        let mut c = Self::on_listener(own_name, listener)?;
+        c.verifier = HelloVerifier::new(auth.clone());
+        c.auth = auth;
+        Ok(c)
     }
 
     /// The channel over an already bound `listener` (made non-blocking
@@ -342,6 +401,10 @@ impl TcpControlChannel {
             hello_timeout: HELLO_TIMEOUT,
             scratch: vec![0; 256 << 10],
             hello: Self::hello_frame(own_name),
+            auth: ControlAuth::off(),
+            verifier: HelloVerifier::default(),
+            rng: ring::rand::SystemRandom::new(),
+            auth_failures: 0,
             accept_paused_until: None,
         })
     }
@@ -375,6 +438,18 @@ impl TcpControlChannel {
         self.cap_evictions
     }
 
+    /// Accepted connections closed so far because their hello did not
+    /// pass the control key (`controlAuth`: a plain hello where one is
+    /// required, another key, a replay, a clock too far off).
+    pub fn auth_failures(&self) -> u64 {
+        self.auth_failures
+    }
+
+    /// The control-key mode (`controlAuth`).
+    pub fn auth_mode(&self) -> AuthMode {
+        self.auth.mode()
+    }
+
     /// Accepted connections closed so far for holding the most bytes of
     /// unfinished frames when all connections together held more than
     /// [`MAX_PARTIAL_BYTES`].
@@ -391,7 +466,7 @@ impl TcpControlChannel {
     /// Writes what the sockets take now; (re)connects routes with queued
     /// frames whose backoff has passed.
     fn flush(&mut self) {
-        let hello = &self.hello;
+        let (hello, auth, own, rng) = (&self.hello, &self.auth, &self.own_name, &self.rng);
         let now = Instant::now();
         for (peer, r) in &mut self.routes {
             if r.frames.is_empty() && r.stream.is_none() {
@@ -401,10 +476,20 @@ impl TcpControlChannel {
                 if r.retry_at.is_some_and(|t| now < t) {
                     continue;
                 }
+                // With a key, each connection's hello is signed afresh
+                // (its own time and nonce, bound to this peer).
+                let signed = match signed_hello(auth, rng, own, peer) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        tracing::warn!(peer, error = %e, "no randomness for a signed control hello; retrying");
+                        r.retry_at = Some(now + RECONNECT_BACKOFF);
+                        continue;
+                    }
+                };
                 match connect_nonblocking(r.addr) {
                     Ok(s) => {
                         r.stream = Some(s);
-                        r.hello = hello.clone();
+                        r.hello = signed.unwrap_or_else(|| hello.clone());
                         r.retry_at = None;
                         r.connect_started = Some(now);
                     }
@@ -573,7 +658,17 @@ impl TcpControlChannel {
         let now = Instant::now();
         let mut k = 0;
         while k < self.conns.len() {
-            let mut keep = Self::read_conn(&mut self.conns[k], &mut self.scratch, &mut self.inbox);
+            let mut check = HelloCheck {
+                verifier: &mut self.verifier,
+                own: &self.own_name,
+                failures: &mut self.auth_failures,
+            };
+            let mut keep = Self::read_conn(
+                &mut self.conns[k],
+                &mut self.scratch,
+                &mut self.inbox,
+                &mut check,
+            );
             let c = &self.conns[k];
             if keep
                 && c.peer.is_none()
@@ -627,7 +722,12 @@ impl TcpControlChannel {
     /// violation: a frame over [`MAX_FRAME_BYTES`], or a first frame that
     /// is not a valid hello — checked from its length prefix, before its
     /// body is buffered).
-    fn read_conn(c: &mut Conn, scratch: &mut [u8], inbox: &mut VecDeque<Inbound>) -> bool {
+    fn read_conn(
+        c: &mut Conn,
+        scratch: &mut [u8],
+        inbox: &mut VecDeque<Inbound>,
+        check: &mut HelloCheck<'_>,
+    ) -> bool {
         let mut budget = READ_BUDGET_BYTES;
         let mut open = true;
         while budget > 0 {
@@ -640,7 +740,7 @@ impl TcpControlChannel {
                 Ok(n) => {
                     budget -= n;
                     c.buf.extend_from_slice(&scratch[..n]);
-                    if !Self::parse_frames(c, inbox) {
+                    if !Self::parse_frames(c, inbox, check) {
                         return false;
                     }
                 }
@@ -657,7 +757,11 @@ impl TcpControlChannel {
 
     /// Moves the complete frames at the front of `c.buf` to the inbox;
     /// `false` on a protocol violation.
-    fn parse_frames(c: &mut Conn, inbox: &mut VecDeque<Inbound>) -> bool {
+    fn parse_frames(
+        c: &mut Conn,
+        inbox: &mut VecDeque<Inbound>,
+        check: &mut HelloCheck<'_>,
+    ) -> bool {
         let mut at = 0;
         while c.buf.len() - at >= 4 {
             let mut len = [0u8; 4];
@@ -666,7 +770,7 @@ impl TcpControlChannel {
             let max = if c.peer.is_some() {
                 MAX_FRAME_BYTES
             } else {
-                HELLO_MAGIC.len() + MAX_NAME_LEN
+                AUTH_HELLO_HEADER + MAX_NAME_LEN
             };
             if len > max {
                 tracing::warn!(peer = ?c.peer, bytes = len, max, "control frame too large; connection closed");
@@ -683,13 +787,16 @@ impl TcpControlChannel {
             match &c.peer {
                 Some(p) => inbox.push_back((p.clone(), payload.to_vec())),
                 None => {
-                    let name = payload
-                        .strip_prefix(HELLO_MAGIC.as_slice())
-                        .ok_or_else(|| "no hello magic".to_string())
-                        .and_then(super::valid_peer_identity);
-                    match name {
+                    let now_ms = unix_ms();
+                    match check
+                        .verifier
+                        .check(payload, check.own, now_ms, HELLO_MAGIC)
+                    {
                         Ok(n) => c.peer = Some(n.to_string()),
                         Err(why) => {
+                            if why.by_key {
+                                *check.failures += 1;
+                            }
                             tracing::warn!(reason = %why, "control connection without a valid hello; closed");
                             return false;
                         }
@@ -808,9 +915,17 @@ impl ControlChannel for TcpControlChannel {
             return Ok(());
         }
         tracing::debug!(peer, %endpoint, "TCP control route added");
-        let (stream, hello, connect_started) = match connect_nonblocking(addr) {
-            Ok(s) => (Some(s), self.hello.clone(), Some(Instant::now())),
-            Err(e) => {
+        let signed = signed_hello(&self.auth, &self.rng, &self.own_name, peer);
+        let (stream, hello, connect_started) = match signed.map(|h| (h, connect_nonblocking(addr)))
+        {
+            Ok((h, Ok(s))) => (
+                Some(s),
+                h.unwrap_or_else(|| self.hello.clone()),
+                Some(Instant::now()),
+            ),
+            // No randomness for the nonce: the first send retries.
+            Err(_) => (None, Vec::new(), None),
+            Ok((_, Err(e))) => {
                 tracing::debug!(peer, %endpoint, error = %e, "control connect failed; the first send retries it");
                 (None, Vec::new(), None)
             }
@@ -1002,6 +1117,111 @@ mod tests {
             }
         }
         None
+    }
+
+    const KEY: &[u8] = b"kvfabric-test-control-key-0123456789abcdef";
+
+    fn keyed(name: &str, mode: AuthMode, key: &[u8]) -> TcpControlChannel {
+        TcpControlChannel::bind_with_auth(
+            name,
+            BindAddr::Loopback,
+            ControlAuth::new(mode, Some(key)).unwrap(),
+        )
+        .unwrap()
+    }
+
+    /// Sends one frame (`hello` payload, then "msg") on a raw connection
+    /// to `to` and reports whether `to` delivered "msg" within 2 s.
+    fn raw_hello_then_message(to: &mut TcpControlChannel, hello: &[u8]) -> Option<Inbound> {
+        let mut s = TcpStream::connect(to.endpoint().trim_start_matches("tcp://")).unwrap();
+        s.write_all(&frame(hello)).unwrap();
+        s.write_all(&frame(b"msg")).unwrap();
+        recv_within(to, Duration::from_secs(2))
+    }
+
+    #[test]
+    fn with_a_control_key_only_hellos_signed_with_it_get_through() {
+        // Same key, both required: messages flow both ways, named.
+        let mut a = keyed("a", AuthMode::Required, KEY);
+        let mut b = keyed("b", AuthMode::Required, KEY);
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        b.add_peer("a", a.endpoint().as_bytes()).unwrap();
+        a.send_to("b", b"hi").unwrap();
+        assert_eq!(relay(&mut a, &mut b), Some(("a".into(), b"hi".to_vec())));
+        b.send_to("a", b"back").unwrap();
+        assert_eq!(relay(&mut b, &mut a), Some(("b".into(), b"back".to_vec())));
+        assert_eq!((a.auth_failures(), b.auth_failures()), (0, 0));
+
+        // A plain hello claiming "a": refused, counted, nothing delivered.
+        let mut plain = HELLO_MAGIC.to_vec();
+        plain.extend_from_slice(b"a");
+        assert_eq!(raw_hello_then_message(&mut b, &plain), None);
+        assert_eq!(b.auth_failures(), 1);
+
+        // Another key's agent cannot reach b (its hello is refused).
+        let mut rogue = keyed(
+            "a",
+            AuthMode::Required,
+            b"another-key-0123456789abcdef0123456789",
+        );
+        rogue.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        rogue.send_to("b", b"forged").unwrap();
+        assert_eq!(relay(&mut rogue, &mut b), None);
+        assert!(b.auth_failures() >= 2, "{}", b.auth_failures());
+
+        // A signed hello captured on its way to b and replayed: refused.
+        let auth = ControlAuth::new(AuthMode::Required, Some(KEY)).unwrap();
+        let hello = auth.hello("c", "b", unix_ms(), [42; 16]).unwrap();
+        assert_eq!(
+            raw_hello_then_message(&mut b, &hello),
+            Some(("c".into(), b"msg".to_vec()))
+        );
+        let before = b.auth_failures();
+        assert_eq!(raw_hello_then_message(&mut b, &hello), None, "replay");
+        assert_eq!(b.auth_failures(), before + 1);
+        // Signed for another agent: refused at b.
+        let for_d = auth.hello("c", "d", unix_ms(), [43; 16]).unwrap();
+        assert_eq!(raw_hello_then_message(&mut b, &for_d), None);
+    }
+
+    #[test]
+    fn auth_modes_let_a_fabric_turn_the_key_on_without_a_gap() {
+        // Rollout: off → optional (signs; takes plain) → required. Each
+        // step's agents reach the previous step's, both ways.
+        let steps = [
+            (AuthMode::Off, AuthMode::Optional),
+            (AuthMode::Optional, AuthMode::Required),
+        ];
+        for (old, new) in steps {
+            let mk = |name: &str, mode: AuthMode| match mode {
+                AuthMode::Off => TcpControlChannel::bind(name, BindAddr::Loopback).unwrap(),
+                m => keyed(name, m, KEY),
+            };
+            let mut a = mk("a", old);
+            let mut b = mk("b", new);
+            a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+            b.add_peer("a", a.endpoint().as_bytes()).unwrap();
+            a.send_to("b", b"up").unwrap();
+            assert_eq!(
+                relay(&mut a, &mut b),
+                Some(("a".into(), b"up".to_vec())),
+                "{old:?} → {new:?}"
+            );
+            b.send_to("a", b"down").unwrap();
+            assert_eq!(
+                relay(&mut b, &mut a),
+                Some(("b".into(), b"down".to_vec())),
+                "{new:?} → {old:?}"
+            );
+        }
+        // Skipping a step leaves a gap: an off agent cannot reach a
+        // required one.
+        let mut a = TcpControlChannel::bind("a", BindAddr::Loopback).unwrap();
+        let mut b = keyed("b", AuthMode::Required, KEY);
+        a.add_peer("b", b.endpoint().as_bytes()).unwrap();
+        a.send_to("b", b"x").unwrap();
+        assert_eq!(relay(&mut a, &mut b), None);
+        assert_eq!(b.auth_failures(), 1);
     }
 
     #[test]
