@@ -158,6 +158,32 @@ fn landed_writes_are_reposted_and_forgotten_with_their_peer() {
         "a forgotten peer's write was kept"
     );
 
+    // Released without a poll that saw it land: not kept (it may still
+    // be moving), so the same write again makes a new request.
+    a.load_peer(&b.local_metadata().unwrap()).unwrap();
+    let before = a.repost_stats();
+    let h = a
+        .post_write(
+            &peer,
+            MemKind::Dram,
+            &[MemDesc::host(src.as_ptr() as u64 + 16384, 4096)],
+            MemKind::Dram,
+            &[MemDesc::host(dst.as_ptr() as u64 + 16384, 4096)],
+        )
+        .unwrap();
+    a.release(h);
+    assert_eq!(
+        a.repost_stats().idle,
+        before.idle,
+        "an unpolled write was kept"
+    );
+    let s = write(&a, &b, &peer, &src, &dst, 16384, 4096);
+    assert_eq!(
+        s.created,
+        before.created + 2,
+        "the unpolled request was reposted"
+    );
+
     // Deregistering a region drops every idle request.
     a.load_peer(&b.local_metadata().unwrap()).unwrap();
     let s = write(&a, &b, &peer, &src, &dst, 0, 4096);

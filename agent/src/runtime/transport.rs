@@ -982,12 +982,12 @@ const HEARD_GRANULARITY: Duration = Duration::from_millis(50);
 /// Peers loaded from discovery do not count.
 pub const MAX_REVERSE_ROUTES: usize = 1024;
 
-/// A reverse route is replaced only once its peer has been silent this
-/// long: messages still queued to it (the last ACK of a flow that just
-/// ended) have left by then.
+/// A reverse route is replaced only once nothing was received from or
+/// sent to its peer for this long (a flow's last ACK counts when it is
+/// handed to the channel).
 pub const REVERSE_ROUTE_MIN_IDLE: Duration = Duration::from_secs(1);
 
-/// What [`ReverseRoutes::admit`] decided for a peer with no route yet.
+/// What [`ReverseRoutes::admission`] decides for a peer with no route yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
     /// The peer is loaded, or its reverse route is already held.
@@ -995,23 +995,25 @@ pub enum Admission {
     /// A new reverse route, under the cap.
     Added,
     /// A new reverse route in the place of this one (at the cap: the least
-    /// recently heard without a live flow, silent for at least
-    /// [`REVERSE_ROUTE_MIN_IDLE`]), whose route must be removed.
+    /// recently used without a live flow, unused for at least
+    /// [`REVERSE_ROUTE_MIN_IDLE`]), whose route goes once the new one is
+    /// added.
     Replaced(String),
-    /// At the cap, every reverse route's peer has a live flow or was heard
+    /// At the cap, every reverse route's peer has a live flow or was used
     /// within [`REVERSE_ROUTE_MIN_IDLE`].
     Refused,
 }
 
 /// Which routes exist only because a peer's WANT named its endpoint
-/// (seed §5 reverse path), when each was last heard from, and the cap on
-/// them ([`MAX_REVERSE_ROUTES`]). Pure bookkeeping: the IO thread adds and
-/// removes the routes and passes the time in.
+/// (seed §5 reverse path), when each was last used (a message received
+/// from or sent to its peer), and the cap on them ([`MAX_REVERSE_ROUTES`]).
+/// Pure bookkeeping: the IO thread decides with [`Self::admission`], adds
+/// the route, then [`Self::commit`]s; it passes the time in.
 #[derive(Debug)]
 pub struct ReverseRoutes {
     cap: usize,
     loaded: HashSet<String>,
-    /// Reverse route → when its peer was last heard from (or admitted).
+    /// Reverse route → when it was last used (or admitted).
     reverse: HashMap<String, Instant>,
     replaced: u64,
 }
@@ -1040,46 +1042,55 @@ impl ReverseRoutes {
         self.loaded.remove(peer);
     }
 
-    /// A message from `peer` arrived at `now` (kept for reverse routes).
-    pub fn heard(&mut self, peer: &str, now: Instant) {
+    /// A message from or to `peer` passed at `now` (kept for reverse
+    /// routes).
+    pub fn used(&mut self, peer: &str, now: Instant) {
         if let Some(t) = self.reverse.get_mut(peer) {
             *t = now;
         }
     }
 
-    /// Whether a reverse route to `peer` may be held; records it (heard at
-    /// `now`) when new. At the cap it replaces the least recently heard
-    /// reverse route whose peer `busy` says has no live flow and that was
-    /// silent for [`REVERSE_ROUTE_MIN_IDLE`] (ties: the smaller name), else
-    /// refuses. O(routes) at the cap.
-    pub fn admit(&mut self, peer: &str, now: Instant, busy: impl Fn(&str) -> bool) -> Admission {
+    /// Whether `count() >= cap` (only then does [`Self::admission`] ask
+    /// which peers are busy).
+    pub fn at_cap(&self) -> bool {
+        self.reverse.len() >= self.cap
+    }
+
+    /// Whether a reverse route to `peer` may be held, at `now`. Changes
+    /// nothing: [`Self::commit`] records it once the route exists. At the
+    /// cap the route of the least recently used reverse peer that `busy`
+    /// says has no live flow and that was unused for
+    /// [`REVERSE_ROUTE_MIN_IDLE`] makes room (ties: the smaller name), else
+    /// `peer` is refused. O(routes) at the cap.
+    pub fn admission(&self, peer: &str, now: Instant, busy: impl Fn(&str) -> bool) -> Admission {
         if self.loaded.contains(peer) || self.reverse.contains_key(peer) {
             return Admission::Held;
         }
-        let mut out = Admission::Added;
-        if self.reverse.len() >= self.cap {
-            let victim = self
-                .reverse
-                .iter()
-                .filter(|(p, t)| {
-                    now.saturating_duration_since(**t) >= REVERSE_ROUTE_MIN_IDLE && !busy(p)
-                })
-                .min_by(|a, b| a.1.cmp(b.1).then_with(|| a.0.cmp(b.0)))
-                .map(|(p, _)| p.clone());
-            let Some(victim) = victim else {
-                return Admission::Refused;
-            };
-            self.reverse.remove(&victim);
-            self.replaced += 1;
-            out = Admission::Replaced(victim);
+        if !self.at_cap() {
+            return Admission::Added;
         }
-        self.reverse.insert(peer.to_string(), now);
-        out
+        self.reverse
+            .iter()
+            .filter(|(p, t)| {
+                now.saturating_duration_since(**t) >= REVERSE_ROUTE_MIN_IDLE && !busy(p)
+            })
+            .min_by(|a, b| a.1.cmp(b.1).then_with(|| a.0.cmp(b.0)))
+            .map_or(Admission::Refused, |(p, _)| Admission::Replaced(p.clone()))
     }
 
-    /// A reverse route to `peer` could not be added after all.
-    pub fn undo(&mut self, peer: &str) {
-        self.reverse.remove(peer);
+    /// Records what [`Self::admission`] decided for `peer` once its route
+    /// was added (used at `now`): a new reverse route, the replaced one
+    /// gone. `Held` and `Refused` change nothing.
+    pub fn commit(&mut self, peer: &str, now: Instant, admission: &Admission) {
+        match admission {
+            Admission::Held | Admission::Refused => return,
+            Admission::Replaced(old) => {
+                self.reverse.remove(old);
+                self.replaced += 1;
+            }
+            Admission::Added => {}
+        }
+        self.reverse.insert(peer.to_string(), now);
     }
 
     /// Reverse routes held.
@@ -2268,6 +2279,9 @@ impl Io {
         msg.encode_into(&mut bytes);
         let encoded = t.map(|t| t.elapsed());
         let sent = self.channel.send_to(&to, &bytes);
+        if sent.is_ok() && self.reverse_routes.count() > 0 {
+            self.reverse_routes.used(&to, Instant::now());
+        }
         if sent.is_ok()
             && matches!(
                 msg,
@@ -2736,7 +2750,7 @@ impl Io {
             return;
         }
         self.heard_at.insert(peer.to_string(), now);
-        self.reverse_routes.heard(peer, now);
+        self.reverse_routes.used(peer, now);
         let ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -2746,36 +2760,44 @@ impl Io {
             .insert(peer.to_string(), ms);
     }
 
-    /// Whether a reverse route to `peer` (WANT from a peer with no route)
-    /// may be added: at the cap, the route it replaces is removed here
-    /// (its peer had no live flow; a later WANT of it adds it again).
-    fn admit_reverse(&mut self, peer: &str) -> bool {
-        let flows = self.m.flow_peers();
-        match self
-            .reverse_routes
-            .admit(peer, Instant::now(), |p| flows.contains(p))
-        {
-            Admission::Held | Admission::Added => true,
-            Admission::Replaced(old) => {
-                tracing::info!(agent = %self.name, %peer, replaced = %old, max = MAX_REVERSE_ROUTES,
-                    "reverse routes at their cap: the least recently heard without a flow makes room");
-                self.channel.remove_peer(&old);
-                self.heard_at.remove(&old);
-                self.heard
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&old);
-                self.stats
-                    .reverse_routes_replaced
-                    .store(self.reverse_routes.replaced(), Ordering::Relaxed);
-                true
-            }
-            Admission::Refused => {
-                tracing::warn!(agent = %self.name, %peer, max = MAX_REVERSE_ROUTES,
-                    "WANT from a peer not loaded, with the reverse routes at their cap and each with a live flow");
-                false
-            }
+    /// Adds a reverse route to `peer` at `endpoint` (its WANT's; seed §5)
+    /// when [`ReverseRoutes`] admits it. At the cap the route it replaces
+    /// is removed only once the new one was added (its peer had no live
+    /// flow; a later WANT of it adds it again).
+    fn add_reverse_route(&mut self, peer: &str, endpoint: &[u8]) -> Route {
+        let now = Instant::now();
+        // The busy peers are gathered only at the cap (O(flows)).
+        let admission = if self.reverse_routes.at_cap() {
+            let flows = self.m.flow_peers();
+            self.reverse_routes
+                .admission(peer, now, |p| flows.contains(p))
+        } else {
+            self.reverse_routes.admission(peer, now, |_| false)
+        };
+        if admission == Admission::Refused {
+            tracing::warn!(agent = %self.name, %peer, max = MAX_REVERSE_ROUTES,
+                "WANT from a peer not loaded, with the reverse routes at their cap, each with a live flow or used within a second");
+            return Route::Unusable;
         }
+        if let Err(e) = self.channel.add_peer(peer, endpoint) {
+            tracing::warn!(agent = %self.name, %peer, error = %e, "WANT with an unusable endpoint");
+            return Route::Unusable;
+        }
+        self.reverse_routes.commit(peer, now, &admission);
+        if let Admission::Replaced(old) = admission {
+            tracing::info!(agent = %self.name, %peer, replaced = %old, max = MAX_REVERSE_ROUTES,
+                "reverse routes at their cap: the least recently used without a flow made room");
+            self.channel.remove_peer(&old);
+            self.heard_at.remove(&old);
+            self.heard
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&old);
+            self.stats
+                .reverse_routes_replaced
+                .store(self.reverse_routes.replaced(), Ordering::Relaxed);
+        }
+        Route::Usable
     }
 
     fn on_message(&mut self, peer: String, bytes: &[u8]) {
@@ -2820,17 +2842,8 @@ impl Io {
                 // endpoint.
                 if self.channel.has_peer(&peer) {
                     Route::Usable
-                } else if !self.admit_reverse(&peer) {
-                    Route::Unusable
                 } else {
-                    match self.channel.add_peer(&peer, &w.endpoint) {
-                        Ok(()) => Route::Usable,
-                        Err(e) => {
-                            self.reverse_routes.undo(&peer);
-                            tracing::warn!(agent = %self.name, %peer, error = %e, "WANT with an unusable endpoint");
-                            Route::Unusable
-                        }
-                    }
+                    self.add_reverse_route(&peer, &w.endpoint)
                 }
             }
             _ => Route::Usable,
@@ -2904,6 +2917,18 @@ mod tests {
 
     /// Routes from WANTs of peers not loaded are capped; loaded peers do
     /// not count, and forgetting or loading one frees its place.
+    /// Decides and commits, as the IO thread does when the route is added.
+    fn admit(
+        r: &mut ReverseRoutes,
+        p: &str,
+        now: Instant,
+        busy: impl Fn(&str) -> bool,
+    ) -> Admission {
+        let a = r.admission(p, now, busy);
+        r.commit(p, now, &a);
+        a
+    }
+
     #[test]
     fn reverse_routes_are_capped_and_loaded_peers_do_not_count() {
         let t0 = Instant::now();
@@ -2911,12 +2936,12 @@ mod tests {
         let idle = |_: &str| false;
         let mut r = ReverseRoutes::new(2);
         r.loaded("known");
-        assert_eq!(r.admit("known", at(0), idle), Admission::Held);
+        assert_eq!(admit(&mut r, "known", at(0), idle), Admission::Held);
         assert_eq!(r.count(), 0);
-        assert_eq!(r.admit("x1", at(1), idle), Admission::Added);
-        assert_eq!(r.admit("x2", at(2), idle), Admission::Added);
+        assert_eq!(admit(&mut r, "x1", at(1), idle), Admission::Added);
+        assert_eq!(admit(&mut r, "x2", at(2), idle), Admission::Added);
         assert_eq!(
-            r.admit("x1", at(3), idle),
+            admit(&mut r, "x1", at(3), idle),
             Admission::Held,
             "one already held is admitted again"
         );
@@ -2924,65 +2949,75 @@ mod tests {
         // Loaded after all: no longer a reverse route.
         r.loaded("x1");
         assert_eq!(r.count(), 1);
-        assert_eq!(r.admit("x3", at(4), idle), Admission::Added);
+        assert_eq!(admit(&mut r, "x3", at(4), idle), Admission::Added);
         r.forgotten("x2");
-        assert_eq!(r.admit("x4", at(5), idle), Admission::Added);
-        r.undo("x4");
+        // Decided but not committed (its route could not be added):
+        // nothing changes.
+        assert_eq!(r.admission("x4", at(5), idle), Admission::Added);
+        assert_eq!(r.count(), 1);
+        assert_eq!(admit(&mut r, "x4", at(5), idle), Admission::Added);
+        r.forgotten("x4");
         assert_eq!(r.count(), 1);
         // A loaded peer stays admitted whatever the count.
-        assert_eq!(r.admit("x5", at(6), idle), Admission::Added);
-        assert_eq!(r.admit("known", at(7), idle), Admission::Held);
+        assert_eq!(admit(&mut r, "x5", at(6), idle), Admission::Added);
+        assert_eq!(admit(&mut r, "known", at(7), idle), Admission::Held);
         assert_eq!(r.count(), 2);
         assert_eq!(r.replaced(), 0);
     }
 
     #[test]
-    fn reverse_routes_at_the_cap_make_room_from_the_least_recently_heard_idle_one() {
+    fn reverse_routes_at_the_cap_make_room_from_the_least_recently_used_idle_one() {
         let t0 = Instant::now();
         // Seconds: a victim must have been silent REVERSE_ROUTE_MIN_IDLE.
         let at = |secs: u64| t0 + Duration::from_secs(secs);
         let mut r = ReverseRoutes::new(3);
         for (k, p) in ["a", "b", "c"].into_iter().enumerate() {
-            assert_eq!(r.admit(p, at(k as u64), |_| false), Admission::Added);
+            assert_eq!(admit(&mut r, p, at(k as u64), |_| false), Admission::Added);
         }
-        // "a" was admitted first but heard last: "b" is the oldest now.
-        r.heard("a", at(10));
-        r.heard("loaded-or-unknown", at(11));
+        // "a" was admitted first but used last: "b" is the oldest now.
+        r.used("a", at(10));
+        r.used("loaded-or-unknown", at(11));
         assert_eq!(
-            r.admit("d", at(12), |_| false),
+            admit(&mut r, "d", at(12), |_| false),
             Admission::Replaced("b".into())
         );
         assert_eq!(r.count(), 3);
         // Peers with a live flow are never replaced: "c" is older, but busy.
         assert_eq!(
-            r.admit("e", at(13), |p| p == "c"),
+            admit(&mut r, "e", at(13), |p| p == "c"),
             Admission::Replaced("a".into())
         );
-        // All busy: refused, nothing changes.
-        assert_eq!(r.admit("f", at(14), |_| true), Admission::Refused);
+        // A replacement decided but not committed changes nothing.
+        assert_eq!(
+            r.admission("g", at(14), |_| false),
+            Admission::Replaced("c".into())
+        );
         assert_eq!(r.count(), 3);
-        assert_eq!(r.admit("c", at(15), |_| true), Admission::Held);
+        // All busy: refused, nothing changes.
+        assert_eq!(admit(&mut r, "f", at(14), |_| true), Admission::Refused);
+        assert_eq!(r.count(), 3);
+        assert_eq!(admit(&mut r, "c", at(15), |_| true), Admission::Held);
         // Heard within REVERSE_ROUTE_MIN_IDLE: not replaced yet.
         let mut q = ReverseRoutes::new(1);
-        q.admit("fresh", at(100), |_| false);
+        admit(&mut q, "fresh", at(100), |_| false);
         let just = at(100) + REVERSE_ROUTE_MIN_IDLE - Duration::from_millis(1);
-        assert_eq!(q.admit("new", just, |_| false), Admission::Refused);
+        assert_eq!(admit(&mut q, "new", just, |_| false), Admission::Refused);
         assert_eq!(
-            q.admit("new", at(100) + REVERSE_ROUTE_MIN_IDLE, |_| false),
+            admit(&mut q, "new", at(100) + REVERSE_ROUTE_MIN_IDLE, |_| false),
             Admission::Replaced("fresh".into())
         );
         // Same time: the smaller name goes (deterministic).
         let mut s = ReverseRoutes::new(2);
-        s.admit("q", at(0), |_| false);
-        s.admit("p", at(0), |_| false);
+        admit(&mut s, "q", at(0), |_| false);
+        admit(&mut s, "p", at(0), |_| false);
         assert_eq!(
-            s.admit("z", at(1), |_| false),
+            admit(&mut s, "z", at(1), |_| false),
             Admission::Replaced("p".into())
         );
         assert_eq!(r.replaced() + s.replaced() + q.replaced(), 4);
         // A replaced name comes back as a new route (and makes room again).
         assert_eq!(
-            r.admit("b", at(16), |_| false),
+            admit(&mut r, "b", at(16), |_| false),
             Admission::Replaced("c".into())
         );
     }

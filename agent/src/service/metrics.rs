@@ -35,7 +35,7 @@
 //! | `kvfabric_control_dropped_total` | counter | | control messages dropped on a full queue |
 //! | `kvfabric_data_uniform_total` | counter | | DATA_UNIFORM messages sent: uniform chunks described by their pieces' destinations (issue 18 step 3) |
 //! | `kvfabric_data_blocks_total` | counter | | DATA_BLOCKS messages sent: uniform chunks of a block hand-off described by their blocks (issue 18 step 3) |
-//! | `kvfabric_reverse_routes_replaced_total` | counter | | reverse routes (from WANTs of peers not loaded) replaced at their cap by a WANT from a new name |
+//! | `kvfabric_reverse_routes_replaced_total` | counter | | reverse routes (from WANTs of peers not loaded) replaced at their cap by a WANT from a new name (the least recently used without a live flow, unused for 1 s) |
 //! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA, DATA_UNIFORM and DATA_BLOCKS messages sent |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
 //! | `kvfabric_peers_loaded_total` | counter | | peers loaded |
@@ -382,7 +382,7 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
     (
         "kvfabric.reverse_routes.replaced",
         None,
-        "Reverse routes (from WANTs of peers not loaded) replaced at their cap of 1,024 by a WANT from a new name: the least recently heard without a live flow",
+        "Reverse routes (from WANTs of peers not loaded) replaced at their cap of 1,024 by a WANT from a new name: the least recently used without a live flow and unused for a second",
         |t| &t.reverse_routes_replaced,
     ),
     (
