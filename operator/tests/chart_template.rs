@@ -539,6 +539,62 @@ fn chart_switches() {
         .iter()
         .any(|r| r["resources"][0] == "secrets"));
 
+    // Control key: a Secret of 64 random characters, mounted read-only
+    // into the agents, named by their flags; none without a mode; an
+    // existing Secret is used as is; a transport other than tcp is refused.
+    let auth = template(&path, &["-f", &values("ci/control-auth-values.yaml")]);
+    let secret = one(&auth, "Secret", "-control-key");
+    let key = secret["data"]["key"].as_str().expect("key in the Secret");
+    assert_eq!(key.len(), 88, "base64 of 64 characters: {key}");
+    let ds = one(&auth, "DaemonSet", "-agent");
+    assert_eq!(
+        volume(ds, "control-key").unwrap()["secret"]["secretName"],
+        name(secret)
+    );
+    let m = container(ds)["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "control-key")
+        .expect("control-key mount");
+    assert_eq!(m["mountPath"], "/etc/kvfabric/control-key");
+    assert_eq!(m["readOnly"], true);
+    let args = strings(&container(ds)["args"]);
+    let at = |flag: &str| args[args.iter().position(|a| a == flag).unwrap() + 1].clone();
+    assert_eq!(at("--control-key-file"), "/etc/kvfabric/control-key/key");
+    assert_eq!(at("--control-auth"), "required");
+    assert!(!has(&template(&path, &[]), "Secret"));
+    let theirs = template(
+        &path,
+        &[
+            "-f",
+            &values("ci/control-auth-values.yaml"),
+            "--set",
+            "agent.controlAuth.existingSecret=fabric-key",
+        ],
+    );
+    assert!(!has(&theirs, "Secret"));
+    assert_eq!(
+        volume(one(&theirs, "DaemonSet", "-agent"), "control-key").unwrap()["secret"]["secretName"],
+        "fabric-key"
+    );
+    let c = chart();
+    let zmq = helm(
+        &path,
+        &[
+            "template",
+            "t",
+            c.to_str().unwrap(),
+            "--set",
+            "agent.controlAuth.mode=required",
+        ],
+    );
+    let err = String::from_utf8_lossy(&zmq.stderr);
+    assert!(
+        !zmq.status.success() && err.contains("needs agent.config.bounce.controlTransport: tcp"),
+        "{err}"
+    );
+
     // Host network + RDMA.
     let rdma = template(&path, &["-f", &values("ci/hostnetwork-rdma-values.yaml")]);
     let ds = one(&rdma, "DaemonSet", "-agent");
@@ -805,10 +861,14 @@ fn chart_agent_config_accepted_by_agent() {
             // The container's args with the downward-API variables the
             // kubelet substitutes, and the config at a local path.
             let file = dir.join("config.yaml");
+            // The control key Secret's file, as mounted.
+            let key = dir.join("control.key");
+            std::fs::write(&key, "k".repeat(64)).unwrap();
             let mut argv: Vec<String> = strings(&c["args"])
                 .into_iter()
                 .map(|a| match a.as_str() {
                     "/etc/kvfabric/config.yaml" => file.to_string_lossy().into_owned(),
+                    "/etc/kvfabric/control-key/key" => key.to_string_lossy().into_owned(),
                     _ => a
                         .replace("$(POD_NAME)", "kvfabric-agent-x1")
                         .replace("$(POD_UID)", "0f4c5e7a-1111-2222-3333-444455556666"),

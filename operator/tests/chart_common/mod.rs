@@ -23,8 +23,9 @@ pub fn chart() -> PathBuf {
 }
 
 /// The values files the suites render besides the defaults.
-pub const CI_VALUES: [&str; 4] = [
+pub const CI_VALUES: [&str; 5] = [
     "ci/external-etcd-tls-values.yaml",
+    "ci/control-auth-values.yaml",
     "ci/hostnetwork-rdma-values.yaml",
     "ci/cpu-only-values.yaml",
     "ci/multi-gpu-values.yaml",
