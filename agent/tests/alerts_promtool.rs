@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// The alerts issue 15 asks for.
-const ALERTS: [&str; 9] = [
+const ALERTS: [&str; 10] = [
     "KvfabricFallbackRateHigh",
     "KvfabricTransferFailures",
     "KvfabricTransferTimeouts",
@@ -26,6 +26,7 @@ const ALERTS: [&str; 9] = [
     "KvfabricPeerInvalidationBurst",
     "KvfabricTransportDegraded",
     "KvfabricMixedGenerations",
+    "KvfabricControlHellosRefused",
 ];
 
 fn alerts_dir() -> PathBuf {

@@ -129,6 +129,11 @@ fn with_a_control_key_only_agents_holding_it_are_heard() {
         other => panic!("a request from an agent without the key: {other:?}"),
     }
     verify(&dst, &descs, 3).unwrap();
+    // rx counted the refused connections (kvfabric_control_hellos_refused_total).
+    assert!(wait_for(Duration::from_secs(5), || get(
+        &tstats(&rx).control_hellos_refused
+    ) > 0));
+    assert_eq!(get(&tstats(&tx).control_hellos_refused), 0);
     assert_quiesced(&tx, Duration::from_secs(5));
     assert_quiesced(&rx, Duration::from_secs(5));
 }

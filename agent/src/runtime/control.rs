@@ -107,6 +107,11 @@ pub trait ControlChannel: Send {
     fn progresses_engine(&self) -> bool {
         false
     }
+    /// Accepted connections closed so far because their hello did not pass
+    /// the control key (TCP with `controlAuth`; 0 for the others).
+    fn refused_hellos(&self) -> u64 {
+        0
+    }
 }
 
 #[cfg(test)]

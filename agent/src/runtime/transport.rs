@@ -746,6 +746,10 @@ pub struct TransportStats {
     /// replaced at [`MAX_REVERSE_ROUTES`] by a WANT from a new name
     /// ([`ReverseRoutes::admit`]).
     pub reverse_routes_replaced: AtomicU64,
+    /// Control connections closed because their hello did not pass the
+    /// control key (`controlAuth`: unsigned where required, another key,
+    /// made for another agent, replayed, clock off by more than 60 s).
+    pub control_hellos_refused: AtomicU64,
     /// Set at shutdown when writes that read the arena were still in flight
     /// at its 5 s bound: the arena's owner must not free or reuse the
     /// memory (the NIC may still read it). [`crate::runtime::fabric::FabricAgent`]
@@ -2518,6 +2522,9 @@ impl Io {
         self.stats
             .send_flows
             .store(self.m.request_count() as u64, Ordering::Relaxed);
+        self.stats
+            .control_hellos_refused
+            .store(self.channel.refused_hellos(), Ordering::Relaxed);
     }
 
     fn handle_command(&mut self, cmd: Command) -> bool {

@@ -164,6 +164,8 @@ pub struct TcpControlChannel {
     rng: ring::rand::SystemRandom,
     /// Accepted connections closed for a hello the control key refused.
     auth_failures: u64,
+    /// See [`HelloCheck::warned_at`].
+    hello_warned_at: Option<Instant>,
     /// Accepting paused until then (fd exhaustion, connection cap): the
     /// listener stays readable and would otherwise spin poll(2).
     accept_paused_until: Option<Instant>,
@@ -310,6 +312,9 @@ struct HelloCheck<'a> {
     verifier: &'a mut HelloVerifier,
     own: &'a str,
     failures: &'a mut u64,
+    /// When a refused hello was last logged at warn level (at most one a
+    /// second: an agent with another key retries every 100 ms).
+    warned_at: &'a mut Option<Instant>,
 }
 
 /// Unix time in ms (0 before the epoch: such a clock fails every check).
@@ -405,6 +410,7 @@ impl TcpControlChannel {
             verifier: HelloVerifier::default(),
             rng: ring::rand::SystemRandom::new(),
             auth_failures: 0,
+            hello_warned_at: None,
             accept_paused_until: None,
         })
     }
@@ -662,6 +668,7 @@ impl TcpControlChannel {
                 verifier: &mut self.verifier,
                 own: &self.own_name,
                 failures: &mut self.auth_failures,
+                warned_at: &mut self.hello_warned_at,
             };
             let mut keep = Self::read_conn(
                 &mut self.conns[k],
@@ -797,7 +804,15 @@ impl TcpControlChannel {
                             if why.by_key {
                                 *check.failures += 1;
                             }
-                            tracing::warn!(reason = %why, "control connection without a valid hello; closed");
+                            let now = Instant::now();
+                            if check.warned_at.is_none_or(|t| {
+                                now.saturating_duration_since(t) >= Duration::from_secs(1)
+                            }) {
+                                *check.warned_at = Some(now);
+                                tracing::warn!(reason = %why, refused = *check.failures, "control connection without a valid hello; closed (logged at most once a second)");
+                            } else {
+                                tracing::debug!(reason = %why, "control connection without a valid hello; closed");
+                            }
                             return false;
                         }
                     }
@@ -950,6 +965,10 @@ impl ControlChannel for TcpControlChannel {
 
     /// Drops the route after one last non-blocking flush (what the socket
     /// does not take now — e.g. cancels queued just before — is dropped).
+    fn refused_hellos(&self) -> u64 {
+        self.auth_failures
+    }
+
     fn remove_peer(&mut self, peer: &str) {
         if self.routes.contains_key(peer) {
             self.flush();
