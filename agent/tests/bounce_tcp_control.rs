@@ -84,7 +84,7 @@ fn with_a_control_key_only_agents_holding_it_are_heard() {
             ("KVFABRIC_BOUNCE_REQUEST_TIMEOUT_MS", "1500"),
         ],
     );
-    let key = |k: &[u8]| ControlAuth::new(AuthMode::Required, Some(k)).unwrap();
+    let key = |k: &[u8]| ControlAuth::new(AuthMode::Required, &[k]).unwrap();
     let fabric_key = b"the-fabric-control-key-0123456789abcdef";
     let mut src = Pool::new(512 * BLOCK);
     let dst = Pool::new(512 * BLOCK);
@@ -144,7 +144,7 @@ fn a_control_key_needs_the_tcp_control_channel() {
     let pool = Pool::new(64 * BLOCK);
     let auth = ControlAuth::new(
         AuthMode::Required,
-        Some(b"the-fabric-control-key-0123456789abcdef"),
+        &[b"the-fabric-control-key-0123456789abcdef"],
     )
     .unwrap();
     let Some(a) = agent_with_auth("kzmq", &cfg, &[&pool], auth) else {

@@ -112,6 +112,11 @@ pub trait ControlChannel: Send {
     fn refused_hellos(&self) -> u64 {
         0
     }
+    /// Unsigned hellos accepted in `controlAuth: optional` so far (0 for
+    /// the others): while it grows, some peer does not sign yet.
+    fn unsigned_hellos(&self) -> u64 {
+        0
+    }
 }
 
 #[cfg(test)]

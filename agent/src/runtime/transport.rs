@@ -750,6 +750,9 @@ pub struct TransportStats {
     /// control key (`controlAuth`: unsigned where required, another key,
     /// made for another agent, replayed, clock off by more than 60 s).
     pub control_hellos_refused: AtomicU64,
+    /// Unsigned control hellos accepted in `controlAuth: optional` (while
+    /// it grows, some agent does not sign yet: `required` would refuse it).
+    pub control_hellos_unsigned: AtomicU64,
     /// Set at shutdown when writes that read the arena were still in flight
     /// at its 5 s bound: the arena's owner must not free or reuse the
     /// memory (the NIC may still read it). [`crate::runtime::fabric::FabricAgent`]
@@ -2525,6 +2528,9 @@ impl Io {
         self.stats
             .control_hellos_refused
             .store(self.channel.refused_hellos(), Ordering::Relaxed);
+        self.stats
+            .control_hellos_unsigned
+            .store(self.channel.unsigned_hellos(), Ordering::Relaxed);
     }
 
     fn handle_command(&mut self, cmd: Command) -> bool {

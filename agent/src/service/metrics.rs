@@ -36,6 +36,7 @@
 //! | `kvfabric_data_uniform_total` | counter | | DATA_UNIFORM messages sent: uniform chunks described by their pieces' destinations (issue 18 step 3) |
 //! | `kvfabric_data_blocks_total` | counter | | DATA_BLOCKS messages sent: uniform chunks of a block hand-off described by their blocks (issue 18 step 3) |
 //! | `kvfabric_control_hellos_refused_total` | counter | | control connections closed because their hello did not pass the control key (`controlAuth`) |
+//! | `kvfabric_control_hellos_unsigned_total` | counter | | unsigned control hellos accepted in `controlAuth: optional` (0 growth: safe to require) |
 //! | `kvfabric_reverse_routes_replaced_total` | counter | | reverse routes (from WANTs of peers not loaded) replaced at their cap by a WANT from a new name (the least recently used without a live flow, unused for 1 s) |
 //! | `kvfabric_data_wire_bytes_total` | counter | | encoded bytes of the DATA, DATA_UNIFORM and DATA_BLOCKS messages sent |
 //! | `kvfabric_fallbacks_total` | counter | `reason` | bounce → standard fallbacks (`bounce_init_failed`, and from [`AgentMetrics::submit_timed`]: `peer_incompatible`, `routing_gate`) |
@@ -385,6 +386,12 @@ const TRANSPORT_COUNTERS: &[(&str, Option<&str>, &str, TransportField)] = &[
         None,
         "Control connections closed because their hello did not pass the control key (controlAuth): unsigned where required, another key, made for another agent, replayed, or a clock off by more than 60 s",
         |t| &t.control_hellos_refused,
+    ),
+    (
+        "kvfabric.control.hellos_unsigned",
+        None,
+        "Unsigned control hellos accepted in controlAuth optional: while it grows some agent does not sign yet, and required would refuse it",
+        |t| &t.control_hellos_unsigned,
     ),
     (
         "kvfabric.reverse_routes.replaced",

@@ -75,8 +75,9 @@ pub const MAX_PARTIAL_BYTES: usize = 1 << 30;
 /// newest of a name that has more than one connection (a peer has one
 /// live connection; the oldest of a name is kept), else of the oldest
 /// whose hello named a peer this channel has no route to. Names are not
-/// authenticated: hellos with made-up names, or many with one name, must
-/// not lock out the peers discovery loaded. With none of these, accepting
+/// authenticated without a control key ([`super::auth`]): hellos with
+/// made-up names, or many with one name, must not lock out the peers
+/// discovery loaded. With none of these, accepting
 /// pauses (only ≥ 4,096 distinct routed names can do that; reverse routes
 /// are capped at 1,024). A newcomer counts as hello-less until its hello
 /// is read.
@@ -165,7 +166,7 @@ pub struct TcpControlChannel {
     /// Accepted connections closed for a hello the control key refused.
     auth_failures: u64,
     /// See [`HelloCheck::warned_at`].
-    hello_warned_at: Option<Instant>,
+    hello_warned_at: [Option<Instant>; 2],
     /// Accepting paused until then (fd exhaustion, connection cap): the
     /// listener stays readable and would otherwise spin poll(2).
     accept_paused_until: Option<Instant>,
@@ -311,10 +312,13 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
 struct HelloCheck<'a> {
     verifier: &'a mut HelloVerifier,
     own: &'a str,
+    /// Our advertised endpoint (signed hellos are bound to it).
+    endpoint: &'a str,
     failures: &'a mut u64,
-    /// When a refused hello was last logged at warn level (at most one a
-    /// second: an agent with another key retries every 100 ms).
-    warned_at: &'a mut Option<Instant>,
+    /// When a malformed hello, and one the key refused, was last logged at
+    /// warn level (each at most once a second: an agent with another key
+    /// retries every 100 ms, and junk must not hide a key mismatch).
+    warned_at: &'a mut [Option<Instant>; 2],
 }
 
 /// Unix time in ms (0 before the epoch: such a clock fails every check).
@@ -324,20 +328,23 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `own`'s signed hello frame for a connection to `peer`, when `auth` has
-/// a key (`Ok(None)` without one).
+/// `own`'s signed hello frame for a connection to `peer` at `endpoint`
+/// (as `peer` advertises it), when `auth` has a key (`Ok(None)` without).
 fn signed_hello(
     auth: &ControlAuth,
     rng: &ring::rand::SystemRandom,
     own: &str,
     peer: &str,
+    endpoint: &str,
 ) -> Result<Option<Vec<u8>>, ring::error::Unspecified> {
     if auth.mode() == AuthMode::Off {
         return Ok(None);
     }
     let mut nonce = [0u8; 16];
     ring::rand::SecureRandom::fill(rng, &mut nonce)?;
-    Ok(auth.hello(own, peer, unix_ms(), nonce).map(|p| frame(&p)))
+    Ok(auth
+        .hello(own, peer, endpoint, unix_ms(), nonce)
+        .map(|p| frame(&p)))
 }
 
 impl TcpControlChannel {
@@ -410,7 +417,7 @@ impl TcpControlChannel {
             verifier: HelloVerifier::default(),
             rng: ring::rand::SystemRandom::new(),
             auth_failures: 0,
-            hello_warned_at: None,
+            hello_warned_at: [None; 2],
             accept_paused_until: None,
         })
     }
@@ -456,6 +463,12 @@ impl TcpControlChannel {
         self.auth.mode()
     }
 
+    /// Unsigned hellos accepted so far in mode `optional` (see
+    /// [`HelloVerifier::unsigned_accepted`]).
+    pub fn unsigned_hellos(&self) -> u64 {
+        self.verifier.unsigned_accepted()
+    }
+
     /// Accepted connections closed so far for holding the most bytes of
     /// unfinished frames when all connections together held more than
     /// [`MAX_PARTIAL_BYTES`].
@@ -484,7 +497,7 @@ impl TcpControlChannel {
                 }
                 // With a key, each connection's hello is signed afresh
                 // (its own time and nonce, bound to this peer).
-                let signed = match signed_hello(auth, rng, own, peer) {
+                let signed = match signed_hello(auth, rng, own, peer, &r.endpoint) {
                     Ok(h) => h,
                     Err(e) => {
                         tracing::warn!(peer, error = %e, "no randomness for a signed control hello; retrying");
@@ -667,6 +680,7 @@ impl TcpControlChannel {
             let mut check = HelloCheck {
                 verifier: &mut self.verifier,
                 own: &self.own_name,
+                endpoint: &self.endpoint,
                 failures: &mut self.auth_failures,
                 warned_at: &mut self.hello_warned_at,
             };
@@ -794,21 +808,25 @@ impl TcpControlChannel {
             match &c.peer {
                 Some(p) => inbox.push_back((p.clone(), payload.to_vec())),
                 None => {
-                    let now_ms = unix_ms();
-                    match check
-                        .verifier
-                        .check(payload, check.own, now_ms, HELLO_MAGIC)
-                    {
+                    let now = Instant::now();
+                    match check.verifier.check(
+                        payload,
+                        check.own,
+                        check.endpoint,
+                        unix_ms(),
+                        now,
+                        HELLO_MAGIC,
+                    ) {
                         Ok(n) => c.peer = Some(n.to_string()),
                         Err(why) => {
                             if why.by_key {
                                 *check.failures += 1;
                             }
-                            let now = Instant::now();
-                            if check.warned_at.is_none_or(|t| {
+                            let slot = &mut check.warned_at[usize::from(why.by_key)];
+                            if slot.is_none_or(|t| {
                                 now.saturating_duration_since(t) >= Duration::from_secs(1)
                             }) {
-                                *check.warned_at = Some(now);
+                                *slot = Some(now);
                                 tracing::warn!(reason = %why, refused = *check.failures, "control connection without a valid hello; closed (logged at most once a second)");
                             } else {
                                 tracing::debug!(reason = %why, "control connection without a valid hello; closed");
@@ -930,7 +948,7 @@ impl ControlChannel for TcpControlChannel {
             return Ok(());
         }
         tracing::debug!(peer, %endpoint, "TCP control route added");
-        let signed = signed_hello(&self.auth, &self.rng, &self.own_name, peer);
+        let signed = signed_hello(&self.auth, &self.rng, &self.own_name, peer, &endpoint);
         let (stream, hello, connect_started) = match signed.map(|h| (h, connect_nonblocking(addr)))
         {
             Ok((h, Ok(s))) => (
@@ -967,6 +985,10 @@ impl ControlChannel for TcpControlChannel {
     /// does not take now — e.g. cancels queued just before — is dropped).
     fn refused_hellos(&self) -> u64 {
         self.auth_failures
+    }
+
+    fn unsigned_hellos(&self) -> u64 {
+        self.verifier.unsigned_accepted()
     }
 
     fn remove_peer(&mut self, peer: &str) {
@@ -1144,7 +1166,7 @@ mod tests {
         TcpControlChannel::bind_with_auth(
             name,
             BindAddr::Loopback,
-            ControlAuth::new(mode, Some(key)).unwrap(),
+            ControlAuth::new(mode, &[key]).unwrap(),
         )
         .unwrap()
     }
@@ -1189,8 +1211,9 @@ mod tests {
         assert!(b.auth_failures() >= 2, "{}", b.auth_failures());
 
         // A signed hello captured on its way to b and replayed: refused.
-        let auth = ControlAuth::new(AuthMode::Required, Some(KEY)).unwrap();
-        let hello = auth.hello("c", "b", unix_ms(), [42; 16]).unwrap();
+        let auth = ControlAuth::new(AuthMode::Required, &[KEY]).unwrap();
+        let b_ep = b.endpoint().to_string();
+        let hello = auth.hello("c", "b", &b_ep, unix_ms(), [42; 16]).unwrap();
         assert_eq!(
             raw_hello_then_message(&mut b, &hello),
             Some(("c".into(), b"msg".to_vec()))
@@ -1199,8 +1222,14 @@ mod tests {
         assert_eq!(raw_hello_then_message(&mut b, &hello), None, "replay");
         assert_eq!(b.auth_failures(), before + 1);
         // Signed for another agent: refused at b.
-        let for_d = auth.hello("c", "d", unix_ms(), [43; 16]).unwrap();
+        let for_d = auth.hello("c", "d", &b_ep, unix_ms(), [43; 16]).unwrap();
         assert_eq!(raw_hello_then_message(&mut b, &for_d), None);
+        // Signed for b at another endpoint (a stale or poisoned discovery
+        // entry relayed to b): refused.
+        let elsewhere = auth
+            .hello("c", "b", "tcp://127.0.0.1:9", unix_ms(), [44; 16])
+            .unwrap();
+        assert_eq!(raw_hello_then_message(&mut b, &elsewhere), None);
     }
 
     #[test]
@@ -1232,6 +1261,13 @@ mod tests {
                 Some(("b".into(), b"down".to_vec())),
                 "{new:?} → {old:?}"
             );
+            // An optional agent counts the unsigned hellos it took (the
+            // off agent's): required would refuse them.
+            let unsigned = |c: &TcpControlChannel| c.unsigned_hellos();
+            match (old, new) {
+                (AuthMode::Off, _) => assert_eq!(unsigned(&b), 1),
+                _ => assert_eq!((unsigned(&a), unsigned(&b)), (0, 0)),
+            }
         }
         // Skipping a step leaves a gap: an off agent cannot reach a
         // required one.
