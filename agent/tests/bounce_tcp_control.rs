@@ -155,3 +155,73 @@ fn a_control_key_needs_the_tcp_control_channel() {
     let why = format!("{:?}", a.bounce_unavailable());
     assert!(why.contains("TCP control channel"), "{why}");
 }
+
+#[test]
+fn an_agent_that_requires_signed_hellos_and_one_that_does_not_sign_use_the_standard_path() {
+    let cfg = config_with(
+        "8MiB",
+        "1MiB",
+        4,
+        &[("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", "tcp")],
+    );
+    let key: &[u8] = b"the-fabric-control-key-0123456789abcdef";
+    let mut src = Pool::new(256 * BLOCK);
+    let dst = Pool::new(256 * BLOCK);
+    let Some(plain) = agent("noauth", &cfg, &[&src]) else {
+        return;
+    };
+    let Some(strict) = agent_with_auth(
+        "strict",
+        &cfg,
+        &[&dst],
+        ControlAuth::new(AuthMode::Required, &[key]).unwrap(),
+    ) else {
+        return;
+    };
+    let Some(signing) = agent_with_auth(
+        "signing",
+        &cfg,
+        &[&dst],
+        ControlAuth::new(AuthMode::Optional, &[key]).unwrap(),
+    ) else {
+        return;
+    };
+    // The handshakes say who signs and who requires: off ↔ required is
+    // incompatible both ways (its control connections would be refused),
+    // so hand-offs take the standard path at once instead of timing out.
+    connect(&plain, &strict);
+    assert!(!plain.has_peer_handshake(strict.name()));
+    assert!(!strict.has_peer_handshake(plain.name()));
+    let why = format!(
+        "{:?}",
+        plain
+            .peers()
+            .into_iter()
+            .find(|(n, _)| n == strict.name())
+            .unwrap()
+            .1
+            .bounce
+    );
+    assert!(why.contains("ControlAuth"), "{why}");
+    let descs = block_descs(&src, 0, &dst, &permutation(256, 5), BLOCK);
+    fill(&mut src, &descs, 5);
+    let (path, h) = plain.submit_write(strict.name(), descs.clone());
+    assert_eq!(path, PathKind::Standard);
+    assert_eq!(
+        h.wait(Duration::from_secs(20)),
+        Some(TransferOutcome::Success)
+    );
+    verify(&dst, &descs, 5).unwrap();
+    // off ↔ optional (the rollout step): bounce.
+    connect(&plain, &signing);
+    assert!(plain.has_peer_handshake(signing.name()));
+    let descs = block_descs(&src, 0, &dst, &permutation(256, 6), BLOCK);
+    fill(&mut src, &descs, 6);
+    let (path, h) = plain.submit_write(signing.name(), descs.clone());
+    assert_eq!(path, PathKind::Bounce);
+    assert_eq!(
+        h.wait(Duration::from_secs(20)),
+        Some(TransferOutcome::Success)
+    );
+    verify(&dst, &descs, 6).unwrap();
+}

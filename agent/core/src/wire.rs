@@ -120,6 +120,16 @@ pub const CAP_UNIFORM_DATA: u32 = 1;
 /// ([`DataBlocks`]). kvfabric's own (issue 18 step 3).
 pub const CAP_BLOCK_DATA: u32 = 2;
 
+/// Handshake capability bit: the agent signs its TCP control hellos with
+/// the fabric's control key (`controlAuth` optional or required; stop 42).
+/// Not a data feature: it tells a peer that requires signed hellos that
+/// this one's connections would be refused otherwise.
+pub const CAP_CONTROL_SIGNED: u32 = 4;
+
+/// Handshake capability bit: the agent accepts only signed control hellos
+/// (`controlAuth: required`): a peer that does not sign cannot reach it.
+pub const CAP_CONTROL_REQUIRED: u32 = 8;
+
 /// Entry size of a DATA_BLOCKS block destination, bytes.
 pub const DATA_BLOCKS_ENTRY_LEN: usize = 8;
 

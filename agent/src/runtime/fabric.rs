@@ -110,6 +110,26 @@ pub enum Incompatibility {
         /// Theirs.
         peer: u64,
     },
+    /// One side requires signed control hellos and the other does not sign
+    /// (`controlAuth` required vs off): their control connections would be
+    /// refused (handshake bits [`wire::CAP_CONTROL_SIGNED`],
+    /// [`wire::CAP_CONTROL_REQUIRED`]).
+    ControlAuth {
+        /// We require signed hellos (else: the peer does, and we do not
+        /// sign).
+        local_requires: bool,
+    },
+}
+
+/// The handshake bits of a control-key mode: `optional` signs, `required`
+/// signs and requires.
+fn control_auth_bits(mode: crate::runtime::control::auth::AuthMode) -> u32 {
+    use crate::runtime::control::auth::AuthMode;
+    match mode {
+        AuthMode::Off => 0,
+        AuthMode::Optional => wire::CAP_CONTROL_SIGNED,
+        AuthMode::Required => wire::CAP_CONTROL_SIGNED | wire::CAP_CONTROL_REQUIRED,
+    }
 }
 
 /// What we know of a loaded peer.
@@ -692,7 +712,8 @@ impl FabricAgent {
                 CAP_UNIFORM_DATA
             } else {
                 0
-            } | if cfg.block_data() { CAP_BLOCK_DATA } else { 0 },
+            } | if cfg.block_data() { CAP_BLOCK_DATA } else { 0 }
+                | control_auth_bits(self.control_auth.mode()),
         };
         Ok((transport, arena, hs))
     }
@@ -1200,6 +1221,17 @@ impl FabricAgent {
                 hs.capabilities & local.capabilities,
             )
             .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
+        let (signs, requires) = (wire::CAP_CONTROL_SIGNED, wire::CAP_CONTROL_REQUIRED);
+        if local.capabilities & requires != 0 && hs.capabilities & signs == 0 {
+            return Err(Incompatibility::ControlAuth {
+                local_requires: true,
+            });
+        }
+        if hs.capabilities & requires != 0 && local.capabilities & signs == 0 {
+            return Err(Incompatibility::ControlAuth {
+                local_requires: false,
+            });
+        }
         if hs.max_chunk_size_bytes != local.max_chunk_size_bytes {
             return Err(Incompatibility::MaxChunk {
                 local: local.max_chunk_size_bytes,
