@@ -75,17 +75,7 @@ fn landed_writes_are_reposted_and_forgotten_with_their_peer() {
     };
     let mut src = vec![0u8; LEN];
     let dst = vec![0u8; LEN];
-    a.register_region(
-        MemKind::Dram,
-        MemDesc::host(src.as_ptr() as u64, LEN as u64),
-    )
-    .unwrap();
-    b.register_region(
-        MemKind::Dram,
-        MemDesc::host(dst.as_ptr() as u64, LEN as u64),
-    )
-    .unwrap();
-    let peer = a.load_peer(&b.local_metadata().unwrap()).unwrap();
+    let peer = pair_up(&a, &b, &src, &dst);
     assert_eq!(peer, b.agent_name());
     b.load_peer(&a.local_metadata().unwrap()).unwrap();
     let landed = |dst: &[u8], src: &[u8], off: usize, len: usize| {
@@ -206,17 +196,7 @@ fn repost_switch_off_creates_every_write() {
     };
     let src = vec![7u8; LEN];
     let dst = vec![0u8; LEN];
-    a.register_region(
-        MemKind::Dram,
-        MemDesc::host(src.as_ptr() as u64, LEN as u64),
-    )
-    .unwrap();
-    b.register_region(
-        MemKind::Dram,
-        MemDesc::host(dst.as_ptr() as u64, LEN as u64),
-    )
-    .unwrap();
-    let peer = a.load_peer(&b.local_metadata().unwrap()).unwrap();
+    let peer = pair_up(&a, &b, &src, &dst);
     for _ in 0..3 {
         write(&a, &b, &peer, &src, &dst, 0, 4096);
     }
@@ -229,6 +209,22 @@ fn repost_switch_off_creates_every_write() {
         }
     );
     assert!(read(&dst, 0, 4096).iter().all(|&x| x == 7));
+}
+
+/// Registers `src` with `a` and `dst` with `b` and loads `b` into `a`;
+/// returns `b`'s name as `a` knows it.
+fn pair_up(a: &NixlTransferEngine, b: &NixlTransferEngine, src: &[u8], dst: &[u8]) -> String {
+    a.register_region(
+        MemKind::Dram,
+        MemDesc::host(src.as_ptr() as u64, LEN as u64),
+    )
+    .unwrap();
+    b.register_region(
+        MemKind::Dram,
+        MemDesc::host(dst.as_ptr() as u64, LEN as u64),
+    )
+    .unwrap();
+    a.load_peer(&b.local_metadata().unwrap()).unwrap()
 }
 
 /// Serializes engine creation against the test that sets
