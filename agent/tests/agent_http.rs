@@ -228,6 +228,9 @@ const NAMES: &[&str] = &[
     "kvfabric_requests_in_flight",
     "kvfabric_flows",
     "kvfabric_shutting_down",
+    "kvfabric_control_hellos_refused_total",
+    "kvfabric_control_hellos_unsigned_total",
+    "kvfabric_reverse_routes_replaced_total",
 ];
 
 // ---------------------------------------------------------------------------

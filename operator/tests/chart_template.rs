@@ -594,6 +594,23 @@ fn chart_switches() {
         !zmq.status.success() && err.contains("needs agent.config.bounce.controlTransport: tcp"),
         "{err}"
     );
+    let notif = helm(
+        &path,
+        &[
+            "template",
+            "t",
+            c.to_str().unwrap(),
+            "-f",
+            &values("ci/control-auth-values.yaml"),
+            "--set",
+            "agent.config.bounce.useNixlNotifications=true",
+        ],
+    );
+    let err = String::from_utf8_lossy(&notif.stderr);
+    assert!(
+        !notif.status.success() && err.contains("without useNixlNotifications"),
+        "{err}"
+    );
 
     // Host network + RDMA.
     let rdma = template(&path, &["-f", &values("ci/hostnetwork-rdma-values.yaml")]);

@@ -1208,6 +1208,19 @@ impl FabricAgent {
                 peer: hs.control_kind,
             });
         }
+        // No route where the control key forbids one: the peer's (or our)
+        // connections would be refused — NOTICEs could not flow either.
+        let (signs, requires) = (wire::CAP_CONTROL_SIGNED, wire::CAP_CONTROL_REQUIRED);
+        if local.capabilities & requires != 0 && hs.capabilities & signs == 0 {
+            return Err(Incompatibility::ControlAuth {
+                local_requires: true,
+            });
+        }
+        if hs.capabilities & requires != 0 && local.capabilities & signs == 0 {
+            return Err(Incompatibility::ControlAuth {
+                local_requires: false,
+            });
+        }
         // The route first: NOTICEs (arrival notices of standard-path
         // hand-offs) flow between agents of any config generation.
         transport
@@ -1221,17 +1234,6 @@ impl FabricAgent {
                 hs.capabilities & local.capabilities,
             )
             .map_err(|e| Incompatibility::Endpoint(e.to_string()))?;
-        let (signs, requires) = (wire::CAP_CONTROL_SIGNED, wire::CAP_CONTROL_REQUIRED);
-        if local.capabilities & requires != 0 && hs.capabilities & signs == 0 {
-            return Err(Incompatibility::ControlAuth {
-                local_requires: true,
-            });
-        }
-        if hs.capabilities & requires != 0 && local.capabilities & signs == 0 {
-            return Err(Incompatibility::ControlAuth {
-                local_requires: false,
-            });
-        }
         if hs.max_chunk_size_bytes != local.max_chunk_size_bytes {
             return Err(Incompatibility::MaxChunk {
                 local: local.max_chunk_size_bytes,

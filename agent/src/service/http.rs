@@ -289,8 +289,8 @@ pub fn describe_incompatibility(why: &Incompatibility) -> String {
         Incompatibility::Draining => {
             "a config rollout step is draining this agent or the peer".into()
         }
-        Incompatibility::ControlAuth { local_requires: true } => "this agent requires signed control hellos (controlAuth required) and the peer does not sign (controlAuth off): give it the control key".into(),
-        Incompatibility::ControlAuth { local_requires: false } => "the peer requires signed control hellos (controlAuth required) and this agent does not sign (controlAuth off): give it the control key".into(),
+        Incompatibility::ControlAuth { local_requires: true } => "this agent requires signed control hellos (controlAuth required) and the peer does not sign (controlAuth off): standard path for data, no control route (its arrival notices cannot reach engines here): give it the control key".into(),
+        Incompatibility::ControlAuth { local_requires: false } => "the peer requires signed control hellos (controlAuth required) and this agent does not sign (controlAuth off): standard path for data, no control route (arrival notices to its engines cannot be sent): give this agent the control key".into(),
         Incompatibility::ConfigGeneration { local, peer } => format!(
             "config generation differs (local {local}, peer {peer}): a rollout is advancing; standard path until both run the same generation"
         ),

@@ -507,14 +507,17 @@ mod tests {
         let almost = t + 2 * MAX_CLOCK_SKEW - Duration::from_millis(1);
         let e = at_b(&mut b, &edge, NOW + 2 * skew - 1, almost).unwrap_err();
         assert!(e.why.contains("replays"), "{e}");
-        // The wall clock moved back: the nonce is still remembered (its
-        // expiry runs on the monotonic clock).
-        assert!(at_b(&mut b, &edge, NOW + skew, t + Duration::from_secs(61))
-            .unwrap_err()
-            .why
-            .contains("replays"));
         assert_eq!(b.remembered(), 1);
-        // Two windows later it is forgotten (its stamp is stale by then).
+        // The wall clock jumps ten windows ahead one second later (a hello
+        // stamped then is taken) and comes back: the first nonce is still
+        // remembered — its expiry runs on the monotonic clock, which a
+        // wall-clock expiry would have passed.
+        let jumped = a.hello("a", "b", EP_B, NOW + 10 * skew, [12; 16]).unwrap();
+        assert!(at_b(&mut b, &jumped, NOW + 10 * skew, t + Duration::from_secs(1)).is_ok());
+        let e = at_b(&mut b, &edge, NOW, t + Duration::from_secs(2)).unwrap_err();
+        assert!(e.why.contains("replays"), "{e}");
+        assert_eq!(b.remembered(), 2);
+        // Two windows later both are forgotten (their stamps are stale).
         let fresh = a.hello("a", "b", EP_B, NOW + 3 * skew, [4; 16]).unwrap();
         let later = t + 3 * MAX_CLOCK_SKEW;
         assert_eq!(at_b(&mut b, &fresh, NOW + 3 * skew, later), Ok("a".into()));

@@ -981,8 +981,6 @@ impl ControlChannel for TcpControlChannel {
         Ok(())
     }
 
-    /// Drops the route after one last non-blocking flush (what the socket
-    /// does not take now — e.g. cancels queued just before — is dropped).
     fn refused_hellos(&self) -> u64 {
         self.auth_failures
     }
@@ -991,6 +989,8 @@ impl ControlChannel for TcpControlChannel {
         self.verifier.unsigned_accepted()
     }
 
+    /// Drops the route after one last non-blocking flush (what the socket
+    /// does not take now — e.g. cancels queued just before — is dropped).
     fn remove_peer(&mut self, peer: &str) {
         if self.routes.contains_key(peer) {
             self.flush();
