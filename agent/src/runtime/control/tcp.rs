@@ -328,22 +328,25 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `own`'s signed hello frame for a connection to `peer` at `endpoint`
-/// (as `peer` advertises it), when `auth` has a key (`Ok(None)` without).
+/// `own`'s signed hello frame for a connection to `peer` at `addr`, when
+/// `auth` has a key (`Ok(None)` without). The endpoint signed is `addr` in
+/// the form a channel advertises its own (`tcp_endpoint` of the
+/// listener's address), whatever text the route's endpoint was written in.
 fn signed_hello(
     auth: &ControlAuth,
     rng: &ring::rand::SystemRandom,
     own: &str,
     peer: &str,
-    endpoint: &str,
+    addr: SocketAddr,
 ) -> Result<Option<Vec<u8>>, ring::error::Unspecified> {
     if auth.mode() == AuthMode::Off {
         return Ok(None);
     }
     let mut nonce = [0u8; 16];
     ring::rand::SecureRandom::fill(rng, &mut nonce)?;
+    let endpoint = tcp_endpoint(addr.ip(), &addr.port().to_string());
     Ok(auth
-        .hello(own, peer, endpoint, unix_ms(), nonce)
+        .hello(own, peer, &endpoint, unix_ms(), nonce)
         .map(|p| frame(&p)))
 }
 
@@ -497,7 +500,7 @@ impl TcpControlChannel {
                 }
                 // With a key, each connection's hello is signed afresh
                 // (its own time and nonce, bound to this peer).
-                let signed = match signed_hello(auth, rng, own, peer, &r.endpoint) {
+                let signed = match signed_hello(auth, rng, own, peer, r.addr) {
                     Ok(h) => h,
                     Err(e) => {
                         tracing::warn!(peer, error = %e, "no randomness for a signed control hello; retrying");
@@ -948,7 +951,7 @@ impl ControlChannel for TcpControlChannel {
             return Ok(());
         }
         tracing::debug!(peer, %endpoint, "TCP control route added");
-        let signed = signed_hello(&self.auth, &self.rng, &self.own_name, peer, &endpoint);
+        let signed = signed_hello(&self.auth, &self.rng, &self.own_name, peer, addr);
         let (stream, hello, connect_started) = match signed.map(|h| (h, connect_nonblocking(addr)))
         {
             Ok((h, Ok(s))) => (
