@@ -815,6 +815,10 @@ fn read_listen_addr(stdout: std::process::ChildStdout) -> std::sync::mpsc::Recei
 #[test]
 fn agent_binary_becomes_ready_and_exits_zero_on_sigterm() {
     let logical = format!("bin-agent-{}", std::process::id());
+    // With the TCP control channel and a control key (required by default
+    // with a key file): the daemon reads it at start-up.
+    let key = std::env::temp_dir().join(format!("kvfabric-bin-key-{}", std::process::id()));
+    std::fs::write(&key, "k".repeat(48) + "\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfabric"))
         .args([
             "agent",
@@ -828,7 +832,10 @@ fn agent_binary_becomes_ready_and_exits_zero_on_sigterm() {
             &logical,
             "--log-format",
             "json",
+            "--control-key-file",
+            key.to_str().unwrap(),
         ])
+        .env("KVFABRIC_BOUNCE_CONTROL_TRANSPORT", "tcp")
         .env("KVFABRIC_BOUNCE_ENABLE", "1")
         .env("KVFABRIC_BOUNCE_ARENA_SIZE_BYTES", "8MiB")
         .env(
@@ -882,6 +889,9 @@ fn agent_binary_becomes_ready_and_exits_zero_on_sigterm() {
     assert_eq!(inc.len(), 32, "{name}");
     assert_eq!(c["incarnation"], inc);
     assert_eq!(c["bounce_effective"]["active"], true);
+    assert_eq!(c["bounce_effective"]["control_kind"], "Tcp");
+    assert_eq!(c["bounce_effective"]["control_auth"], "required");
+    let _ = std::fs::remove_file(&key);
     let m = get(addr, "/metrics").1;
     assert_eq!(
         metric(&m, "kvfabric_lease_state", &[("agent", name)]),

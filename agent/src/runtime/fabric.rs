@@ -723,6 +723,12 @@ impl FabricAgent {
         &self.name
     }
 
+    /// The control-key mode its TCP control channel runs with
+    /// (`controlAuth`; [`crate::runtime::control::auth`]).
+    pub fn control_auth_mode(&self) -> crate::runtime::control::auth::AuthMode {
+        self.control_auth.mode()
+    }
+
     /// The engine (for tests and the agent service).
     pub fn engine(&self) -> &Arc<dyn TransferEngine> {
         &self.engine

@@ -563,6 +563,7 @@ async fn config(State(s): St) -> Response {
             "max_chunk_size_bytes": hs.map(|h| h.max_chunk_size_bytes),
             "arena_usable_capacity_bytes": hs.map(|h| h.arena_usable_capacity_bytes),
             "control_kind": hs.map(|h| format!("{:?}", h.control_kind)),
+            "control_auth": a.control_auth_mode(),
             "wire_version": hs.map(|h| h.wire_version),
             "config_generation": hs.map(|h| h.config_generation),
             "config_fingerprint": crate::service::rollout::running_fingerprint(a),
