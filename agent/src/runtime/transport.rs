@@ -2606,11 +2606,7 @@ impl Io {
             }
             Command::ForgetPeer { peer, reply } => {
                 self.reverse_routes.forgotten(&peer);
-                self.heard_at.remove(&peer);
-                self.heard
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&peer);
+                self.forget_heard(&peer);
                 self.feed(Input::PeerForgotten { peer: peer.clone() });
                 self.drop_transport_report(&peer);
                 let _ = reply.send(());
@@ -2773,6 +2769,15 @@ impl Io {
             .insert(peer.to_string(), ms);
     }
 
+    /// Drops `peer`'s last-heard time (its route is gone).
+    fn forget_heard(&mut self, peer: &str) {
+        self.heard_at.remove(peer);
+        self.heard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(peer);
+    }
+
     /// Adds a reverse route to `peer` at `endpoint` (its WANT's; seed §5)
     /// when [`ReverseRoutes`] admits it. At the cap the route it replaces
     /// is removed only once the new one was added (its peer had no live
@@ -2801,11 +2806,7 @@ impl Io {
             tracing::info!(agent = %self.name, %peer, replaced = %old, max = MAX_REVERSE_ROUTES,
                 "reverse routes at their cap: the least recently used without a flow made room");
             self.channel.remove_peer(&old);
-            self.heard_at.remove(&old);
-            self.heard
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&old);
+            self.forget_heard(&old);
             self.stats
                 .reverse_routes_replaced
                 .store(self.reverse_routes.replaced(), Ordering::Relaxed);
